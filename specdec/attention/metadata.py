@@ -1,0 +1,82 @@
+"""Per-step attention metadata, named as flashinfer names it.
+
+A batch of B requests; request b has `qo_len[b]` new query rows (a prefill chunk, a decode row,
+or a decode row plus draft-tree nodes) and `kv_len[b]` KV slots (old + new) spread over pages.
+
+Example, page_size 4, two requests:
+    request 0: prefill of 5 tokens, pages [7, 2]     -> kv_len 5
+    request 1: 1 decode row over 3 cached tokens, pages [4] -> kv_len 4
+    qo_indptr        = [0, 5, 6]
+    kv_indptr        = [0, 2, 3]
+    kv_indices       = [7, 2, 4]
+    kv_last_page_len = [1, 4]
+    slot_mapping     = [28, 29, 30, 31, 8, 19]   (page * page_size + offset of each new row)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # [B+1] int32: query rows of request b are qo_indptr[b]:qo_indptr[b+1]
+    kv_indptr: torch.Tensor  # [B+1] int32: pages of request b are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
+    kv_indices: torch.Tensor  # [sum pages] int32: page ids
+    kv_last_page_len: torch.Tensor  # [B] int32: valid slots in each request's last page (1..page_size)
+    slot_mapping: torch.Tensor  # [T] int64: slot (page * page_size + offset) where row t's K/V goes
+    page_size: int
+    # Per request: None for causal attention, else [qo_len, kv_len] bool, True = may attend.
+    custom_masks: list[torch.Tensor | None]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.custom_masks)
+
+    def qo_lens(self) -> list[int]:
+        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).tolist()
+
+    def kv_lens(self) -> list[int]:
+        num_pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
+        return ((num_pages - 1) * self.page_size + self.kv_last_page_len.long()).tolist()
+
+
+def build_metadata(
+    block_tables: list[list[int]],
+    kv_lens: list[int],
+    qo_lens: list[int],
+    page_size: int,
+    custom_masks: list[torch.Tensor | None] | None = None,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for requests whose new rows occupy the last `qo_len` of their `kv_len` slots.
+
+    block_tables[b] must hold at least ceil(kv_lens[b] / page_size) pages.
+    """
+    pages, kv_indptr, slots = [], [0], []
+    last_page_len = []
+    for table, kv_len, qo_len in zip(block_tables, kv_lens, qo_lens):
+        assert 0 < qo_len <= kv_len, (qo_len, kv_len)
+        n_pages = -(-kv_len // page_size)
+        assert len(table) >= n_pages, (len(table), kv_len)
+        pages.extend(table[:n_pages])
+        kv_indptr.append(len(pages))
+        last_page_len.append(kv_len - (n_pages - 1) * page_size)
+        slots.extend(
+            table[i // page_size] * page_size + i % page_size for i in range(kv_len - qo_len, kv_len)
+        )
+    qo_indptr = [0]
+    for n in qo_lens:
+        qo_indptr.append(qo_indptr[-1] + n)
+    i32 = dict(dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        qo_indptr=torch.tensor(qo_indptr, **i32),
+        kv_indptr=torch.tensor(kv_indptr, **i32),
+        kv_indices=torch.tensor(pages, **i32),
+        kv_last_page_len=torch.tensor(last_page_len, **i32),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        page_size=page_size,
+        custom_masks=list(custom_masks) if custom_masks is not None else [None] * len(qo_lens),
+    )

@@ -1,0 +1,28 @@
+"""Built-in drafters, verifiers and controllers, registered through the public hooks."""
+
+from __future__ import annotations
+
+from specdec.hookspecs import hookimpl
+
+
+@hookimpl
+def specdec_drafters() -> dict:
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.ngram import NgramDrafter
+
+    return {"ngram": NgramDrafter, "draft_model": DraftModelDrafter}
+
+
+@hookimpl
+def specdec_verifiers() -> dict:
+    from specdec.verifiers.greedy import GreedyVerifier
+    from specdec.verifiers.rejection import RejectionVerifier
+
+    return {"greedy": GreedyVerifier, "rejection": RejectionVerifier}
+
+
+@hookimpl
+def specdec_controllers() -> dict:
+    from specdec.controllers.static import StaticController
+
+    return {"static": StaticController}

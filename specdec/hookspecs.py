@@ -1,0 +1,39 @@
+"""Hook specifications of the `specdec` pluggy project.
+
+Registration hooks return `{name: factory}`; built-ins are registered through these same hooks
+(`specdec.builtins`). Per-step observation is `specdec_step_end`; no hook runs per token.
+
+Example plugin module, exposed as an entry point in group `specdec`:
+
+    from specdec.hookspecs import hookimpl
+
+    @hookimpl
+    def specdec_drafters():
+        return {"my_drafter": MyDrafter}   # MyDrafter(target: TargetInfo, **drafter_args)
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT = "specdec"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+class SpecdecHookSpec:
+    @hookspec
+    def specdec_drafters(self) -> dict:
+        """Drafter factories: name -> callable(target: TargetInfo, **drafter_args) -> Drafter."""
+
+    @hookspec
+    def specdec_verifiers(self) -> dict:
+        """Verifier factories: name -> callable() -> Verifier."""
+
+    @hookspec
+    def specdec_controllers(self) -> dict:
+        """Controller factories: name -> callable(**controller_args) -> Controller."""
+
+    @hookspec
+    def specdec_step_end(self, stats) -> None:
+        """Observe one engine step (a `specdec.metrics.StepStats`), after it is committed."""

@@ -1,0 +1,160 @@
+"""The user API: `LLM(...).generate(prompts, SamplingParams)` and `LLM(...).stream(...)`.
+
+A prompt is a string, a chat (list of {"role", "content"} dicts, formatted with the tokenizer's
+chat template), or a list of token ids; `prompts` is one prompt or a list of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from specdec.config import EngineConfig
+from specdec.engine import LLMEngine
+from specdec.metrics import request_metrics
+from specdec.models.aliases import DEFAULT_MODEL
+from specdec.outputs import RequestOutput
+from specdec.sampling_params import SamplingParams
+from specdec.sequence import Sequence
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
+                 drafter: str | None = None, drafter_args: dict[str, Any] | None = None,
+                 controller: str = "static", controller_args: dict[str, Any] | None = None,
+                 plugins: tuple = (), **engine_args: Any) -> None:
+        config = EngineConfig(model=model, dtype=dtype, device=device, drafter=drafter,
+                              drafter_args=dict(drafter_args or {}), controller=controller,
+                              controller_args=dict(controller_args or {}), **engine_args)
+        self.engine = LLMEngine(config, plugins)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        ids = self._add_all(prompts, sampling_params)
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step().finished))
+        finally:
+            bar.close()
+            self._abort_unfinished(ids)
+        return [self._output(self.engine.pop_finished(i)) for i in ids]
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield a delta (new tokens and text) each time a request emits, then a final one."""
+        ids = self._add_all(prompts, sampling_params)
+        sent_text = {i: "" for i in ids}
+        sent_tokens = {i: 0 for i in ids}
+        try:
+            while self.engine.has_unfinished():
+                for seq, _ in self._changed(self.engine.step()):
+                    yield self._delta(seq, sent_text, sent_tokens)
+        finally:
+            self._abort_unfinished(ids)
+            for i in ids:
+                if i in self.engine.requests and self.engine.requests[i].is_finished:
+                    self.engine.pop_finished(i)
+
+    @staticmethod
+    def _changed(result):
+        seen = {id(s): (s, n) for s, n in result.emitted}
+        for s in result.finished:
+            seen.setdefault(id(s), (s, 0))
+        return list(seen.values())
+
+    def _delta(self, seq: Sequence, sent_text: dict, sent_tokens: dict) -> RequestOutput:
+        rid = seq.request_id
+        text = self._text(seq)
+        new_tokens = seq.output_token_ids[sent_tokens[rid]:]
+        delta = text[len(sent_text[rid]):] if text.startswith(sent_text[rid]) else text
+        sent_text[rid], sent_tokens[rid] = text, seq.num_output_tokens
+        out = self._output(seq, text)
+        out.token_ids, out.text = new_tokens, delta
+        return out
+
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        token_lists = self._tokenize_all(prompts)
+        params = _params_list(sampling_params, len(token_lists))
+        for i, ids in enumerate(token_lists):  # validate everything before queueing anything
+            try:
+                self.engine._check_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        return [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
+
+    def _abort_unfinished(self, ids: list[str]) -> None:
+        for i in ids:
+            self.engine.abort(i)
+
+    def _tokenize_all(self, prompts) -> list[list[int]]:
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a prompt or a non-empty list of prompts")
+        return [self._tokenize(p, i) for i, p in enumerate(prompts)]
+
+    def _tokenize(self, prompt, index: int) -> list[int]:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError(f"prompt {index}: this model has no tokenizer; pass token ids")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty")
+            return tok(prompt).input_ids
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            return _chat_ids(tok, prompt, index)
+        raise TypeError(f"prompt {index}: expected str, list of chat messages or list of token "
+                        f"ids, got {type(prompt).__name__}")
+
+    def _text(self, seq: Sequence) -> str:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return ""
+        text = tok.decode(seq.output_token_ids, skip_special_tokens=True)
+        return text if seq.stop_text_len is None else text[: seq.stop_text_len]
+
+    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.output_token_ids, text=self._text(seq) if text is None else text,
+            finished=seq.is_finished, finish_reason=seq.finish_reason, error=seq.error,
+            metrics=request_metrics(seq),
+        )
+
+
+def _is_single_prompt(prompts) -> bool:
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and all(
+        isinstance(x, (int, dict)) for x in prompts)
+
+
+def _chat_ids(tok, messages: list[dict], index: int) -> list[int]:
+    if not messages or not all("role" in m and "content" in m for m in messages):
+        raise ValueError(f"prompt {index}: chat messages need 'role' and 'content'")
+    if getattr(tok, "chat_template", None) is None:
+        raise ValueError(f"prompt {index}: the tokenizer has no chat template")
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, list) and len(sampling_params) == n and all(
+            isinstance(p, SamplingParams) for p in sampling_params):
+        return list(sampling_params)
+    raise ValueError(f"sampling_params must be SamplingParams or a list of {n} of them")

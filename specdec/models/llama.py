@@ -1,0 +1,115 @@
+"""Our Llama-family decoder (llama, qwen2, qwen3, mistral) over the paged KV cache.
+
+Projections are fused at load time (q|k|v into one matrix, gate|up into another) so that a layer
+is a handful of large ops: on CPU the per-op overhead, not the FLOPs, is what a 135M model pays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.attention.backend import AttentionBackend
+from specdec.kv.cache import KVCache
+from specdec.models.config import ModelConfig
+from specdec.models.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [T, hidden_size] final-normed hidden states
+    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden_size] (its output)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        qkv_out = cfg.q_size + 2 * cfg.kv_size
+        self.qkv_weight = nn.Parameter(torch.empty(qkv_out, cfg.hidden_size), requires_grad=False)
+        self.qkv_bias = (
+            nn.Parameter(torch.empty(qkv_out), requires_grad=False) if cfg.attention_bias else None
+        )
+        self.o_weight = nn.Parameter(torch.empty(cfg.hidden_size, cfg.q_size), requires_grad=False)
+        self.gate_up_weight = nn.Parameter(
+            torch.empty(2 * cfg.intermediate_size, cfg.hidden_size), requires_grad=False
+        )
+        self.down_weight = nn.Parameter(
+            torch.empty(cfg.hidden_size, cfg.intermediate_size), requires_grad=False
+        )
+        self.input_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        if cfg.qk_norm:
+            self.q_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
+            self.k_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
+
+    def forward(self, x, cos, sin, backend: AttentionBackend, kv_layer) -> torch.Tensor:
+        cfg = self.cfg
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
+        qkv = F.linear(h, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        attn = backend.run(q, k, v, kv_layer, cfg.head_dim**-0.5)
+        x = x + F.linear(attn.reshape(-1, cfg.q_size), self.o_weight)
+        h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
+        gate, up = F.linear(h, self.gate_up_weight).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class LlamaDecoder(nn.Module):
+    """Token ids + positions + planned attention + paged KV -> hidden states; logits on request."""
+
+    def __init__(self, cfg: ModelConfig, hf_config, max_positions: int, dtype, device) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.final_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
+        )
+        self.rope = RotaryEmbedding(hf_config, cfg.head_dim, max_positions, dtype, device)
+        self.to(dtype=dtype, device=device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        backend: AttentionBackend,  # already planned for this step
+        kv_cache: KVCache,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope.lookup(positions)
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, backend, kv_cache.layer(i))
+            if i in capture_layers:
+                captured[i] = x
+        return ForwardOutput(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), captured)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [R, hidden_size] (only the rows that need logits) -> [R, vocab] float32+."""
+        weight = self.embed if self.lm_head is None else self.lm_head
+        logits = F.linear(hidden, weight)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, in float32 at least (as HF does for half precision)."""
+    if x.dtype in (torch.float32, torch.float64):
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight

@@ -1,0 +1,126 @@
+"""Find a model (alias, HF folder, GGUF file, hub id), check it, and load our decoder from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from specdec.models.aliases import ALIASES, alias_folder, gguf_folder
+from specdec.models.config import ModelConfig, model_config_from_hf
+from specdec.models.llama import LlamaDecoder
+
+
+def resolve_model_path(model: str) -> Path:
+    """An HF folder (config.json + *.safetensors + tokenizer) for `model`.
+
+    `model` is an alias (see `specdec.models.aliases.ALIASES`), a local HF folder, a local .gguf
+    file, or a hub id (only when online).
+    """
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a non-empty string, got {model!r}")
+    if model in ALIASES:
+        return alias_folder(model)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_folder(path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {path} has no config.json")
+        return path
+    return _hub_snapshot(model)
+
+
+def _hub_snapshot(model: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        return Path(snapshot_download(model, allow_patterns=patterns))
+    except Exception as e:
+        raise ValueError(
+            f"unknown model {model!r}: not an alias ({', '.join(ALIASES)}), not a local folder "
+            f"with config.json or a .gguf file, and not fetchable as a hub id ({e})"
+        ) from e
+
+
+def load_hf_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as e:
+        raise ValueError(f"could not read {folder / 'config.json'}: {e}") from e
+
+
+def load_model(folder: Path, dtype: torch.dtype, device, max_positions: int):
+    """(LlamaDecoder with weights, ModelConfig, HF config) from an HF folder."""
+    hf_config = load_hf_config(folder)
+    cfg = model_config_from_hf(hf_config)
+    model = LlamaDecoder(cfg, hf_config, max_positions, dtype, device)
+    load_weights(model, read_safetensors(folder))
+    return model, cfg, hf_config
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in the folder; ValueError names a bad file."""
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights file in {folder}")
+    tensors = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as sf:
+                for name in sf.keys():
+                    tensors[name] = sf.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"corrupt or truncated weights file {f}: {e}") from e
+    return tensors
+
+
+def load_weights(model: LlamaDecoder, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named tensors into our fused parameters (shapes checked, names reported)."""
+    cfg = model.cfg
+    get = _getter(tensors, cfg)
+    with torch.no_grad():
+        _put(model.embed, get("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        _put(model.final_norm, get("model.norm.weight"), "model.norm.weight")
+        if model.lm_head is not None:
+            _put(model.lm_head, get("lm_head.weight"), "lm_head.weight")
+        for i, layer in enumerate(model.layers):
+            _load_layer(layer, f"model.layers.{i}.", get, cfg)
+
+
+def _load_layer(layer, prefix: str, get, cfg: ModelConfig) -> None:
+    a, m = prefix + "self_attn.", prefix + "mlp."
+    qkv = [get(a + f"{p}_proj.weight") for p in "qkv"]
+    _put(layer.qkv_weight, torch.cat(qkv), a + "{q,k,v}_proj.weight")
+    if cfg.attention_bias:
+        _put(layer.qkv_bias, torch.cat([get(a + f"{p}_proj.bias") for p in "qkv"]), a + "bias")
+    _put(layer.o_weight, get(a + "o_proj.weight"), a + "o_proj.weight")
+    gate_up = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+    _put(layer.gate_up_weight, gate_up, m + "{gate,up}_proj.weight")
+    _put(layer.down_weight, get(m + "down_proj.weight"), m + "down_proj.weight")
+    _put(layer.input_norm, get(prefix + "input_layernorm.weight"), prefix + "input_layernorm")
+    _put(layer.post_attn_norm, get(prefix + "post_attention_layernorm.weight"), prefix + "post_attention_layernorm")
+    if cfg.qk_norm:
+        _put(layer.q_norm, get(a + "q_norm.weight"), a + "q_norm.weight")
+        _put(layer.k_norm, get(a + "k_norm.weight"), a + "k_norm.weight")
+
+
+def _getter(tensors: dict[str, torch.Tensor], cfg: ModelConfig):
+    def get(name: str) -> torch.Tensor:
+        if name in tensors:
+            return tensors[name]
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            return tensors["model.embed_tokens.weight"]
+        raise ValueError(f"weights are missing tensor {name!r}")
+
+    return get
+
+
+def _put(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:
+    if param.shape != value.shape:
+        raise ValueError(f"tensor {name}: shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+    param.copy_(value.to(param.dtype))

@@ -1,0 +1,41 @@
+"""What the API returns: finished requests and streamed deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    """Latencies in seconds. ITLs are the gaps between successive emissions (a speculative step
+    can emit several tokens at once; they share one emission)."""
+
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+    itls: list[float] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_target_forwards: int = 0  # forwards that ended at the frontier (decode/verify steps)
+    draft_tokens_proposed: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    @property
+    def tau(self) -> float | None:
+        """Mean tokens emitted per target forward (1.0 without speculation)."""
+        if not self.num_target_forwards:
+            return None
+        return self.num_output_tokens / self.num_target_forwards
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens (all of them, or the new ones in a stream delta)
+    text: str
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)

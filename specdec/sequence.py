@@ -1,0 +1,83 @@
+"""One request's state as the engine runs it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specdec.kv.block_table import BlockTable
+from specdec.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestTimes:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    emissions: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens emitted then)
+    finished: float | None = None
+
+
+@dataclass(eq=False)  # identity, not field equality: sequences are looked up in queues
+class Sequence:
+    """Tokens, KV pages and stop state of one request.
+
+    `token_ids` = prompt + generated. KV is in the cache for the first `num_computed` tokens;
+    at the decode frontier that is every token but the last (the last is the next step's input).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: BlockTable = field(default_factory=BlockTable)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    stop_text_len: int | None = None  # text is cut here when a stop string matched
+    drafter_state: Any = None  # owned by the drafter; lives and dies with the request
+    times: RequestTimes = field(default_factory=RequestTimes)
+    num_preemptions: int = 0
+    num_steps_decoding: int = 0  # target forwards that ended at this request's frontier
+    draft_tokens_proposed: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)  # [d] times depth d was accepted
+    last_accepted: int = 0  # draft nodes accepted in the latest verification
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def tokens_to_frontier(self) -> int:
+        """How many tokens must go through the model before this request can emit one."""
+        return self.num_tokens - self.num_computed

@@ -1,0 +1,240 @@
+"""The one draft-tree format, and everything derived from it.
+
+A draft tree hangs below the last committed token (the "root", index -1). Nodes are stored in
+topological order, ``parents[i] < i``, so a chain is ``parents = [-1, 0, 1, ...]``. Example::
+
+    root ─┬─ 0 (tok 11) ── 2 (tok 13) ── 4 (tok 15)
+          └─ 1 (tok 12) ── 3 (tok 14)
+
+    tokens        = [11, 12, 13, 14, 15]
+    parents       = [-1, -1,  0,  1,  2]
+    depths        = [ 0,  0,  1,  1,  2]        positions(offset=7) = [7, 7, 8, 8, 9]
+    children(-1)  = [0, 1]                      paths()             = [[0, 2, 4], [1, 3]]
+
+Depths, positions, masks and paths are computed here and nowhere else. Derived values are cached
+on first use, so treat a tree as immutable once built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass(eq=False)
+class DraftTree:
+    """Draft tokens for one request, verified by one target forward.
+
+    Construction does not check anything (it is on the hot path); call :meth:`validate` on trees
+    that come from a drafter. ``draft_probs`` is what the drafter sampled each node from (given
+    its parent and any earlier siblings); None means deterministic drafts (e.g. top-k), which the
+    sampling verifier accepts with the q = 1 rule.
+    """
+
+    tokens: torch.Tensor  # [n] int64
+    parents: torch.Tensor  # [n] int64; -1 = child of the last committed token; parents[i] < i
+    draft_probs: torch.Tensor | None = None  # [n, V] float; row i = distribution node i was drawn from
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        """A tree with no nodes: verification then emits exactly one token."""
+        return cls(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+
+    @classmethod
+    def chain(cls, tokens, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """A linear draft: ``chain([5, 9])`` has tokens [5, 9] and parents [-1, 0]."""
+        toks = torch.as_tensor(tokens, dtype=torch.int64)
+        parents = torch.arange(-1, toks.numel() - 1, dtype=torch.int64, device=toks.device)
+        return cls(toks, parents, draft_probs)
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
+        """Merge token sequences into a trie; see :func:`from_paths`."""
+        return from_paths(paths, max_nodes)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    def validate(self, max_nodes: int | None = None, vocab_size: int | None = None) -> None:
+        """Raise ValueError if the tree is malformed, over ``max_nodes``, or outside the vocab."""
+        _check_index_tensor("tokens", self.tokens)
+        _check_index_tensor("parents", self.parents)
+        n = self.num_nodes
+        if self.parents.numel() != n:
+            raise ValueError(
+                f"DraftTree.parents has {self.parents.numel()} entries but tokens has {n}; "
+                "each node needs exactly one parent")
+        if max_nodes is not None and n > max_nodes:
+            raise ValueError(f"DraftTree has {n} nodes, more than the budget max_nodes={max_nodes}")
+        _check_parents(self.parents.tolist())
+        _check_tokens(self.tokens.tolist(), vocab_size)
+        _check_draft_probs(self.draft_probs, n, vocab_size)
+
+    # ---- derived structure (cached) ----------------------------------------------------------
+
+    @cached_property
+    def _parent_list(self) -> list[int]:
+        return [int(p) for p in self.parents.tolist()]
+
+    @cached_property
+    def _child_lists(self) -> list[list[int]]:
+        # slot 0 holds the root's children, slot 1 + i node i's
+        lists: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
+        for i, p in enumerate(self._parent_list):
+            assert -1 <= p < i, f"parents[{i}] = {p} is not topological; call validate()"
+            lists[p + 1].append(i)
+        return lists
+
+    @cached_property
+    def _depth_list(self) -> list[int]:
+        depths: list[int] = []
+        for i, p in enumerate(self._parent_list):
+            assert -1 <= p < i, f"parents[{i}] = {p} is not topological; call validate()"
+            depths.append(0 if p < 0 else depths[p] + 1)
+        return depths
+
+    @cached_property
+    def depths(self) -> torch.Tensor:
+        """[n] int64: 0 for children of the last committed token, parent depth + 1 otherwise."""
+        return torch.tensor(self._depth_list, dtype=torch.int64, device=self.parents.device)
+
+    @cached_property
+    def max_depth(self) -> int:
+        """Largest node depth; -1 for an empty tree. The longest path has max_depth + 1 nodes."""
+        return max(self._depth_list, default=-1)
+
+    def positions(self, offset: int) -> torch.Tensor:
+        """[n] int64 sequence positions: ``offset + depths``, offset = committed sequence length."""
+        return self.depths + offset
+
+    @cached_property
+    def ancestor_mask(self) -> torch.Tensor:
+        """[n, n] bool: ``mask[i, j]`` iff j is i or an ancestor of i.
+
+        For parents [-1, -1, 0]::
+
+            1 0 0
+            0 1 0
+            1 0 1
+        """
+        n = self.num_nodes
+        mask = torch.zeros(n, n, dtype=torch.bool)
+        for i, p in enumerate(self._parent_list):
+            assert -1 <= p < i, f"parents[{i}] = {p} is not topological; call validate()"
+            if p >= 0:
+                mask[i] = mask[p]
+            mask[i, i] = True
+        return mask.to(self.parents.device)
+
+    def children(self, i: int) -> list[int]:
+        """Child node indices of node i (i = -1: the root) in index order."""
+        if not -1 <= i < self.num_nodes:
+            raise ValueError(f"node index must be in [-1, {self.num_nodes - 1}], got {i}")
+        return list(self._child_lists[i + 1])
+
+    def paths(self) -> list[list[int]]:
+        """Root-to-leaf node-index lists, one per leaf, in depth-first (index) order."""
+        out: list[list[int]] = []
+        stack: list[list[int]] = [[c] for c in reversed(self._child_lists[0])]
+        while stack:
+            path = stack.pop()
+            kids = self._child_lists[path[-1] + 1]
+            if not kids:
+                out.append(path)
+            stack.extend(path + [c] for c in reversed(kids))
+        return out
+
+
+def verify_mask(tree: DraftTree, prefix_len: int) -> torch.Tensor:
+    """[1 + n, prefix_len + n] bool attention mask for one request's verification rows.
+
+    Row 0 is the last committed token (kv column prefix_len - 1): it sees the prefix. Row 1 + i
+    is node i: it sees the whole prefix and the tree columns ``prefix_len + j`` for j in
+    ancestors-or-self of i. Example, prefix_len = 3, parents = [-1, -1, 0]::
+
+                     kv: 0 1 2 | 3 4 5
+        row 0 (last)     1 1 1 | 0 0 0
+        row 1 (node 0)   1 1 1 | 1 0 0
+        row 2 (node 1)   1 1 1 | 0 1 0
+        row 3 (node 2)   1 1 1 | 1 0 1
+    """
+    if prefix_len < 1:
+        raise ValueError(
+            f"prefix_len must be >= 1 (it includes the last committed token), got {prefix_len}")
+    n = tree.num_nodes
+    mask = torch.zeros(1 + n, prefix_len + n, dtype=torch.bool, device=tree.parents.device)
+    mask[:, :prefix_len] = True
+    mask[1:, prefix_len:] = tree.ancestor_mask
+    return mask
+
+
+def from_paths(paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
+    """Merge token sequences into a trie: shared prefixes become shared nodes.
+
+    Sequences are inserted in the given order (earlier = higher priority), so the result is
+    topological; once ``max_nodes`` nodes exist, further new nodes are dropped. Example::
+
+        from_paths([[5, 6], [5, 7], [8]])  ->  tokens [5, 6, 7, 8], parents [-1, 0, 0, -1]
+    """
+    if max_nodes is not None and max_nodes < 0:
+        raise ValueError(f"max_nodes must be >= 0 or None, got {max_nodes}")
+    index: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    for seq in paths:
+        cur = -1
+        for tok in seq:
+            key = (cur, int(tok))
+            if key not in index:
+                if max_nodes is not None and len(tokens) >= max_nodes:
+                    break
+                index[key] = len(tokens)
+                tokens.append(int(tok))
+                parents.append(cur)
+            cur = index[key]
+    tree = DraftTree(torch.tensor(tokens, dtype=torch.int64),
+                     torch.tensor(parents, dtype=torch.int64))
+    _check_tokens(tokens, None)
+    return tree
+
+
+def _check_index_tensor(name: str, t: object) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"DraftTree.{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int64 or t.dim() != 1:
+        raise ValueError(
+            f"DraftTree.{name} must be a 1-D int64 tensor [n], got {t.dtype} of shape "
+            f"{tuple(t.shape)}")
+
+
+def _check_parents(parents: list[int]) -> None:
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(
+                f"DraftTree.parents[{i}] = {p}: a parent must be -1 (the last committed token) "
+                f"or an earlier node, i.e. in [-1, {i - 1}]; a parent at or after its child "
+                "is a forward reference or a cycle")
+
+
+def _check_tokens(tokens: list[int], vocab_size: int | None) -> None:
+    for i, t in enumerate(tokens):
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            allowed = ">= 0" if vocab_size is None else f"[0, {vocab_size - 1}]"
+            raise ValueError(f"DraftTree.tokens[{i}] = {t} is outside the vocab; allowed {allowed}")
+
+
+def _check_draft_probs(q: object, n: int, vocab_size: int | None) -> None:
+    if q is None:
+        return
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+        raise ValueError(f"DraftTree.draft_probs must be a float tensor [n, V] or None, got {q!r}")
+    if q.dim() != 2 or q.shape[0] != n:
+        raise ValueError(
+            f"DraftTree.draft_probs must have shape [n={n}, V], got {tuple(q.shape)}")
+    if vocab_size is not None and q.shape[1] != vocab_size:
+        raise ValueError(
+            f"DraftTree.draft_probs has {q.shape[1]} columns but the vocab size is {vocab_size}")

@@ -1,0 +1,60 @@
+"""Shared fixtures: tiny random HF models of each architecture, and the real SmolLM2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_COMMON = dict(
+    vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    rms_norm_eps=1e-6, eos_token_id=95, bos_token_id=0, pad_token_id=None,
+)
+
+
+def make_tiny_model(folder: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a random tiny HF model (config.json + model.safetensors, no tokenizer) to folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kwargs = {**TINY_COMMON, **overrides}
+    if model_type == "qwen3":
+        kwargs.setdefault("head_dim", 16)
+    if model_type == "mistral":
+        kwargs.setdefault("sliding_window", None)
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # random norms and biases too, so a mix-up of them shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """{model_type: folder} for llama, qwen2, qwen3, mistral tiny random models."""
+    root = tmp_path_factory.mktemp("tiny")
+    out = {}
+    for mt in ("llama", "qwen2", "qwen3", "mistral"):
+        overrides = {"tie_word_embeddings": mt == "qwen2"}
+        out[mt] = make_tiny_model(root / mt, mt, **overrides)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct folder (fetched into the cache on first use)."""
+    from specdec.models.aliases import alias_folder
+
+    return alias_folder("smollm2-135m-instruct")
