@@ -53,7 +53,9 @@ class DraftStage:
             raise plugins.PluginError(
                 f"controller {self.controller.name!r} returned {len(wanted)} budgets "
                 f"for {len(frontier)} requests")
-        return [max(0, min(int(b), self.max_model_len - s.num_tokens, s.params.max_tokens))
+        # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
+        return [max(0, min(int(b), self.max_model_len - s.num_tokens,
+                           s.params.max_tokens - s.num_output_tokens - 1))
                 for b, s in zip(wanted, frontier)]
 
     def propose(self, scheduled: list[ScheduledRequest]):

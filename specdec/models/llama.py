@@ -90,11 +90,12 @@ class LlamaDecoder(nn.Module):
         backend: AttentionBackend,  # already planned for this step
         kv_cache: KVCache,
         capture_layers: tuple[int, ...] = (),
+        num_layers: int | None = None,  # run only the first N layers (early-exit drafting)
     ) -> ForwardOutput:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.lookup(positions)
         captured = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, cos, sin, backend, kv_cache.layer(i))
             if i in capture_layers:
                 captured[i] = x

@@ -1,0 +1,286 @@
+"""The `specdec` command: `specdec generate PROMPT ...` and `specdec bench ...`.
+
+    specdec generate "Write a haiku about tea" --drafter ngram --budget 8
+    specdec bench --dataset mt_bench.jsonl --num-prompts 16 --max-new-tokens 128 \\
+        --baseline hf --drafter ngram --json out.json
+
+User errors (bad flags, unknown drafter, unreadable dataset) exit 2 with a message naming the
+argument; errors the engine reports as ValueError exit 1 with its message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from specdec.models.aliases import DEFAULT_MODEL
+from specdec.models.config import DTYPES
+
+PROG = "specdec"
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"k\": 1}}', got {text!r}")
+    return value
+
+
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"file not found: {text}")
+    return text
+
+
+def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias, HF folder, .gguf file or hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default=dtype, choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default=None, help="registered drafter name (default: none)")
+    p.add_argument("--drafter-args", type=_json_object, default={}, metavar="JSON")
+    p.add_argument("--controller", default="static", help="registered controller name")
+    p.add_argument("--budget", type=_int_at_least(0), default=None,
+                   help="draft budget per request per step (sets controller_args budget)")
+    p.add_argument("--controller-args", type=_json_object, default={}, metavar="JSON")
+
+
+def _generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream one completion to stdout")
+    p.add_argument("prompt")
+    _add_model_args(p)
+    _add_spec_args(p)
+    p.add_argument("--max-tokens", type=_int_at_least(1), default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.set_defaults(func=cmd_generate)
+
+
+def _bench_parser(sub) -> None:
+    from specdec.bench import BASELINES
+
+    p = sub.add_parser("bench", help="engine vs a baseline on a prompt dataset (greedy)")
+    p.add_argument("--dataset", type=_existing_file, required=True,
+                   help="MT-Bench/Spec-Bench or HumanEval jsonl (.gz ok)")
+    p.add_argument("--num-prompts", type=_int_at_least(1), default=None, help="default: all")
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
+    p.add_argument("--batch-size", type=_int_at_least(1), default=1,
+                   help="prompts per engine generate call (HF baselines stay at batch 1)")
+    p.add_argument("--baseline", choices=BASELINES, default="hf")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="write the report here")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="also run later turns, feeding back the engine's own answers")
+    p.add_argument("--repeats", type=_int_at_least(1), default=3)
+    p.add_argument("--warmup", type=_int_at_least(0), default=2)
+    _add_model_args(p)
+    _add_spec_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="speculative decoding engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _bench_parser(sub)
+    return parser
+
+
+def _check_registered(parser, args) -> None:
+    """Unknown drafter/controller names fail here, before any model is loaded."""
+    from specdec import plugins
+
+    pm = plugins.get_plugin_manager()
+    for flag, hook, name in (("--drafter", "specdec_drafters", args.drafter),
+                             ("--controller", "specdec_controllers", args.controller)):
+        if name is None:
+            continue
+        try:
+            names = plugins.collect(pm, hook)
+        except plugins.PluginError as e:
+            parser.error(f"argument {flag}: cannot list registered names: {e}")
+        if name not in names:
+            parser.error(f"argument {flag}: unknown name {name!r}; registered: "
+                         f"{', '.join(sorted(names)) or '(none)'}")
+
+
+def _merge_budget(parser, args) -> None:
+    merged = dict(args.controller_args)
+    if args.budget is not None:
+        if merged.get("budget", args.budget) != args.budget:
+            parser.error(f"argument --budget: {args.budget} conflicts with --controller-args "
+                         f"budget={merged['budget']}")
+        merged["budget"] = args.budget
+    args.controller_args = merged
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and validate; exits (SystemExit 2) with a message naming the bad argument."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _merge_budget(parser, args)
+    _check_registered(parser, args)
+    return args
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage and the message
+        return e.code if isinstance(e.code, int) else 2
+    from specdec.plugins import PluginError
+
+    try:
+        return args.func(args)
+    except (ValueError, PluginError) as e:
+        print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+
+def _engine_kwargs(args) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
+                drafter_args=args.drafter_args, controller=args.controller,
+                controller_args=args.controller_args)
+
+
+def cmd_generate(args) -> int:
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    llm = LLM(**_engine_kwargs(args))
+    prompt = args.prompt if args.no_chat else [{"role": "user", "content": args.prompt}]
+    if not args.no_chat and getattr(llm.tokenizer, "chat_template", None) is None:
+        raise ValueError("the model's tokenizer has no chat template; pass --no-chat")
+    t0, last = time.perf_counter(), None
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        last = delta
+    seconds = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    if last is not None and last.finish_reason == "error":
+        print(f"{PROG} generate: error: {last.error}", file=sys.stderr)
+        return 1
+    print(generate_stats(last.metrics, seconds, args.drafter is not None), file=sys.stderr)
+    return 0
+
+
+def generate_stats(m, seconds: float, speculative: bool) -> str:
+    ttft = f"{m.ttft * 1000:.1f} ms" if m.ttft is not None else "n/a"
+    parts = [f"{m.num_output_tokens} tokens", f"{m.num_output_tokens / seconds:.2f} tokens/s",
+             f"TTFT {ttft}"]
+    if speculative:
+        accepted = sum(m.accepted_by_depth)
+        rate = accepted / m.draft_tokens_proposed if m.draft_tokens_proposed else 0.0
+        tau = f"{m.tau:.2f}" if m.tau is not None else "n/a"
+        parts += [f"tau {tau}", f"acceptance {rate:.1%} ({accepted}/{m.draft_tokens_proposed})"]
+    return "[" + ", ".join(parts) + "]"
+
+
+# ---- bench ------------------------------------------------------------------------------------
+
+
+def cmd_bench(args) -> int:
+    from specdec.bench import run_bench
+
+    report = run_bench(args)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def _fmt(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _summary_rows(r: dict) -> list[tuple[str, str]]:
+    base, plain = r["baseline"] or {}, r["plain"] or {}
+    rows = [("engine tokens/s", _fmt(r["engine"]["tokens_per_s"])),
+            (f"baseline ({base.get('name', 'none')}) tokens/s", _fmt(base.get("tokens_per_s"))),
+            ("plain engine tokens/s", _fmt(plain.get("tokens_per_s"))),
+            ("speedup vs baseline", _fmt(r["speedup_vs_baseline"], ".3f")),
+            ("speedup vs plain", _fmt(r["speedup_vs_plain"], ".3f")),
+            ("greedy match rate", _fmt(r["greedy_match_rate"], ".1%")),
+            ("token match rate", _fmt(r["token_match_rate"], ".1%")),
+            ("tau (tokens / target forward)", _fmt(r["tau"], ".3f")),
+            ("acceptance rate", _fmt(r["acceptance_rate"], ".1%")),
+            ("acceptance by depth", " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"),
+            ("draft share of step time", _fmt(r["draft_ms_share"], ".1%"))]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        p = r[key]
+        rows.append((f"{key[:-3].upper()} ms p50/p90/p99",
+                     "/".join(_fmt(p[q], ".1f") for q in ("p50", "p90", "p99"))))
+    rows.append(("prompts / requests / new tokens",
+                 f"{r['num_prompts']} / {r['num_requests']} / {r['total_new_tokens']}"))
+    return rows
+
+
+def _category_rows(r: dict) -> list[tuple[str, ...]]:
+    return [(cat, _fmt(c["engine_tokens_per_s"]), _fmt(c["baseline_tokens_per_s"]),
+             _fmt(c["speedup"], ".3f"), _fmt(c["tau"], ".3f"))
+            for cat, c in r["per_category"].items()]
+
+
+def print_report(report: dict) -> None:
+    tables = [("specdec bench", ("metric", "value"), _summary_rows(report)),
+              ("per category", ("category", "engine tok/s", "baseline tok/s", "speedup", "tau"),
+               _category_rows(report))]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        for title, header, rows in tables:
+            _print_plain(title, header, rows)
+        return
+    console = Console()
+    for title, header, rows in tables:
+        table = Table(title=title)
+        for h in header:
+            table.add_column(h)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def _print_plain(title: str, header: tuple, rows: list[tuple]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    print(title)
+    for row in (header, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
+    print()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

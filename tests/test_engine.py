@@ -1,0 +1,164 @@
+"""Engine vs HF transformers generate; scheduling paths (chunking, preemption, abort); bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 13, [3, 1, 4, 1, 5, 9, 2, 6]]
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64)
+
+
+def hf_greedy(hf, prompt, n):
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def pages_all_free(llm: LLM) -> bool:
+    pool = llm.engine.kv.pool
+    return pool.num_free == pool.num_pages
+
+
+def test_batch_greedy_matches_hf(tiny_llama, hf_tiny):
+    llm = LLM(model=str(tiny_llama), dtype="float64")
+    outs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(hf_tiny, prompt, 24)
+        assert out.finish_reason == "length" and out.finished
+    assert pages_all_free(llm)
+
+
+def test_chunked_prefill_and_preemption_are_exact(tiny_llama, hf_tiny):
+    # 40-token prompt in 8-token chunks; 12 pages of 4 slots cannot hold 5 requests at once
+    llm = LLM(model=str(tiny_llama), dtype="float64", page_size=4, num_pages=18,
+              max_num_batched_tokens=8, max_model_len=72)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.token_ids == hf_greedy(hf_tiny, prompt, 24)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0, "the test must force preemption"
+    assert pages_all_free(llm)
+
+
+def test_stop_token_and_max_model_len(tiny_llama, hf_tiny):
+    llm = LLM(model=str(tiny_llama), dtype="float64", max_model_len=20)
+    ref = hf_greedy(hf_tiny, PROMPTS[0], 10)
+    stop_at = ref[3]
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10,
+                                                  stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == ref[: ref.index(stop_at) + 1] and out.finish_reason == "stop"
+    out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert len(PROMPTS[0]) + len(out.token_ids) == 20 and out.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    p = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
+    a = llm.generate([PROMPTS[0], PROMPTS[1]], p)
+    b = llm.generate([PROMPTS[1], PROMPTS[0]], p)  # other order, other batch neighbours
+    assert a[0].token_ids == b[1].token_ids and a[1].token_ids == b[0].token_ids
+    seeds = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, ignore_eos=True) for s in range(6)]
+    outs = llm.generate([PROMPTS[0]] * 6, seeds)
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_abort_frees_pages_and_others_continue(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    eng = llm.engine
+    ids = [eng.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    eng.step()
+    eng.step()
+    eng.abort(ids[1])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        eng.add_request([], GREEDY)  # a bad request does not disturb the running ones
+    while eng.has_unfinished():
+        eng.step()
+    done = [eng.pop_finished(i) for i in ids]
+    assert [s.finish_reason for s in done] == ["length", "abort", "length"]
+    assert len(done[0].output_token_ids) == 24
+    assert pages_all_free(llm)
+
+
+def test_stream_deltas_add_up(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    full = llm.generate(PROMPTS[:2], GREEDY)
+    got = {o.request_id: [] for o in full}
+    got = {}
+    last = {}
+    for delta in llm.stream(PROMPTS[:2], GREEDY):
+        got.setdefault(delta.request_id, []).extend(delta.token_ids)
+        last[delta.request_id] = delta
+    assert sorted(map(tuple, got.values())) == sorted(tuple(o.token_ids) for o in full)
+    assert all(d.finished and d.finish_reason == "length" for d in last.values())
+    assert pages_all_free(llm)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(min_p=2.0), "min_p"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=32)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[1, 2], []], GREEDY)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(1, 40))], GREEDY)
+    with pytest.raises(ValueError, match=r"\[0, 96\)"):
+        llm.generate([[1, 2, 500]], GREEDY)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("hello", GREEDY)
+    assert pages_all_free(llm) and not llm.engine.has_unfinished()
+
+
+def test_bad_engine_config(tiny_llama):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(model=str(tiny_llama), dtype="int8")
+    with pytest.raises(ValueError, match="num_pages"):
+        LLM(model=str(tiny_llama), num_pages=1, page_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match="unknown drafter 'nope'"):
+        LLM(model=str(tiny_llama), drafter="nope")
+    with pytest.raises(ValueError, match="page_size"):
+        LLM(model=str(tiny_llama), page_size=0)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_hf_generate(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    llm = LLM(model=str(smollm2_dir), max_num_batched_tokens=64, page_size=16, num_pages=40)
+    tok = llm.tokenizer
+    chats = ["What is the capital of France?", "Write a haiku about autumn.",
+             "Explain photosynthesis in detail, step by step, for a student. " * 6,
+             "Name three prime numbers."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True)
+               for c in chats]
+    prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=40)
+    batch = llm.generate([list(p) for p in prompts], params)
+    single = [llm.generate([list(p)], params)[0] for p in prompts[:2]]
+    for p, out in zip(prompts, batch):
+        ids = torch.tensor([list(p)])
+        ref = hf.generate(ids, max_new_tokens=40, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert out.token_ids == ref
+    assert [o.token_ids for o in single] == [o.token_ids for o in batch[:2]]
+    assert len(prompts[2]) > 64, "one prompt must be chunked"
+    assert sum(o.metrics.num_preemptions for o in batch) > 0, "40 pages must force preemption"
+    assert pages_all_free(llm)
