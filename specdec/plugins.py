@@ -31,7 +31,7 @@ def get_plugin_manager(extra_plugins: tuple = ()) -> pluggy.PluginManager:
         except Exception as e:
             raise PluginError(f"loading a '{PROJECT}' entry-point plugin failed: {e!r}") from e
     for plugin in extra_plugins:
-        pm.register(plugin)
+        pm.register(plugin, name=getattr(plugin, "__name__", type(plugin).__name__))
     pm.check_pending()
     return pm
 

@@ -1,0 +1,1 @@
+"""Example specdec drafter plugin (see README.md next to this package)."""
