@@ -20,6 +20,7 @@ tokens/s of a system = its generated tokens / the wall time of its generate call
 
 from __future__ import annotations
 
+import copy
 import statistics
 import sys
 import time
@@ -77,16 +78,20 @@ class HFSystem:
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype))
         self.model.to(device).eval()
         self.device = device
-        self.kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens,
+        # the engine's stop set (config.json's eos), not generation_config.json's, so that both
+        # systems stop on exactly the same tokens
+        self.config = copy.deepcopy(self.model.generation_config)
+        self.config.update(do_sample=False, max_new_tokens=max_new_tokens,
                            eos_token_id=list(eos_ids) or None,
                            pad_token_id=eos_ids[0] if eos_ids else 0)
         if pld:
-            self.kwargs["prompt_lookup_num_tokens"] = PLD_NUM_TOKENS
+            self.config.prompt_lookup_num_tokens = PLD_NUM_TOKENS
 
     def _one(self, ids: list[int]) -> list[int]:
         x = torch.tensor([ids], device=self.device)
         with torch.inference_mode():
-            y = self.model.generate(x, attention_mask=torch.ones_like(x), **self.kwargs)
+            y = self.model.generate(x, attention_mask=torch.ones_like(x),
+                                    generation_config=self.config)
         return y[0, len(ids):].tolist()
 
     def run(self, prompts: list[list[int]]) -> tuple[float, list[Out], list[float]]:
@@ -174,15 +179,14 @@ def _run_phase(systems: dict, tallies: dict, items: list[Item], args, bar) -> No
 
 def run_bench(args) -> dict:
     """Run the benchmark described by parsed CLI args; return the report (see `build_report`)."""
+    questions = load_questions(Path(args.dataset), args.num_prompts)  # fail before loading
     systems = make_systems(args)
-    engine = systems["engine"].llm
-    tok = engine.tokenizer
-    questions = load_questions(Path(args.dataset), args.num_prompts)
+    tok = systems["engine"].llm.tokenizer
     items = first_turn_items(questions, tok)
     num_turns = max(len(q.turns) for q in questions) if args.multi_turn else 1
     total = args.repeats * sum(1 for q in questions for _ in q.turns[:num_turns])
     _warmup(systems, items, args)
-    start = {k: _totals(s) for k, s in systems.items() if isinstance(s, EngineSystem)}
+    start = _totals(systems["engine"])  # draft share over the timed runs only
     tallies = {name: Tally(args.repeats) for name in systems}
     with tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr) as bar:
         for turn in range(num_turns):
@@ -191,7 +195,7 @@ def run_bench(args) -> dict:
                            for k, o in tallies["engine"].outputs[0].items()}
                 items = next_turn_items(questions, tok, answers, turn)
             _run_phase(systems, tallies, items, args, bar)
-    draft = _share(start["engine"], _totals(systems["engine"]))
+    draft = _share(start, _totals(systems["engine"]))
     return build_report(args, tallies, questions, draft)
 
 

@@ -144,6 +144,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     _merge_budget(parser, args)
+    if args.drafter_args and args.drafter is None:
+        parser.error("argument --drafter-args: given without --drafter")
+    if str(args.device).startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error(f"argument --device: {args.device!r} but CUDA is not available here")
     _check_registered(parser, args)
     return args
 
@@ -188,8 +195,8 @@ def cmd_generate(args) -> int:
         last = delta
     seconds = time.perf_counter() - t0
     sys.stdout.write("\n")
-    if last is not None and last.finish_reason == "error":
-        print(f"{PROG} generate: error: {last.error}", file=sys.stderr)
+    if last is None or last.finish_reason == "error":
+        print(f"{PROG} generate: error: {last.error if last else 'no output'}", file=sys.stderr)
         return 1
     print(generate_stats(last.metrics, seconds, args.drafter is not None), file=sys.stderr)
     return 0

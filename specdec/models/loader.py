@@ -94,16 +94,21 @@ def load_weights(model: LlamaDecoder, tensors: dict[str, torch.Tensor]) -> None:
 
 def _load_layer(layer, prefix: str, get, cfg: ModelConfig) -> None:
     a, m = prefix + "self_attn.", prefix + "mlp."
-    qkv = [get(a + f"{p}_proj.weight") for p in "qkv"]
+    # Parts of fused parameters are checked one by one, so a bad shape names its own tensor.
+    rows = {"q": cfg.q_size, "k": cfg.kv_size, "v": cfg.kv_size}
+    qkv = [_checked(get, a + f"{p}_proj.weight", (n, cfg.hidden_size)) for p, n in rows.items()]
     _put(layer.qkv_weight, torch.cat(qkv), a + "{q,k,v}_proj.weight")
     if cfg.attention_bias:
-        _put(layer.qkv_bias, torch.cat([get(a + f"{p}_proj.bias") for p in "qkv"]), a + "bias")
+        bias = [_checked(get, a + f"{p}_proj.bias", (n,)) for p, n in rows.items()]
+        _put(layer.qkv_bias, torch.cat(bias), a + "{q,k,v}_proj.bias")
     _put(layer.o_weight, get(a + "o_proj.weight"), a + "o_proj.weight")
-    gate_up = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
-    _put(layer.gate_up_weight, gate_up, m + "{gate,up}_proj.weight")
+    mlp_shape = (cfg.intermediate_size, cfg.hidden_size)
+    gate_up = [_checked(get, m + f"{p}_proj.weight", mlp_shape) for p in ("gate", "up")]
+    _put(layer.gate_up_weight, torch.cat(gate_up), m + "{gate,up}_proj.weight")
     _put(layer.down_weight, get(m + "down_proj.weight"), m + "down_proj.weight")
-    _put(layer.input_norm, get(prefix + "input_layernorm.weight"), prefix + "input_layernorm")
-    _put(layer.post_attn_norm, get(prefix + "post_attention_layernorm.weight"), prefix + "post_attention_layernorm")
+    for norm, param in (("input_layernorm", layer.input_norm),
+                        ("post_attention_layernorm", layer.post_attn_norm)):
+        _put(param, get(prefix + norm + ".weight"), prefix + norm + ".weight")
     if cfg.qk_norm:
         _put(layer.q_norm, get(a + "q_norm.weight"), a + "q_norm.weight")
         _put(layer.k_norm, get(a + "k_norm.weight"), a + "k_norm.weight")
@@ -118,6 +123,13 @@ def _getter(tensors: dict[str, torch.Tensor], cfg: ModelConfig):
         raise ValueError(f"weights are missing tensor {name!r}")
 
     return get
+
+
+def _checked(get, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    value = get(name)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"tensor {name}: shape {tuple(value.shape)}, expected {shape}")
+    return value
 
 
 def _put(param: torch.nn.Parameter, value: torch.Tensor, name: str) -> None:

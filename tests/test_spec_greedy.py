@@ -1,0 +1,191 @@
+"""Greedy losslessness end to end: ngram speculation emits exactly the tokens plain decoding does.
+
+Tiny random models run in float64 so that no argmax tie can flip between the batched tree
+forward and the plain one. Their greedy outputs fall into loops within a few tokens, so prompt
+lookup drafts get accepted; every test checks that some were, so none can pass vacuously.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+
+import pytest
+import torch
+
+from specdec.llm import LLM
+from specdec.sampling_params import SamplingParams
+
+VOCAB = 96  # tests/conftest.py TINY_COMMON
+LENGTHS = [5, 40, 1, 17, 64, 9, 28, 3]  # one batch mixes all of these
+
+
+def _prompts() -> list[list[int]]:
+    """Even indices repeat a motif (prompt lookup hits at once), odd ones never repeat a token."""
+    rng = random.Random(0)
+    out = []
+    for i, n in enumerate(LENGTHS):
+        if i % 2 == 0:
+            motif = [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 6))]
+            out.append((motif * n)[:n])
+        else:
+            out.append(rng.sample(range(VOCAB), n))
+    return out
+
+
+PROMPTS = _prompts()
+
+
+def _params(n: int) -> list[SamplingParams]:
+    return [SamplingParams(temperature=0, max_tokens=28 + i % 5, ignore_eos=True) for i in range(n)]
+
+
+def _num_accepted(outs) -> int:
+    return sum(sum(o.metrics.accepted_by_depth) for o in outs)
+
+
+def assert_lossless(plain: LLM, spec: LLM, prompts, params) -> list:
+    """Same token ids and finish reasons, no errors, and some draft tokens accepted."""
+    want = plain.generate(prompts, params)
+    got = spec.generate(prompts, params)
+    assert [o.error for o in got] == [None] * len(prompts)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+    accepted = _num_accepted(got)
+    assert accepted > 0, "no draft token was accepted: the test would pass vacuously"
+    assert accepted <= sum(o.metrics.draft_tokens_proposed for o in got)
+    assert sum(o.metrics.draft_tokens_proposed for o in want) == 0
+    return got
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread():
+    """Tiny ops on a shared 2-core machine: with 2 OpenMP threads each op waits on a barrier
+    for a whole scheduler slice (~20 ms per 32x64 matmul under load, 1000x slower than 1 thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama) -> LLM:
+    return LLM(model=str(tiny_llama), dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def spec_llm(tiny_llama):
+    """spec_llm(max_matches, budget) -> a speculative LLM, built once per module and config."""
+    cache: dict[tuple[int, int], LLM] = {}
+
+    def get(max_matches: int, budget: int) -> LLM:
+        key = (max_matches, budget)
+        if key not in cache:
+            cache[key] = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
+                             drafter_args={"max_matches": max_matches, "max_depth": 8},
+                             controller_args={"budget": budget})
+        return cache[key]
+
+    return get
+
+
+# (max_matches, budget): chains (max_matches 1) and trees at budgets 1, 4, 16
+CONFIGS = [(1, 1), (1, 4), (1, 16), (4, 4), (4, 16)]
+
+
+@pytest.mark.parametrize("batch", range(1, 9))
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"matches{c[0]}-budget{c[1]}")
+def test_greedy_identical_to_plain(plain, spec_llm, config, batch):
+    prompts = PROMPTS[:batch]
+    assert_lossless(plain, spec_llm(*config), prompts, _params(batch))
+
+
+def _record_trees(monkeypatch, llm: LLM) -> list:
+    """Record every tree the drafter of `llm` proposes (until the test ends)."""
+    drafter, trees = llm.engine.drafting.drafter, []
+    propose = drafter.propose
+
+    def recording(requests):
+        out = propose(requests)
+        trees.extend(zip((r.budget for r in requests), out))
+        return out
+
+    monkeypatch.setattr(drafter, "propose", recording)
+    return trees
+
+
+@pytest.mark.parametrize("max_matches", [1, 4])
+def test_chains_and_branching_trees_deep_acceptance(plain, spec_llm, monkeypatch, max_matches):
+    spec = spec_llm(max_matches, 16)
+    trees = _record_trees(monkeypatch, spec)
+    outs = assert_lossless(plain, spec, PROMPTS, _params(len(PROMPTS)))
+    leaves = [len(t.paths()) for _, t in trees]
+    assert all(t.num_nodes <= b for b, t in trees)
+    assert max(leaves) == 1 if max_matches == 1 else max(leaves) > 1
+    depth = max(len(o.metrics.accepted_by_depth) for o in outs)
+    assert depth >= 4, f"drafts were never accepted 4 deep: {depth}"
+    assert statistics.mean(o.metrics.tau for o in outs) > 1.3
+
+
+def test_each_architecture(tiny_models):
+    for arch, folder in tiny_models.items():
+        plain = LLM(model=str(folder), dtype="float64")
+        spec = LLM(model=str(folder), dtype="float64", drafter="ngram",
+                   drafter_args={"max_matches": 2}, controller_args={"budget": 8})
+        try:
+            assert_lossless(plain, spec, PROMPTS[:4], _params(4))
+        except AssertionError as e:
+            raise AssertionError(f"{arch}: {e}") from e
+
+
+def test_max_model_len_and_preemption(tiny_llama):
+    """Drafts near max_model_len are clipped; preempted requests re-index from scratch."""
+    kw = dict(model=str(tiny_llama), dtype="float64", max_model_len=64, num_pages=6,
+              page_size=16)
+    plain = LLM(**kw)
+    spec = LLM(**kw, drafter="ngram", controller_args={"budget": 16})
+    prompts = PROMPTS[:4] + PROMPTS[5:]  # all shorter than max_model_len
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = assert_lossless(plain, spec, prompts, params)
+    assert {o.finish_reason for o in outs} == {"length"}
+    assert all(len(o.prompt_token_ids) + len(o.token_ids) == 64 for o in outs)
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+
+
+def test_bad_drafter_args_are_value_errors(tiny_llama):
+    with pytest.raises(ValueError, match="max_depth"):
+        LLM(model=str(tiny_llama), drafter="ngram", drafter_args={"max_depth": 0})
+    with pytest.raises(ValueError, match="ngram"):
+        LLM(model=str(tiny_llama), drafter="ngram", drafter_args={"depth": 3})
+
+
+CHATS = ["List the numbers from 1 to 20, separated by commas.",
+         "Write an HTML table with 3 rows and 3 columns."]
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_identical_with_tau_above_1_2(smollm2_dir):
+    plain = LLM(model=str(smollm2_dir), dtype="float32")
+    spec = LLM(model=str(smollm2_dir), dtype="float32", drafter="ngram",
+               drafter_args={"max_matches": 4}, controller_args={"budget": 8})
+    prompts = [[{"role": "user", "content": c}] for c in CHATS]
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    times = {"plain": [], "spec": []}
+    for _ in range(2):  # interleaved, side by side: the machine is shared and noisy
+        for name, llm in (("plain", plain), ("spec", spec)):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            times[name].append(time.perf_counter() - t0)
+            if name == "plain":
+                want = outs
+            else:
+                got = outs
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    tau = sum(o.metrics.num_output_tokens for o in got) / sum(
+        o.metrics.num_target_forwards for o in got)
+    ratio = statistics.median(times["spec"]) / statistics.median(times["plain"])
+    print(f"\nsmollm2 ngram: tau {tau:.2f} (per prompt "
+          f"{[round(o.metrics.tau, 2) for o in got]}), wall spec/plain {ratio:.2f} "
+          f"(seconds spec {times['spec']}, plain {times['plain']})")
+    assert tau > 1.2
