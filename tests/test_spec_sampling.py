@@ -14,11 +14,10 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import make_tiny_model
 
 from specdec import LLM, SamplingParams
 from specdec.sampling import logits_to_probs, params_to_tensors
-
-from conftest import make_tiny_model
 
 V = 16
 PROMPT = [1, 5, 2, 5, 2, 5, 2]  # repetitive, so the n-gram drafter proposes too
