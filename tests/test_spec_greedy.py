@@ -83,7 +83,8 @@ def spec_llm(tiny_llama):
         key = (max_matches, budget)
         if key not in cache:
             cache[key] = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
-                             drafter_args={"max_matches": max_matches, "max_depth": 8},
+                             drafter_args={"max_matches": max_matches, "max_depth": 8,
+                                           "min_ngram": 1},
                              controller_args={"budget": budget})
         return cache[key]
 

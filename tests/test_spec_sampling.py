@@ -77,7 +77,8 @@ def sample_tokens(llm: LLM) -> torch.Tensor:
 @pytest.mark.parametrize("drafter", ["draft_model", "ngram", None])
 def test_speculative_sampling_follows_target(small_vocab_models, drafter):
     target, draft = small_vocab_models
-    args = {"draft_model": {"model": str(draft)}, "ngram": {"max_matches": 3}}.get(drafter, {})
+    args = {"draft_model": {"model": str(draft)},
+            "ngram": {"max_matches": 3, "min_ngram": 1}}.get(drafter, {})
     llm = LLM(model=str(target), dtype="float64", drafter=drafter, drafter_args=args,
               controller_args={"budget": 3}, max_num_seqs=512, max_num_batched_tokens=4096)
     grid, proposed, accepted = sample_tokens(llm)
