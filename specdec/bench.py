@@ -148,6 +148,14 @@ def make_systems(args) -> dict:
         eos = engine.engine.model_config.eos_token_ids
         systems["baseline"] = HFSystem(folder, args.dtype, args.device, args.max_new_tokens, eos,
                                        pld=args.baseline == "hf-pld")
+    extra = getattr(args, "extra_baseline", None)
+    if extra is not None:
+        if args.baseline not in HF_BASELINES:
+            raise ValueError("--extra-baseline needs --baseline hf or hf-pld (its reference)")
+        folder = resolve_model_path(args.model)
+        eos = engine.engine.model_config.eos_token_ids
+        systems["extra"] = HFSystem(folder, args.dtype, args.device, args.max_new_tokens, eos,
+                                    pld=extra == "hf-pld")
     needs_plain = args.baseline == "plain" or (args.drafter and args.baseline in HF_BASELINES)
     if needs_plain:
         systems["plain"] = EngineSystem(LLM(**common), args.max_new_tokens)
@@ -290,6 +298,7 @@ def build_report(args, tallies: dict, questions, draft_share: float | None) -> d
         "draft_ms_share": draft_share if args.drafter else None,
     }
     report.update(_comparisons(tallies, ref))
+    report["extra_baseline"] = _extra(tallies, args) if "extra" in tallies else None
     report["config"] = run_config(args)
     return report
 
@@ -307,6 +316,18 @@ def _comparisons(tallies: dict, ref: str | None) -> dict:
         rates = match_rates(eng.outputs[0], tallies["plain"].outputs[0])
         out["greedy_match_rate_vs_plain"], out["token_match_rate_vs_plain"] = rates
     return out
+
+
+def _extra(tallies: dict, args) -> dict:
+    """The second HF baseline, as a ratio to the first (e.g. hf-pld vs hf) in the same run."""
+    summary = _system_summary(tallies["extra"], args.extra_baseline)
+    summary["speedup_vs_baseline"] = _median_ratio(tallies["extra"].tps(),
+                                                   tallies["baseline"].tps())
+    summary["engine_speedup_vs_it"] = _median_ratio(tallies["engine"].tps(),
+                                                    tallies["extra"].tps())
+    summary["greedy_match_rate"] = match_rates(tallies["extra"].outputs[0],
+                                               tallies["baseline"].outputs[0])[0]
+    return summary
 
 
 def run_config(args) -> dict:

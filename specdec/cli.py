@@ -83,7 +83,7 @@ def _generate_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from specdec.bench import BASELINES
+    from specdec.bench import BASELINES, HF_BASELINES
 
     p = sub.add_parser("bench", help="engine vs a baseline on a prompt dataset (greedy)")
     p.add_argument("--dataset", type=_existing_file, required=True,
@@ -93,6 +93,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--batch-size", type=_int_at_least(1), default=1,
                    help="prompts per engine generate call (HF baselines stay at batch 1)")
     p.add_argument("--baseline", choices=BASELINES, default="hf")
+    p.add_argument("--extra-baseline", choices=HF_BASELINES, default=None,
+                   help="a second HF baseline in the same run (e.g. hf-pld next to hf), "
+                        "reported as a ratio to --baseline")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the report here")
     p.add_argument("--multi-turn", action="store_true",
                    help="also run later turns, feeding back the engine's own answers")
@@ -245,6 +248,11 @@ def _summary_rows(r: dict) -> list[tuple[str, str]]:
             ("acceptance rate", _fmt(r["acceptance_rate"], ".1%")),
             ("acceptance by depth", " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"),
             ("draft share of step time", _fmt(r["draft_ms_share"], ".1%"))]
+    extra = r.get("extra_baseline")
+    if extra:
+        rows += [(f"{extra['name']} tokens/s", _fmt(extra["tokens_per_s"])),
+                 (f"{extra['name']} speedup vs baseline", _fmt(extra["speedup_vs_baseline"], ".3f")),
+                 (f"engine speedup vs {extra['name']}", _fmt(extra["engine_speedup_vs_it"], ".3f"))]
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         p = r[key]
         rows.append((f"{key[:-3].upper()} ms p50/p90/p99",

@@ -161,15 +161,14 @@ def test_bench_with_drafter(tmp_path, chat_model, dataset, repeat_drafter):
     assert report["config"]["controller_args"] == {"budget": 3}
 
 
-def test_bench_ngram(tmp_path, chat_model, dataset):
-    try:
-        registered = plugins.collect(plugins.get_plugin_manager(), "specdec_drafters")
-    except plugins.PluginError as e:
-        pytest.skip(f"drafters not importable yet: {e}")
-    if "ngram" not in registered:
-        pytest.skip("ngram drafter not registered yet")
-    check_speculative(run_bench(tmp_path, chat_model, dataset, "--baseline", "hf",
-                                "--drafter", "ngram", "--budget", "4"))
+def test_bench_ngram_with_extra_baseline(tmp_path, chat_model, dataset):
+    report = run_bench(tmp_path, chat_model, dataset, "--baseline", "hf", "--drafter", "ngram",
+                       "--budget", "4", "--extra-baseline", "hf-pld")
+    check_speculative(report)
+    extra = report["extra_baseline"]
+    assert extra["name"] == "hf-pld" and extra["tokens_per_s"] > 0
+    assert extra["speedup_vs_baseline"] > 0 and extra["engine_speedup_vs_it"] > 0
+    assert extra["greedy_match_rate"] == 1.0  # HF prompt lookup is lossless too (float64)
 
 
 @pytest.mark.parametrize("chat", [True, False])
