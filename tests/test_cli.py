@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from specdec import builtins, plugins
+from specdec import builtins
 from specdec.bench_data import load_questions
 from specdec.cli import main
 from specdec.drafters.base import BaseDrafter
