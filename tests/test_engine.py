@@ -163,3 +163,15 @@ def test_smollm2_matches_hf_generate(smollm2_dir):
     assert len(prompts[2]) > 64, "one prompt must be chunked"
     assert sum(o.metrics.num_preemptions for o in batch) > 0, "14 pages must force preemption"
     assert pages_all_free(llm)
+
+
+@pytest.mark.slow
+def test_smollm2_stop_strings_and_chat(smollm2_dir):
+    llm = LLM(model=str(smollm2_dir), max_model_len=512)
+    chat = [{"role": "user", "content": "Count from 1 to 10, separated by commas."}]
+    full = llm.generate(chat, SamplingParams(temperature=0, max_tokens=60))[0]
+    assert "5" in full.text, full.text
+    cut = llm.generate(chat, SamplingParams(temperature=0, max_tokens=60, stop=["5"]))[0]
+    assert cut.finish_reason == "stop" and "5" not in cut.text
+    assert full.text.startswith(cut.text) and len(cut.token_ids) < len(full.token_ids)
+    assert full.token_ids[: len(cut.token_ids)] == cut.token_ids
