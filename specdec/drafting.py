@@ -63,12 +63,19 @@ class DraftStage:
         jobs = [i for i, r in enumerate(scheduled) if r.draft_budget > 0]
         trees: list[DraftTree | None] = [None] * len(scheduled)
         failed: set[int] = set()
+        for i in list(jobs):  # a drafter failing to set up a request fails only that request
+            try:
+                self._ensure_state(scheduled[i].seq)
+            except Exception as e:
+                self._fail(scheduled[i].seq, f"drafter {self.name} failed in init_state: {e!r}")
+                failed.add(i)
+                jobs.remove(i)
         if jobs:
             requests = [self._request(scheduled[i]) for i in jobs]
             for i, outcome in zip(jobs, self._call_propose(requests)):
                 tree, error = self._check(outcome, scheduled[i].draft_budget)
                 if error is not None:
-                    scheduled[i].seq.finish_reason, scheduled[i].seq.error = "error", error
+                    self._fail(scheduled[i].seq, error)
                     failed.add(i)
                 else:
                     trees[i] = tree
@@ -77,10 +84,16 @@ class DraftStage:
         return ([scheduled[i] for i in keep], [trees[i] for i in keep],
                 [scheduled[i].seq for i in sorted(failed)])
 
-    def _request(self, req: ScheduledRequest) -> DraftRequest:
-        seq = req.seq
+    def _ensure_state(self, seq: Sequence) -> None:
         if seq.drafter_state is None:
             seq.drafter_state = self.drafter.init_state(seq.request_id, seq.prompt_token_ids)
+
+    @staticmethod
+    def _fail(seq: Sequence, error: str) -> None:
+        seq.finish_reason, seq.error = "error", error
+
+    def _request(self, req: ScheduledRequest) -> DraftRequest:
+        seq = req.seq
         return DraftRequest(seq.request_id, seq.token_ids, req.draft_budget, seq.params,
                             seq.generator, seq.drafter_state)
 
@@ -121,9 +134,16 @@ class DraftStage:
                              req.seq.num_computed + req.num_new_tokens + tree.num_nodes)
             scheduled[i] = replace(req, draft_budget=tree.num_nodes)
 
-    def on_verified(self, seq: Sequence, num_accepted: int, num_proposed: int) -> None:
-        if self.drafter is not None and seq.drafter_state is not None:
+    def on_verified(self, seq: Sequence, num_accepted: int, num_proposed: int) -> bool:
+        """Tell the drafter; False (and the request marked failed) if it raised."""
+        if self.drafter is None or seq.drafter_state is None:
+            return True
+        try:
             self.drafter.on_verified(seq.drafter_state, seq.token_ids, num_accepted, num_proposed)
+        except Exception as e:
+            self._fail(seq, f"drafter {self.name} failed in on_verified: {e!r}")
+            return False
+        return True
 
     def release(self, seq: Sequence) -> None:
         if self.drafter is not None and seq.drafter_state is not None:

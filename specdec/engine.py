@@ -92,8 +92,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        generator = None if params.greedy else make_generator(
-            params.seed if params.seed is not None else torch.seed(), self.device)
+        # unseeded requests draw their seed from torch's global RNG (torch.manual_seed applies)
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
+        generator = None if params.greedy else make_generator(seed, self.device)
         seq = Sequence(request_id, list(prompt_token_ids), params, generator)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -135,6 +136,9 @@ class LLMEngine:
         scheduled, trees, failed = self.drafting.propose(sched.scheduled)
         for seq in failed:
             self._finish(seq)
+        if not scheduled and not failed and self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress: no request fits the KV cache "
+                               f"({self.kv.pool.num_free} of {self.kv.pool.num_pages} pages free)")
         t1 = time.perf_counter()
         emitted: list[tuple[Sequence, int]] = []
         accepted_total = 0
@@ -181,7 +185,7 @@ class LLMEngine:
             if i not in results:
                 a, b = inp.logits_ranges[i]
                 results[i] = self._verify_tree(seq, tree, logits[a:b])
-            n = self._commit(seq, req, tree, results[i])
+            n = self._commit(seq, tree, results[i])
             accepted_total += len(results[i].accepted)
             emitted.append((seq, n))
         return emitted, accepted_total
@@ -209,7 +213,7 @@ class LLMEngine:
             probs = logits_to_probs(rows, *params_to_tensors([seq.params] * rows.shape[0], rows.device))
         return self.verifier.verify(tree, rows, probs, seq.generator)
 
-    def _commit(self, seq: Sequence, req: ScheduledRequest, tree, result: VerifyResult) -> int:
+    def _commit(self, seq: Sequence, tree, result: VerifyResult) -> int:
         """Move accepted nodes' KV into place, append tokens, stop or shrink; returns #appended."""
         n = seq.num_tokens
         k = len(result.accepted)
@@ -231,7 +235,8 @@ class LLMEngine:
             self._finish(seq)
         else:
             self.kv.truncate(seq.block_table, seq.num_computed)
-            self.drafting.on_verified(seq, k, m)
+            if not self.drafting.on_verified(seq, k, m):
+                self._finish(seq)
         return appended
 
     def _slots(self, seq: Sequence, moves: list[tuple[int, int]]) -> tuple[list[int], list[int]]:

@@ -149,3 +149,43 @@ def test_duplicate_names_are_rejected(tiny_llama):
 
     with pytest.raises(Exception, match="'ngram' registered by both"):
         LLM(model=str(tiny_llama), drafter="ngram", plugins=(Dup(),))
+
+
+class _FailsLater(BaseDrafter):
+    """init_state raises for prompts starting with 11; on_verified raises for 12."""
+
+    name = "fails_later"
+
+    def __init__(self, target, **kwargs):
+        pass
+
+    def init_state(self, request_id, prompt_token_ids):
+        if prompt_token_ids[0] == 11:
+            raise RuntimeError("no state for you")
+        return prompt_token_ids[0]
+
+    def propose(self, requests):
+        return [DraftTree.chain(torch.tensor(r.token_ids[-1:])) for r in requests]
+
+    def on_verified(self, state, token_ids, num_accepted, num_proposed):
+        if state == 12:
+            raise RuntimeError("bookkeeping bug")
+
+
+class FailsLaterPlugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"fails_later": _FailsLater}
+
+
+def test_drafter_failing_in_init_or_on_verified(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="fails_later",
+              plugins=(FailsLaterPlugin(),), controller_args={"budget": 1})
+    plain = LLM(model=str(tiny_llama), dtype="float64").generate(PROMPTS[:1], GREEDY)
+    outs = llm.generate([PROMPTS[0], [11, 1, 2], [12, 1, 2]], GREEDY)
+    assert outs[0].token_ids == plain[0].token_ids and outs[0].finish_reason == "length"
+    assert outs[1].finish_reason == "error" and "init_state" in outs[1].error
+    assert outs[2].finish_reason == "error" and "on_verified" in outs[2].error
+    assert "FailsLaterPlugin" in outs[2].error
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_pages
