@@ -45,6 +45,24 @@ class DraftRequest:
     state: Any  # this drafter's per-request state (from init_state)
 
 
+@dataclass
+class VerifiedStep:
+    """What one engine step did to a request, as its drafter hears it (`on_verified`).
+
+    The step committed the KV of `token_ids[num_computed - num_committed : num_computed]`: a
+    prefill chunk's tokens, or the tokens fed up to the frontier plus the accepted draft nodes.
+    """
+
+    token_ids: list[int]  # the request's full token list now (prompt + generated)
+    num_computed: int  # tokens whose KV is in the target cache now
+    num_committed: int  # how many of them this step added
+    num_proposed: int  # draft nodes verified this step (0: no draft, or a prefill chunk)
+    num_accepted: int  # of which accepted (a root-to-leaf path prefix)
+    # layer -> [num_committed, hidden_size]: the target's hidden states (layer outputs) of the
+    # committed tokens, for the layers in `Drafter.hidden_layers` (empty dict when none)
+    hidden: dict[int, torch.Tensor]
+
+
 @runtime_checkable
 class Drafter(Protocol):
     name: str
@@ -57,9 +75,8 @@ class Drafter(Protocol):
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         """One tree per request, each with at most `request.budget` nodes (may be empty)."""
 
-    def on_verified(self, state: Any, token_ids: list[int], num_accepted: int,
-                    num_proposed: int) -> None:
-        """After verification: `token_ids` is the request's full token list now."""
+    def on_verified(self, state: Any, step: VerifiedStep) -> None:
+        """After every step the request took part in (prefill chunks too)."""
 
     def release(self, state: Any) -> None:
         """Free per-request resources (finish, abort, preemption, error)."""
@@ -74,7 +91,7 @@ class BaseDrafter:
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> Any:
         return None
 
-    def on_verified(self, state, token_ids, num_accepted, num_proposed) -> None:
+    def on_verified(self, state: Any, step: VerifiedStep) -> None:
         return None
 
     def release(self, state: Any) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from specdec.attention.metadata import build_metadata
 from specdec.attention.torch_backend import TorchAttentionBackend
-from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo
+from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedStep
 from specdec.kv.block_table import BlockTable, KVCacheManager
 from specdec.kv.cache import KVCache
 from specdec.kv.page_pool import PagePool
@@ -64,9 +64,11 @@ class DraftModelDrafter(BaseDrafter):
         self.kv.release(state.table)
         state.num_cached = 0
 
-    def on_verified(self, state: DraftState, token_ids, num_accepted, num_proposed) -> None:
+    def on_verified(self, state: DraftState, step: VerifiedStep) -> None:
+        if step.num_proposed == 0:
+            return  # nothing of ours was verified: the draft cache is still all valid
         # the drafts the target accepted are exactly what the draft cache holds past `base`
-        state.num_cached = min(state.num_cached, state.base + num_accepted)
+        state.num_cached = min(state.num_cached, state.base + step.num_accepted)
         self.kv.truncate(state.table, state.num_cached)
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo
+from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedStep
 from specdec.tree import DraftTree
 
 
@@ -58,9 +58,8 @@ class NgramDrafter(BaseDrafter):
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> NgramState:
         return NgramState()  # the prompt is indexed on first use, not at admission
 
-    def on_verified(self, state: NgramState, token_ids: list[int], num_accepted: int,
-                    num_proposed: int) -> None:
-        self.extend(state, token_ids)
+    def on_verified(self, state: NgramState, step: VerifiedStep) -> None:
+        self.extend(state, step.token_ids)
 
     def release(self, state: NgramState) -> None:
         state.index.clear()

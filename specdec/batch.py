@@ -26,6 +26,7 @@ class ModelInput:
     logits_rows: torch.Tensor  # [R] int64: rows of the packed batch that need logits
     # per scheduled request: (start, end) into logits_rows, or None if it needs no logits
     logits_ranges: list[tuple[int, int] | None]
+    row_starts: list[int]  # per scheduled request: its first row in the packed batch
 
 
 def build_model_input(
@@ -34,7 +35,7 @@ def build_model_input(
     page_size: int,
     device,
 ) -> ModelInput:
-    ids, pos, rows, ranges = [], [], [], []
+    ids, pos, rows, ranges, starts = [], [], [], [], []
     tables, kv_lens, qo_lens, masks = [], [], [], []
     offset = 0
     for req, tree in zip(scheduled, trees):
@@ -47,6 +48,7 @@ def build_model_input(
             ids.extend(tree.tokens.tolist())
             pos.extend(tree.positions(end).tolist())
         q = req.num_new_tokens + m
+        starts.append(offset)
         if req.at_frontier:
             ranges.append((len(rows), len(rows) + 1 + m))
             rows.extend(range(offset + req.num_new_tokens - 1, offset + q))
@@ -61,7 +63,7 @@ def build_model_input(
     as_long = dict(dtype=torch.int64, device=device)
     return ModelInput(
         torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), metadata,
-        torch.tensor(rows, **as_long), ranges,
+        torch.tensor(rows, **as_long), ranges, starts,
     )
 
 

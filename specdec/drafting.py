@@ -11,7 +11,7 @@ from pathlib import Path
 
 from specdec import plugins
 from specdec.controllers.base import RequestView, StepOutcome
-from specdec.drafters.base import DraftRequest, TargetInfo
+from specdec.drafters.base import DraftRequest, TargetInfo, VerifiedStep
 from specdec.scheduler import ScheduledRequest
 from specdec.sequence import Sequence
 from specdec.tree import DraftTree
@@ -60,16 +60,9 @@ class DraftStage:
 
     def propose(self, scheduled: list[ScheduledRequest]):
         """(requests still in the batch, their trees or None, requests that failed)."""
-        jobs = [i for i, r in enumerate(scheduled) if r.draft_budget > 0]
         trees: list[DraftTree | None] = [None] * len(scheduled)
-        failed: set[int] = set()
-        for i in list(jobs):  # a drafter failing to set up a request fails only that request
-            try:
-                self._ensure_state(scheduled[i].seq)
-            except Exception as e:
-                self._fail(scheduled[i].seq, f"drafter {self.name} failed in init_state: {e!r}")
-                failed.add(i)
-                jobs.remove(i)
+        failed = self._ensure_states(scheduled)
+        jobs = [i for i, r in enumerate(scheduled) if r.draft_budget > 0 and i not in failed]
         if jobs:
             requests = [self._request(scheduled[i]) for i in jobs]
             for i, outcome in zip(jobs, self._call_propose(requests)):
@@ -84,9 +77,22 @@ class DraftStage:
         return ([scheduled[i] for i in keep], [trees[i] for i in keep],
                 [scheduled[i].seq for i in sorted(failed)])
 
-    def _ensure_state(self, seq: Sequence) -> None:
-        if seq.drafter_state is None:
-            seq.drafter_state = self.drafter.init_state(seq.request_id, seq.prompt_token_ids)
+    def _ensure_states(self, scheduled: list[ScheduledRequest]) -> set[int]:
+        """Per-request drafter state from a request's first step on (and after preemption);
+        a drafter failing to set up a request fails only that request."""
+        failed = set()
+        if self.drafter is None:
+            return failed
+        for i, req in enumerate(scheduled):
+            seq = req.seq
+            if seq.drafter_state is not None:
+                continue
+            try:
+                seq.drafter_state = self.drafter.init_state(seq.request_id, seq.prompt_token_ids)
+            except Exception as e:
+                self._fail(seq, f"drafter {self.name} failed in init_state: {e!r}")
+                failed.add(i)
+        return failed
 
     @staticmethod
     def _fail(seq: Sequence, error: str) -> None:
@@ -134,12 +140,16 @@ class DraftStage:
                              req.seq.num_computed + req.num_new_tokens + tree.num_nodes)
             scheduled[i] = replace(req, draft_budget=tree.num_nodes)
 
-    def on_verified(self, seq: Sequence, num_accepted: int, num_proposed: int) -> bool:
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
+
+    def on_verified(self, seq: Sequence, step: VerifiedStep) -> bool:
         """Tell the drafter; False (and the request marked failed) if it raised."""
         if self.drafter is None or seq.drafter_state is None:
             return True
         try:
-            self.drafter.on_verified(seq.drafter_state, seq.token_ids, num_accepted, num_proposed)
+            self.drafter.on_verified(seq.drafter_state, step)
         except Exception as e:
             self._fail(seq, f"drafter {self.name} failed in on_verified: {e!r}")
             return False

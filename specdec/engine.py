@@ -16,6 +16,7 @@ from specdec import plugins
 from specdec.attention import create_backend
 from specdec.batch import ModelInput, build_model_input
 from specdec.config import EngineConfig
+from specdec.drafters.base import VerifiedStep
 from specdec.drafting import DraftStage
 from specdec.kv.block_table import KVCacheManager, num_pages_for_budget
 from specdec.kv.cache import KVCache
@@ -144,9 +145,9 @@ class LLMEngine:
         accepted_total = 0
         if scheduled:
             inp = build_model_input(scheduled, trees, self.config.page_size, self.device)
-            logits = self._forward(inp)
+            logits, hidden = self._forward(inp)
             t2 = time.perf_counter()
-            emitted, accepted_total = self._commit_all(scheduled, trees, inp, logits)
+            emitted, accepted_total = self._commit_all(scheduled, trees, inp, logits, hidden)
         else:
             t2 = t1
         finished = [s for s in failed] + [s for s, _ in emitted if s.is_finished]
@@ -164,31 +165,49 @@ class LLMEngine:
         self.plugin_errors += plugins.notify_step_end(self.pm, stats)
         return StepResult(emitted, finished, stats)
 
-    def _forward(self, inp: ModelInput) -> torch.Tensor | None:
+    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
+        """(logits [R, V] of the rows that need them, {layer: [T, hidden]} the drafter asked for)."""
         self.backend.plan(inp.metadata)
-        out = self.model(inp.input_ids, inp.positions, self.backend, self.kv_cache)
+        out = self.model(inp.input_ids, inp.positions, self.backend, self.kv_cache,
+                         capture_layers=self.drafting.hidden_layers)
         if inp.logits_rows.numel() == 0:
-            return None
-        return self.model.compute_logits(out.hidden.index_select(0, inp.logits_rows))
+            return None, out.layer_hidden
+        logits = self.model.compute_logits(out.hidden.index_select(0, inp.logits_rows))
+        return logits, out.layer_hidden
 
-    def _commit_all(self, scheduled: list[ScheduledRequest], trees, inp: ModelInput, logits):
+    def _commit_all(self, scheduled: list[ScheduledRequest], trees, inp: ModelInput, logits,
+                    hidden: dict[int, torch.Tensor]):
         """Verify every frontier request, commit accepted tokens and KV; advance prefills."""
         plain = [i for i, (r, t) in enumerate(zip(scheduled, trees))
                  if r.at_frontier and (t is None or t.num_nodes == 0)]
         results: dict[int, VerifyResult] = self._sample_plain(scheduled, plain, inp, logits)
         emitted, accepted_total = [], 0
         for i, (req, tree) in enumerate(zip(scheduled, trees)):
-            seq = req.seq
-            if not req.at_frontier:
+            seq, start, accepted = req.seq, req.seq.num_computed, []
+            if req.at_frontier:
+                if i not in results:
+                    a, b = inp.logits_ranges[i]
+                    results[i] = self._verify_tree(seq, tree, logits[a:b])
+                accepted = results[i].accepted
+                emitted.append((seq, self._commit(seq, tree, results[i])))
+                accepted_total += len(accepted)
+            else:
                 seq.num_computed += req.num_new_tokens
-                continue
-            if i not in results:
-                a, b = inp.logits_ranges[i]
-                results[i] = self._verify_tree(seq, tree, logits[a:b])
-            n = self._commit(seq, tree, results[i])
-            accepted_total += len(results[i].accepted)
-            emitted.append((seq, n))
+            if not seq.is_finished:
+                self._tell_drafter(seq, req, tree, accepted, start, inp.row_starts[i], hidden)
         return emitted, accepted_total
+
+    def _tell_drafter(self, seq, req, tree, accepted, start: int, row0: int, hidden) -> None:
+        """on_verified with what the step committed; a failing drafter fails the request."""
+        if hidden:
+            fed = req.num_new_tokens
+            rows = torch.tensor([*range(row0, row0 + fed), *(row0 + fed + a for a in accepted)],
+                                device=self.device)
+            hidden = {layer: h.index_select(0, rows) for layer, h in hidden.items()}
+        step = VerifiedStep(seq.token_ids, seq.num_computed, seq.num_computed - start,
+                            tree.num_nodes if tree is not None else 0, len(accepted), hidden)
+        if not self.drafting.on_verified(seq, step):
+            self._finish(seq)
 
     def _sample_plain(self, scheduled, plain: list[int], inp: ModelInput, logits) -> dict:
         """Requests without a tree: one batched argmax / sample for all of them."""
@@ -235,8 +254,6 @@ class LLMEngine:
             self._finish(seq)
         else:
             self.kv.truncate(seq.block_table, seq.num_computed)
-            if not self.drafting.on_verified(seq, k, m):
-                self._finish(seq)
         return appended
 
     def _slots(self, seq: Sequence, moves: list[tuple[int, int]]) -> tuple[list[int], list[int]]:

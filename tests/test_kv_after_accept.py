@@ -31,7 +31,7 @@ def next_logits(llm: LLM, seq) -> torch.Tensor:
     req = ScheduledRequest(seq, seq.num_tokens - seq.num_computed, 0)
     eng.kv.reserve(seq.block_table, seq.num_tokens)
     inp = build_model_input([req], [None], eng.config.page_size, eng.device)
-    return eng._forward(inp)[-1]
+    return eng._forward(inp)[0][-1]
 
 
 class OracleTree(BaseDrafter):
@@ -94,6 +94,6 @@ def _prefill_all_but_last(llm: LLM, seq) -> torch.Tensor:
     eng.scheduler.waiting.remove(seq)
     eng.kv.reserve(seq.block_table, seq.num_tokens)
     req = ScheduledRequest(seq, seq.num_tokens, 0)
-    logits = eng._forward(build_model_input([req], [None], eng.config.page_size, eng.device))
+    logits, _ = eng._forward(build_model_input([req], [None], eng.config.page_size, eng.device))
     seq.num_computed = seq.num_tokens
     return logits[-1]

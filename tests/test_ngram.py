@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specdec.drafters.base import Drafter, DraftRequest
+from specdec.drafters.base import Drafter, DraftRequest, VerifiedStep
 from specdec.drafters.ngram import NgramDrafter, NgramState
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree
@@ -130,7 +130,7 @@ def test_incremental_index_equals_a_from_scratch_index():
     for _ in range(60):
         _propose(d, tokens, budget=rng.randrange(1, 12), state=state)
         tokens += [rng.randrange(5) for _ in range(rng.randrange(0, 5))]
-        d.on_verified(state, tokens, 0, 0)
+        d.on_verified(state, VerifiedStep(tokens, len(tokens), 0, 0, 0, {}))
         assert state.num_indexed == len(tokens)
         assert state.index == _scratch_index(tokens, 2, 5)
         fresh = NgramState()
@@ -159,7 +159,7 @@ def test_a_step_costs_new_tokens_not_sequence_length(prompt_len):
     for _ in range(5):
         tokens.append(rng.randrange(50))
         _CountingList.reads = 0
-        d.on_verified(state, tokens, 0, 0)
+        d.on_verified(state, VerifiedStep(tokens, len(tokens), 0, 0, 0, {}))
         _propose(d, tokens, 8, state)
         reads.append(_CountingList.reads)
     # 4 n-gram keys per new token, 4 suffix lookups, <= 4 * max_scan continuation slices

@@ -167,7 +167,7 @@ class _FailsLater(BaseDrafter):
     def propose(self, requests):
         return [DraftTree.chain(torch.tensor(r.token_ids[-1:])) for r in requests]
 
-    def on_verified(self, state, token_ids, num_accepted, num_proposed):
+    def on_verified(self, state, step):
         if state == 12:
             raise RuntimeError("bookkeeping bug")
 
