@@ -85,10 +85,11 @@ class DraftStage:
             return failed
         for i, req in enumerate(scheduled):
             seq = req.seq
-            if seq.drafter_state is not None:
+            if seq.drafter_ready:
                 continue
             try:
                 seq.drafter_state = self.drafter.init_state(seq.request_id, seq.prompt_token_ids)
+                seq.drafter_ready = True
             except Exception as e:
                 self._fail(seq, f"drafter {self.name} failed in init_state: {e!r}")
                 failed.add(i)
@@ -146,7 +147,7 @@ class DraftStage:
 
     def on_verified(self, seq: Sequence, step: VerifiedStep) -> bool:
         """Tell the drafter; False (and the request marked failed) if it raised."""
-        if self.drafter is None or seq.drafter_state is None:
+        if self.drafter is None or not seq.drafter_ready:
             return True
         try:
             self.drafter.on_verified(seq.drafter_state, step)
@@ -156,8 +157,8 @@ class DraftStage:
         return True
 
     def release(self, seq: Sequence) -> None:
-        if self.drafter is not None and seq.drafter_state is not None:
-            state, seq.drafter_state = seq.drafter_state, None
+        if self.drafter is not None and seq.drafter_ready:
+            state, seq.drafter_state, seq.drafter_ready = seq.drafter_state, None, False
             self.drafter.release(state)
 
     def observe(self, scheduled, trees, stats) -> None:

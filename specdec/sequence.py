@@ -47,6 +47,7 @@ class Sequence:
     error: str | None = None
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     drafter_state: Any = None  # owned by the drafter; lives and dies with the request
+    drafter_ready: bool = False  # init_state ran (its state may legitimately be None)
     times: RequestTimes = field(default_factory=RequestTimes)
     num_preemptions: int = 0
     num_steps_decoding: int = 0  # target forwards that ended at this request's frontier

@@ -58,3 +58,51 @@ def smollm2_dir() -> Path:
     from specdec.models.aliases import alias_folder
 
     return alias_folder("smollm2-135m-instruct")
+
+
+class OracleTree:
+    """Test drafter that knows the target's greedy continuation `truth`: it proposes a wrong
+    token and, as that node's sibling, the next `depth` true tokens, so the accepted nodes never
+    sit in their final KV slots (the engine must move them)."""
+
+    name = "oracle"
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, target, truth: list[int], depth: int = 3) -> None:
+        self.vocab, self.truth, self.depth = target.vocab_size, truth, depth
+
+    def init_state(self, request_id, prompt_token_ids):
+        return None
+
+    def propose(self, requests):
+        from specdec.tree import DraftTree
+
+        trees = []
+        for r in requests:
+            n = len(r.token_ids)
+            future = self.truth[n:n + self.depth][: r.budget - 1]
+            if not future:
+                trees.append(DraftTree.empty())
+                continue
+            tokens = [(future[0] + 1) % self.vocab, *future]
+            parents = [-1, -1, *range(1, len(future))]
+            trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
+        return trees
+
+    def on_verified(self, state, step) -> None:
+        return None
+
+    def release(self, state) -> None:
+        return None
+
+
+def oracle_plugin(truth: list[int], depth: int = 3, cls=OracleTree):
+    """A plugin object registering `cls` (an OracleTree) as drafter "oracle"."""
+    from specdec.hookspecs import hookimpl
+
+    class OraclePlugin:
+        @hookimpl
+        def specdec_drafters(self):
+            return {"oracle": lambda target: cls(target, truth, depth)}
+
+    return OraclePlugin()

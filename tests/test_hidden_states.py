@@ -4,49 +4,25 @@ exactly the tokens each step committed (prefill chunks, fed tokens, accepted tre
 from __future__ import annotations
 
 import torch
+from conftest import OracleTree, oracle_plugin
 
 from specdec import LLM, SamplingParams
-from specdec.drafters.base import BaseDrafter
-from specdec.hookspecs import hookimpl
-from specdec.tree import DraftTree
 
 PROMPT = list(range(3, 40))
 
 
-class Recorder(BaseDrafter):
-    """Wrong first sibling, true continuation second (so accepted nodes are not nodes 0..k-1);
-    records every VerifiedStep."""
+class Recorder(OracleTree):
+    """The oracle drafter (wrong first sibling, true continuation second), asking for layer 0's
+    hidden states and recording every VerifiedStep."""
 
-    name = "recorder"
     hidden_layers = (0,)
-    truth: list[int] = []
 
-    def __init__(self, target):
-        self.vocab, self.steps = target.vocab_size, []
-
-    def init_state(self, request_id, prompt_token_ids):
-        return []
-
-    def propose(self, requests):
-        out = []
-        for r in requests:
-            future = self.truth[len(r.token_ids):len(r.token_ids) + 2][: r.budget - 1]
-            if not future:
-                out.append(DraftTree.empty())
-                continue
-            tokens = [(future[0] + 1) % self.vocab, *future]
-            out.append(DraftTree(torch.tensor(tokens), torch.tensor([-1, -1, *range(1, len(future))])))
-        return out
+    def __init__(self, target, truth, depth):
+        super().__init__(target, truth, depth)
+        self.steps = []
 
     def on_verified(self, state, step):
-        state.append(step)
         self.steps.append(step)
-
-
-class RecorderPlugin:
-    @hookimpl
-    def specdec_drafters(self):
-        return {"recorder": Recorder}
 
 
 def test_hidden_states_of_committed_tokens_match_hf(tiny_llama):
@@ -54,9 +30,9 @@ def test_hidden_states_of_committed_tokens_match_hf(tiny_llama):
 
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     plain = LLM(model=str(tiny_llama), dtype="float64")
-    Recorder.truth = PROMPT + plain.generate([PROMPT], params)[0].token_ids
-    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="recorder",
-              plugins=(RecorderPlugin(),), controller_args={"budget": 3},
+    truth = PROMPT + plain.generate([PROMPT], params)[0].token_ids
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
+              plugins=(oracle_plugin(truth, depth=2, cls=Recorder),), controller_args={"budget": 3},
               max_num_batched_tokens=16)  # the 37-token prompt comes in three chunks
     out = llm.generate([PROMPT], params)[0]
     steps = llm.engine.drafting.drafter.steps

@@ -6,13 +6,11 @@ accepted KV into place is exercised (and counted)."""
 from __future__ import annotations
 
 import torch
+from conftest import oracle_plugin
 
 from specdec import LLM, SamplingParams
 from specdec.batch import build_model_input
-from specdec.drafters.base import BaseDrafter
-from specdec.hookspecs import hookimpl
 from specdec.scheduler import ScheduledRequest
-from specdec.tree import DraftTree
 
 PROMPT = [5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 2, 5, 6, 9, 1, 5, 6]
 
@@ -34,40 +32,12 @@ def next_logits(llm: LLM, seq) -> torch.Tensor:
     return eng._forward(inp)[0][-1]
 
 
-class OracleTree(BaseDrafter):
-    """Tree: [wrong token] and, as its sibling, a chain of the true greedy continuation."""
-
-    name = "oracle"
-    truth: list[int] = []
-
-    def __init__(self, target):
-        self.vocab = target.vocab_size
-
-    def propose(self, requests):
-        trees = []
-        for r in requests:
-            future = self.truth[len(r.token_ids):len(r.token_ids) + 3][: r.budget - 1]
-            if not future:
-                trees.append(DraftTree.empty())
-                continue
-            tokens = [(future[0] + 1) % self.vocab, *future]
-            parents = [-1, -1, *range(1, len(future))]
-            trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
-        return trees
-
-
-class OraclePlugin:
-    @hookimpl
-    def specdec_drafters(self):
-        return {"oracle": OracleTree}
-
-
 def test_kv_and_next_logits_after_tree_acceptance(tiny_llama, monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     plain = LLM(model=str(tiny_llama), dtype="float64")
-    OracleTree.truth = PROMPT + plain.generate([PROMPT], params)[0].token_ids
+    truth = PROMPT + plain.generate([PROMPT], params)[0].token_ids
     spec = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
-               plugins=(OraclePlugin(),), controller_args={"budget": 4})
+               plugins=(oracle_plugin(truth),), controller_args={"budget": 4})
     moves = []
     move = spec.engine.kv_cache.move_slots
     monkeypatch.setattr(spec.engine.kv_cache, "move_slots",
@@ -77,7 +47,7 @@ def test_kv_and_next_logits_after_tree_acceptance(tiny_llama, monkeypatch):
     while seq.num_output_tokens < 40:
         spec.engine.step()
     assert len(moves) >= 8, "accepted nodes sat outside their final slots and were moved"
-    assert seq.token_ids == OracleTree.truth[: seq.num_tokens]
+    assert seq.token_ids == truth[: seq.num_tokens]
 
     pid = plain.engine.add_request(list(seq.token_ids), SamplingParams(temperature=0, max_tokens=2))
     pseq = plain.engine.requests[pid]
