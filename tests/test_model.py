@@ -204,7 +204,7 @@ def test_smollm2_matches_hf(smollm2):
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 9, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 9, 64, 65])
 @pytest.mark.parametrize("out_features, in_features, splits", [
     (96, 32, 2), (8200, 576, 8), (97, 32, 2), (48, 40, 1)])
 def test_cpu_linear_paths_match_f_linear(rows, out_features, in_features, splits):

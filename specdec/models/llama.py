@@ -3,9 +3,10 @@
 Projections are fused at load time (q|k|v into one matrix, gate|up into another) so that a layer
 is a handful of large ops. On CPU a step is bound by streaming the weights from memory, and
 MKL's GEMV/small-M GEMM streams them with one core. `linear` keeps both cores streaming: a
-multiply-reduce for one row, and for a few rows a batched matmul over halves of the weight
-(whose batch loop is parallel). Measured over SmolLM2's 30 layers + head (2-core EPYC, fp32):
-one row 31 -> 15 ms, nine rows 40 -> 31 ms.
+multiply-reduce for one row; for up to 8 rows a batched product over blocks of the weight with
+the rows on the right (weight-left), which streams the weight once for all rows; beyond that a
+batched product with the rows on the left. Measured over SmolLM2's 30 layers + head (2-core
+EPYC, fp32): 1 row 31 -> 15 ms, 4 rows 47 -> 17 ms, 9 rows 40 -> 38 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -119,22 +120,30 @@ class LlamaDecoder(nn.Module):
 
 # multiply-reduce materialises weight-sized products: beyond ~16 MB (an LM head) bmm wins
 _VECDOT_MAX = 1 << 22
+# up to here the weight-left batched product costs about one row's time (measured: 2-4 rows
+# ~= 1 row over SmolLM2's layers; at 5-8 rows it still edges out the x-left form)
+_WEIGHT_LEFT_MAX_ROWS = 8
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            splits: int = 2) -> torch.Tensor:
     """x [T, in] @ weight[out, in].T (+ bias) -> [T, out], fast on CPU (see module docstring).
 
-    `splits` halves (or eighths...) the weight rows for the batched path; `out` must divide.
+    `splits`: the weight's rows are cut into this many blocks for the batched paths (`out` must
+    divide, else plain F.linear).
     """
     rows, out_features = x.shape[0], weight.shape[0]
     if x.device.type != "cpu" or rows > 64 or out_features % splits:
         return F.linear(x, weight, bias)
+    blocks = weight.view(splits, out_features // splits, weight.shape[1])
     if rows == 1 and weight.numel() <= _VECDOT_MAX:
         out = torch.linalg.vecdot(weight, x).unsqueeze(0)
+    elif rows <= _WEIGHT_LEFT_MAX_ROWS:
+        # blocks @ x.T: MKL's kernel for a skinny right operand streams W once for all rows
+        out = torch.bmm(blocks, x.t().unsqueeze(0).expand(splits, -1, -1))
+        out = out.reshape(out_features, rows).t()
     else:
-        parts = weight.view(splits, out_features // splits, weight.shape[1])
-        out = torch.bmm(x.unsqueeze(0).expand(splits, -1, -1), parts.transpose(1, 2))
+        out = torch.bmm(x.unsqueeze(0).expand(splits, -1, -1), blocks.transpose(1, 2))
         out = out.transpose(0, 1).reshape(rows, out_features)
     return out if bias is None else out + bias
 
