@@ -3,10 +3,10 @@
 Projections are fused at load time (q|k|v into one matrix, gate|up into another) so that a layer
 is a handful of large ops. On CPU a step is bound by streaming the weights from memory, and
 MKL's GEMV/small-M GEMM streams them with one core. `linear` keeps both cores streaming: a
-multiply-reduce for one row; for up to 8 rows a batched product over blocks of the weight with
+multiply-reduce for one row; for up to 4 rows a batched product over blocks of the weight with
 the rows on the right (weight-left), which streams the weight once for all rows; beyond that a
 batched product with the rows on the left. Measured over SmolLM2's 30 layers + head (2-core
-EPYC, fp32): 1 row 31 -> 15 ms, 4 rows 47 -> 17 ms, 9 rows 40 -> 38 ms (docs/benchmarks.md).
+EPYC, fp32): 1 row 31 -> 15 ms, 4 rows 47 -> 17 ms, 9 rows 46 -> 38 ms (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -120,9 +120,9 @@ class LlamaDecoder(nn.Module):
 
 # multiply-reduce materialises weight-sized products: beyond ~16 MB (an LM head) bmm wins
 _VECDOT_MAX = 1 << 22
-# up to here the weight-left batched product costs about one row's time (measured: 2-4 rows
-# ~= 1 row over SmolLM2's layers; at 5-8 rows it still edges out the x-left form)
-_WEIGHT_LEFT_MAX_ROWS = 8
+# up to here the weight-left batched product costs about one row's time (2-4 rows ~= 1 row over
+# SmolLM2's layers); at 5-8 rows it is no better in isolation and 15% worse end to end at batch 8
+_WEIGHT_LEFT_MAX_ROWS = 4
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
