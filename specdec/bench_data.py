@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec.models.tokenizer import chat_token_ids
+
 
 @dataclass(frozen=True)
 class Question:
@@ -103,13 +105,10 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a chat, formatted with the tokenizer's template plus the generation prompt."""
     if tokenizer is None:
         raise ValueError("--model: bench needs a model folder with a tokenizer")
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError("--model: the tokenizer has no chat template; bench formats every "
-                         "prompt as a chat")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    try:
+        return chat_token_ids(tokenizer, messages)
+    except ValueError as e:
+        raise ValueError(f"--model: {e}; bench formats every prompt as a chat") from e
 
 
 def first_turn_items(questions: list[Question], tokenizer) -> list[Item]:

@@ -18,7 +18,7 @@ from specdec.batch import ModelInput, build_model_input
 from specdec.config import EngineConfig
 from specdec.drafters.base import VerifiedStep
 from specdec.drafting import DraftStage
-from specdec.kv.block_table import KVCacheManager, num_pages_for_budget
+from specdec.kv.block_table import KVCacheManager, num_pages_for_budget, slot_of
 from specdec.kv.cache import KVCache
 from specdec.kv.page_pool import PagePool
 from specdec.metrics import EngineTotals, StepStats
@@ -258,9 +258,7 @@ class LLMEngine:
 
     def _slots(self, seq: Sequence, moves: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
         pages, ps = seq.block_table.pages, self.config.page_size
-        src = [pages[s // ps] * ps + s % ps for s, _ in moves]
-        dst = [pages[d // ps] * ps + d % ps for _, d in moves]
-        return src, dst
+        return [slot_of(pages, s, ps) for s, _ in moves], [slot_of(pages, d, ps) for _, d in moves]
 
     def _finish(self, seq: Sequence) -> None:
         if seq.finish_reason is None:

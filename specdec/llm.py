@@ -15,6 +15,7 @@ from specdec.config import EngineConfig
 from specdec.engine import LLMEngine
 from specdec.metrics import request_metrics
 from specdec.models.aliases import DEFAULT_MODEL
+from specdec.models.tokenizer import chat_token_ids
 from specdec.outputs import RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
@@ -139,14 +140,10 @@ def _is_single_prompt(prompts) -> bool:
 
 
 def _chat_ids(tok, messages: list[dict], index: int) -> list[int]:
-    if not messages or not all("role" in m and "content" in m for m in messages):
-        raise ValueError(f"prompt {index}: chat messages need 'role' and 'content'")
-    if getattr(tok, "chat_template", None) is None:
-        raise ValueError(f"prompt {index}: the tokenizer has no chat template")
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
+    try:
+        return chat_token_ids(tok, messages)
+    except ValueError as e:
+        raise ValueError(f"prompt {index}: {e}") from e
 
 
 def _params_list(sampling_params, n: int) -> list[SamplingParams]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.kv.block_table import slot_of
+
 
 @dataclass
 class AttentionMetadata:
@@ -64,9 +66,7 @@ def build_metadata(
         pages.extend(table[:n_pages])
         kv_indptr.append(len(pages))
         last_page_len.append(kv_len - (n_pages - 1) * page_size)
-        slots.extend(
-            table[i // page_size] * page_size + i % page_size for i in range(kv_len - qo_len, kv_len)
-        )
+        slots.extend(slot_of(table, i, page_size) for i in range(kv_len - qo_len, kv_len))
     qo_indptr = [0]
     for n in qo_lens:
         qo_indptr.append(qo_indptr[-1] + n)
