@@ -1,4 +1,11 @@
-"""The controller protocol: how many draft nodes each request gets this step (0 allowed)."""
+"""The controller protocol: how much each request may draft this step (0 allowed), and what it
+hears back.
+
+Each step the engine first schedules the batch (decode rows, prefill chunks), then asks
+``budgets(requests, batch)`` for the requests at their decode frontier, knowing the step's
+composition; after the step it calls ``observe(report)`` with the step's costs and, per
+request, the budget asked, the nodes proposed and the nodes accepted, kept apart.
+"""
 
 from __future__ import annotations
 
@@ -7,31 +14,91 @@ from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
+class DraftBudget:
+    """At most ``max_nodes`` draft-tree nodes, at most ``max_depth`` deep (None: no depth limit
+    beyond ``max_nodes``). ``DraftBudget(0)`` turns speculation off for the request."""
+
+    max_nodes: int
+    max_depth: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_nodes, int) or isinstance(self.max_nodes, bool) \
+                or self.max_nodes < 0:
+            raise ValueError(f"DraftBudget.max_nodes must be an int >= 0, got {self.max_nodes!r}")
+        if self.max_depth is not None and (not isinstance(self.max_depth, int)
+                                           or isinstance(self.max_depth, bool)
+                                           or self.max_depth < 1):
+            raise ValueError(
+                f"DraftBudget.max_depth must be None or an int >= 1, got {self.max_depth!r}")
+
+    @property
+    def depth_limit(self) -> int:
+        """The deepest a tree within this budget can be (in nodes along a path)."""
+        return self.max_nodes if self.max_depth is None else min(self.max_nodes, self.max_depth)
+
+    def clip(self, max_nodes: int) -> DraftBudget:
+        """The same budget with at most ``max_nodes`` nodes (>= 0)."""
+        n = max(0, min(self.max_nodes, max_nodes))
+        return self if n == self.max_nodes else DraftBudget(n, self.max_depth)
+
+
+NO_DRAFT = DraftBudget(0)
+
+
+@dataclass(frozen=True)
 class RequestView:
-    """What a controller sees of one request at the decode frontier."""
+    """What a controller sees of one request at the decode frontier (history so far)."""
 
     request_id: str
     num_tokens: int
     num_output_tokens: int
-    draft_tokens_proposed: int  # so far
-    accepted_by_depth: tuple[int, ...]  # so far: times depth d was accepted
-    num_verify_steps: int  # so far
+    num_verify_steps: int  # target forwards that ended at this request's frontier
+    draft_tokens_proposed: int  # nodes proposed over all steps
+    accepted_by_depth: tuple[int, ...]  # [d]: steps in which depth d (0-based) was accepted
+    last_proposed: int  # nodes proposed in the request's latest verify step
+    last_accepted: int  # of which accepted
 
 
 @dataclass(frozen=True)
-class StepOutcome:
+class BatchComposition:
+    """This step's batch before drafting."""
+
+    num_decode: int  # requests at their frontier (each verifies 1 + its draft nodes rows)
+    num_prefill_requests: int  # requests feeding a prefill chunk
+    num_prefill_tokens: int  # rows of those chunks
+    num_waiting: int  # requests still queued after this step's admissions
+    max_draft_rows: int  # token budget left for draft nodes this step (all requests together)
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
     request_id: str
-    budget: int
-    num_proposed: int
-    num_accepted: int
+    asked: DraftBudget  # what the controller asked for (before the engine's clipping)
+    num_proposed: int  # nodes the drafter proposed (<= the clipped budget)
+    num_accepted: int  # nodes accepted
+    no_kv: bool = False  # the drafter had no KV for the request and drafted nothing
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One step, as a controller hears it."""
+
+    draft_seconds: float  # budgets + drafting
+    forward_seconds: float  # the target forward
+    verify_seconds: float  # verification and commit
+    step_seconds: float
+    num_verified_rows: int  # logits rows verified: sum over decode requests of 1 + nodes
+    num_decode: int
+    num_prefill_tokens: int
+    outcomes: tuple[RequestOutcome, ...]  # one per request that was asked for a budget
 
 
 @runtime_checkable
 class Controller(Protocol):
     name: str
 
-    def budgets(self, requests: list[RequestView], batch_size: int) -> list[int]:
-        """Tree budget (max draft nodes, >= 0) for each request, in order."""
+    def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
+        """One DraftBudget per request, in order."""
 
-    def observe(self, outcomes: list[StepOutcome], step_seconds: float) -> None:
+    def observe(self, report: StepReport) -> None:
         """What happened in the step that used the budgets."""

@@ -2,21 +2,26 @@
 
 from __future__ import annotations
 
-from specdec.controllers.base import RequestView, StepOutcome
+from specdec.controllers.base import BatchComposition, DraftBudget, RequestView, StepReport
 
 
 class StaticController:
-    """`budget` draft-tree nodes per request per step; 0 turns speculation off."""
+    """`budget` draft-tree nodes per request per step (0 turns speculation off); `max_depth`
+    optionally caps how deep a tree may go."""
 
     name = "static"
 
-    def __init__(self, budget: int = 8) -> None:
+    def __init__(self, budget: int = 8, max_depth: int | None = None) -> None:
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"controller_args.budget must be an int >= 0, got {budget!r}")
-        self.budget = budget
+        if max_depth is not None and (not isinstance(max_depth, int) or isinstance(max_depth, bool)
+                                      or max_depth < 1):
+            raise ValueError(
+                f"controller_args.max_depth must be None or an int >= 1, got {max_depth!r}")
+        self.budget = DraftBudget(budget, max_depth)
 
-    def budgets(self, requests: list[RequestView], batch_size: int) -> list[int]:
+    def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
         return [self.budget] * len(requests)
 
-    def observe(self, outcomes: list[StepOutcome], step_seconds: float) -> None:
+    def observe(self, report: StepReport) -> None:
         return None

@@ -1,6 +1,7 @@
 """Draft-model drafting: a small causal LM (or the target's first N layers) proposes a chain.
 
-Two sources, one mechanism (both keep their own paged KV cache):
+Two sources, one mechanism (both run through a runner the engine gives them, whose paged KV comes
+out of the engine's memory budget):
 - `model=...`: a separate small causal LM with the target's tokenizer/vocabulary (any model
   specdec loads: alias, HF folder, .gguf);
 - `early_exit_layers=N`: self-speculation with the target's first N layers, its final norm and
@@ -19,12 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.attention.metadata import build_metadata
-from specdec.attention.torch_backend import TorchAttentionBackend
-from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedStep
-from specdec.kv.block_table import BlockTable, KVCacheManager
-from specdec.kv.cache import KVCache
-from specdec.kv.page_pool import PagePool
+from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
+from specdec.kv.block_table import BlockTable
 from specdec.models.loader import load_model, resolve_model_path
 from specdec.sampling import logits_to_probs, params_to_tensors, sample
 from specdec.tree import DraftTree
@@ -38,38 +35,36 @@ class DraftState:
 
 
 class DraftModelDrafter(BaseDrafter):
+    """A chain from a draft LM (or the target's first layers), through its own runner."""
+
     name = "draft_model"
 
     def __init__(self, target: TargetInfo, model: str | None = None,
-                 early_exit_layers: int | None = None, max_depth: int = 6,
-                 page_size: int = 16, max_seqs: int = 16, max_model_len: int | None = None):
+                 early_exit_layers: int | None = None, max_depth: int = 6):
         _check_args(model, early_exit_layers, max_depth, target)
         self.max_depth = max_depth
-        self.device = target.device
-        self.max_len = max_model_len or min(target.model_config.max_position_embeddings, 4096)
+        self.max_len = target.max_model_len
         if model is not None:
-            self.model, cfg, self.num_layers = _load_draft(model, target, self.max_len)
+            draft, name, layers = _load_draft(model, target), "draft_model", None
         else:
-            self.model, cfg, self.num_layers = target.model, target.model_config, early_exit_layers
-        num_pages = max_seqs * -(-self.max_len // page_size)
-        self.kv_cache = KVCache(self.num_layers, num_pages, page_size, cfg.num_kv_heads,
-                                cfg.head_dim, target.dtype, target.device)
-        self.kv = KVCacheManager(PagePool(num_pages), page_size)
-        self.backend = TorchAttentionBackend()
+            draft, name, layers = target.model, f"early_exit[{early_exit_layers}]", early_exit_layers
+        self.runner = target.new_runner(draft, name=name, num_layers=layers)
 
     def init_state(self, request_id, prompt_token_ids) -> DraftState:
         return DraftState()
 
     def release(self, state: DraftState) -> None:
-        self.kv.release(state.table)
+        self.runner.kv.release(state.table)
         state.num_cached = 0
 
-    def on_verified(self, state: DraftState, step: VerifiedStep) -> None:
-        if step.num_proposed == 0:
-            return  # nothing of ours was verified: the draft cache is still all valid
-        # the drafts the target accepted are exactly what the draft cache holds past `base`
-        state.num_cached = min(state.num_cached, state.base + step.num_accepted)
-        self.kv.truncate(state.table, state.num_cached)
+    def on_verified(self, batch: VerifiedBatch) -> None:
+        for r in batch.requests:
+            state: DraftState = r.state
+            if r.num_proposed == 0:
+                continue  # nothing of ours was verified: the draft cache is still all valid
+            # the drafts the target accepted are exactly what the draft cache holds past `base`
+            state.num_cached = min(state.num_cached, state.base + r.num_accepted)
+            self.runner.kv.truncate(state.table, min(state.num_cached, state.table.num_slots))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         trees = [DraftTree.empty() for _ in requests]
@@ -77,7 +72,7 @@ class DraftModelDrafter(BaseDrafter):
         if not live:
             return trees
         reqs = [requests[i] for i in live]
-        depth = [min(r.budget, self.max_depth) for r in reqs]
+        depth = [min(r.budget.depth_limit, self.max_depth) for r in reqs]
         tokens, qs = self._draft(reqs, depth)
         for j, i in enumerate(live):
             d = depth[j]
@@ -86,12 +81,12 @@ class DraftModelDrafter(BaseDrafter):
         return trees
 
     def _reserve(self, r: DraftRequest) -> bool:
-        """Room for catch-up + drafts in the draft cache; no room means no draft this step."""
+        """Room for catch-up + drafts in the draft cache; without it, no draft this step."""
         state: DraftState = r.state
-        need = len(r.token_ids) + min(r.budget, self.max_depth)
-        if need > self.max_len or not self.kv.can_reserve(state.table, need):
+        need = len(r.token_ids) + min(r.budget.depth_limit, self.max_depth)
+        if need > self.max_len or not self.runner.kv.try_reserve(state.table, need):
+            r.mark_no_kv()
             return False
-        self.kv.reserve(state.table, need)
         state.base = len(r.token_ids)
         return True
 
@@ -114,18 +109,11 @@ class DraftModelDrafter(BaseDrafter):
     def _forward(self, reqs: list[DraftRequest], feeds: list[list[int]]) -> torch.Tensor:
         """Feed each request's new tokens; last-row logits [len(reqs), V]."""
         starts = [r.state.num_cached for r in reqs]
-        ends = [s + len(f) for s, f in zip(starts, feeds)]
-        md = build_metadata([r.state.table.pages for r in reqs], ends, [len(f) for f in feeds],
-                            self.kv.page_size, device=self.device)
-        self.backend.plan(md)
-        ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)
-        pos = torch.tensor([p for s, e in zip(starts, ends) for p in range(s, e)],
-                           dtype=torch.int64, device=self.device)
-        out = self.model(ids, pos, self.backend, self.kv_cache, num_layers=self.num_layers)
-        last = torch.tensor([len(f) for f in feeds], device=self.device).cumsum(0) - 1
-        for r, e in zip(reqs, ends):
-            r.state.num_cached = e
-        return self.model.compute_logits(out.hidden.index_select(0, last))
+        batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="last")
+        out = self.runner.forward(batch)
+        for r, f in zip(reqs, feeds):
+            r.state.num_cached += len(f)
+        return out.logits
 
     def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor):
         picks = logits.argmax(dim=-1)
@@ -141,7 +129,6 @@ class DraftModelDrafter(BaseDrafter):
             probs[k] = q[row]
         return picks.tolist(), probs
 
-
 def _check_args(model, early_exit_layers, max_depth, target: TargetInfo) -> None:
     if (model is None) == (early_exit_layers is None):
         raise ValueError("draft_model needs exactly one of drafter_args.model (a small LM with "
@@ -154,10 +141,10 @@ def _check_args(model, early_exit_layers, max_depth, target: TargetInfo) -> None
         raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
 
 
-def _load_draft(model: str, target: TargetInfo, max_len: int):
+def _load_draft(model: str, target: TargetInfo):
     folder = resolve_model_path(model)
-    draft, cfg, _ = load_model(folder, target.dtype, target.device, max_len)
+    draft, cfg, _ = load_model(folder, target.dtype, target.device, target.max_model_len)
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {model!r} has vocab_size {cfg.vocab_size}, the target "
                          f"{target.vocab_size}: they must share a tokenizer")
-    return draft, cfg, cfg.num_layers
+    return draft

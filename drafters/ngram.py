@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedStep
+from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.tree import DraftTree
 
 
@@ -58,8 +58,9 @@ class NgramDrafter(BaseDrafter):
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> NgramState:
         return NgramState()  # the prompt is indexed on first use, not at admission
 
-    def on_verified(self, state: NgramState, step: VerifiedStep) -> None:
-        self.extend(state, step.token_ids)
+    def on_verified(self, batch: VerifiedBatch) -> None:
+        for r in batch.requests:
+            self.extend(r.state, r.token_ids)
 
     def release(self, state: NgramState) -> None:
         state.index.clear()
@@ -70,10 +71,12 @@ class NgramDrafter(BaseDrafter):
 
     def _propose_one(self, request: DraftRequest) -> DraftTree:
         self.extend(request.state, request.token_ids)
-        paths = self.match(request.state, request.token_ids, request.budget)
+        budget = request.budget
+        paths = self.match(request.state, request.token_ids, budget.max_nodes)
         if not paths:
             return DraftTree.empty()
-        return DraftTree.from_paths(paths, max_nodes=request.budget)
+        depth = budget.depth_limit
+        return DraftTree.from_paths([p[:depth] for p in paths], max_nodes=budget.max_nodes)
 
     def extend(self, state: NgramState, tokens: list[int]) -> None:
         """Index the n-grams ending at positions ``state.num_indexed .. len(tokens) - 1``."""

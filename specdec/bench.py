@@ -204,7 +204,17 @@ def run_bench(args) -> dict:
                 items = next_turn_items(questions, tok, answers, turn)
             _run_phase(systems, tallies, items, args, bar)
     draft = _share(start, _totals(systems["engine"]))
-    return build_report(args, tallies, questions, draft)
+    report = build_report(args, tallies, questions, draft)
+    report["runtime"] = runtime_info(systems["engine"].llm.engine)
+    return report
+
+
+def runtime_info(engine) -> dict:
+    """What ran: dtype, device, the matmul kernels chosen on this machine, the KV split."""
+    kernels = engine.kernels.describe()
+    return {"dtype": str(engine.dtype), "device": str(engine.device),
+            "linear_kernels": {k: kernels[k] for k in ("key", "choices", "from_cache")},
+            "kv_cache": engine.kv_split.describe()}
 
 
 def _totals(system: EngineSystem) -> tuple[float, float]:

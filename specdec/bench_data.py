@@ -63,21 +63,40 @@ def _parse_line(line: str, path: Path, n: int) -> dict:
 
 
 def to_question(record: dict, index: int) -> Question:
-    """A record of any supported format as a Question; ValueError says what fields were found."""
+    """A record of any supported format as a Question; ValueError says what fields were found,
+    or which text field of record `index` (0-based) is not a non-blank string."""
     if "turns" in record:
         turns = record["turns"]
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise ValueError(f"--dataset: record {index}: 'turns' must be a non-empty list of str")
+        if not isinstance(turns, list) or not turns:
+            raise ValueError(f"--dataset: record {index}: 'turns' must be a non-empty list of "
+                             f"non-blank strings, got {_short(turns)}")
+        for t, turn in enumerate(turns):
+            _text(turn, index, f"turns[{t}]")
         qid = record.get("question_id", index)
         return Question(str(qid), str(record.get("category", "default")), tuple(turns))
     if "prompt" in record and "task_id" in record:
-        return Question(str(record["task_id"]), "humaneval", (str(record["prompt"]),))
+        prompt = _text(record["prompt"], index, "prompt")
+        return Question(str(record["task_id"]), "humaneval", (prompt,))
     if "question" in record:
-        return Question(str(index), "gsm8k", (str(record["question"]),))
+        return Question(str(index), "gsm8k", (_text(record["question"], index, "question"),))
     raise ValueError(
         f"--dataset: record {index} has fields {sorted(record)}; expected MT-Bench/Spec-Bench "
         "(question_id, category, turns), HumanEval (task_id, prompt) or GSM8K (question)"
     )
+
+
+def _text(value, index: int, field: str) -> str:
+    """`value` if it is a string with some non-whitespace text (an empty prompt would make the
+    engine and the baseline answer nothing, or the chat template alone)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"--dataset: record {index}: '{field}' must be a non-blank string, "
+                         f"got {_short(value)}")
+    return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load_questions(path: Path, num_prompts: int | None) -> list[Question]:

@@ -46,6 +46,12 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def _prompt_text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must contain some non-whitespace text, got {text!r}")
+    return text
+
+
 def _existing_file(text: str) -> str:
     if not Path(text).is_file():
         raise argparse.ArgumentTypeError(f"file not found: {text}")
@@ -70,14 +76,15 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream one completion to stdout")
-    p.add_argument("prompt")
+    p.add_argument("prompt", type=_prompt_text, help="the user message (or raw text with --no-chat)")
     _add_model_args(p)
     _add_spec_args(p)
     p.add_argument("--max-tokens", type=_int_at_least(1), default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); below 1e-5 also decodes greedily")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="int in [0, 2**63 - 1]")
     p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     p.set_defaults(func=cmd_generate)
 
@@ -142,11 +149,39 @@ def _merge_budget(parser, args) -> None:
     args.controller_args = merged
 
 
+# generate's sampling flags and the SamplingParams field each one sets
+SAMPLING_FLAGS = (("--temperature", "temperature"), ("--top-p", "top_p"),
+                  ("--top-k", "top_k"), ("--seed", "seed"), ("--max-tokens", "max_tokens"))
+
+
+def _sampling_params(args):
+    from specdec.sampling_params import SamplingParams
+
+    return SamplingParams(**{f: getattr(args, f) for _, f in SAMPLING_FLAGS})
+
+
+def _check_sampling(parser, args) -> None:
+    """SamplingParams' rules at parse time, each flag checked alone so the error names it."""
+    from specdec.sampling_params import SamplingParams
+
+    for flag, field in SAMPLING_FLAGS:
+        try:
+            SamplingParams(**{field: getattr(args, field)})
+        except ValueError as e:
+            parser.error(f"argument {flag}: {e}")
+    try:
+        _sampling_params(args)
+    except ValueError as e:  # a rule across flags (none today); still a usage error
+        parser.error(f"arguments {', '.join(f for f, _ in SAMPLING_FLAGS)}: {e}")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and validate; exits (SystemExit 2) with a message naming the bad argument."""
     parser = build_parser()
     args = parser.parse_args(argv)
     _merge_budget(parser, args)
+    if args.command == "generate":
+        _check_sampling(parser, args)
     if args.drafter_args and args.drafter is None:
         parser.error("argument --drafter-args: given without --drafter")
     if str(args.device).startswith("cuda"):
@@ -183,10 +218,8 @@ def _engine_kwargs(args) -> dict:
 
 def cmd_generate(args) -> int:
     from specdec.llm import LLM
-    from specdec.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            seed=args.seed, max_tokens=args.max_tokens)
+    params = _sampling_params(args)
     llm = LLM(**_engine_kwargs(args))
     prompt = args.prompt if args.no_chat else [{"role": "user", "content": args.prompt}]
     if not args.no_chat and getattr(llm.tokenizer, "chat_template", None) is None:
@@ -248,6 +281,11 @@ def _summary_rows(r: dict) -> list[tuple[str, str]]:
             ("acceptance rate", _fmt(r["acceptance_rate"], ".1%")),
             ("acceptance by depth", " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"),
             ("draft share of step time", _fmt(r["draft_ms_share"], ".1%"))]
+    runtime = r.get("runtime")
+    if runtime:
+        picked = sorted(set(runtime["linear_kernels"]["choices"].values()))
+        rows += [("dtype / device", f"{runtime['dtype']} / {runtime['device']}"),
+                 ("linear kernels used", ", ".join(picked) or "linear")]
     extra = r.get("extra_baseline")
     if extra:
         rows += [(f"{extra['name']} tokens/s", _fmt(extra["tokens_per_s"])),

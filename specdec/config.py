@@ -13,8 +13,10 @@ from specdec.models.config import DTYPES
 class EngineConfig:
     """Everything that is fixed for the life of an engine.
 
-    KV capacity: `num_pages` if given, else `kv_cache_memory` bytes, else enough pages for
-    `max_num_seqs` sequences of `max_model_len` tokens (capped at 1 GiB).
+    KV capacity: `num_pages` (per model) if given, else `kv_cache_memory` bytes, else enough for
+    `max_num_seqs` sequences of `max_model_len` tokens (capped at 1 GiB). The bytes are split
+    between the target and any drafter that runs a model, the same number of pages each
+    (`specdec.memory`); the split is logged and kept in `LLMEngine.kv_split`.
     """
 
     model: str = DEFAULT_MODEL
@@ -27,25 +29,42 @@ class EngineConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
     attention_backend: str = "torch"
+    verifier: str = "rejection"  # a registered verifier ("rejection", "greedy", or a plugin's)
+    # CPU matmul paths: "tuned" times the candidates at start-up (cached per machine, torch
+    # version, dtype and threads) and keeps the fastest, F.linear among them; "plain": F.linear
+    linear_kernels: str = "tuned"
     drafter: str | None = None
     drafter_args: dict[str, Any] = field(default_factory=dict)
     controller: str = "static"
     controller_args: dict[str, Any] = field(default_factory=dict)
-    seed: int = 0
+    # unseeded sampled requests draw their seeds from an RNG seeded with this (None: from
+    # torch's global RNG, so torch.manual_seed applies)
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.linear_kernels not in ("tuned", "plain"):
+            raise ValueError(f"linear_kernels must be 'tuned' or 'plain', got {self.linear_kernels!r}")
         _positive("page_size", self.page_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be None or an int in [0, 2**63 - 1], got {self.seed!r}")
         for name in ("num_pages", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
-        if not isinstance(self.drafter_args, dict) or not isinstance(self.controller_args, dict):
-            raise ValueError("drafter_args and controller_args must be dicts")
+        for name, owner in (("drafter_args", "the drafter"), ("controller_args", "the controller")):
+            value = getattr(self, name)  # forwarded as **kwargs to the factory: dict, str keys
+            if not isinstance(value, dict):
+                raise TypeError(f"{name} must be a dict of keyword arguments for {owner}, "
+                                f"got {type(value).__name__} {value!r}")
+            if not all(isinstance(k, str) for k in value):
+                raise TypeError(f"{name} must be a dict of keyword arguments for {owner} with "
+                                f"str keys, got keys {list(value)!r}")
 
 
 def _positive(name: str, value) -> None:

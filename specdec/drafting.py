@@ -1,90 +1,110 @@
-"""The draft stage of a step: controller budgets, drafter proposals, and their failures.
+"""The draft stage of a step: controller budgets, drafter proposals and feedback, their failures.
 
-A drafter that raises, or returns something that is not a valid tree within budget, fails only
-the request concerned (finish_reason "error", the message names the plugin); the others go on.
+A drafter that raises (in init_state, propose, on_verified or release), or returns something that
+is not a valid tree within budget, fails only the request concerned (finish_reason "error", the
+message names the plugin); the others go on.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from pathlib import Path
+import warnings
+from collections.abc import Callable
+
+import torch
 
 from specdec import plugins
-from specdec.controllers.base import RequestView, StepOutcome
-from specdec.drafters.base import DraftRequest, TargetInfo, VerifiedStep
-from specdec.scheduler import ScheduledRequest
+from specdec.controllers.base import (
+    BatchComposition,
+    DraftBudget,
+    RequestOutcome,
+    RequestView,
+    StepReport,
+)
+from specdec.drafters.base import (
+    DraftRequest,
+    TargetInfo,
+    TokenView,
+    VerifiedBatch,
+    VerifiedRequest,
+)
+from specdec.kv.block_table import KVCacheManager
+from specdec.metrics import StepStats
 from specdec.sequence import Sequence
+from specdec.step import StepRequest
 from specdec.tree import DraftTree
 
 
 class DraftStage:
-    def __init__(self, drafter, controller, vocab_size: int, max_model_len: int, kv) -> None:
+    def __init__(self, drafter, controller, vocab_size: int, max_model_len: int,
+                 kv: KVCacheManager) -> None:
         self.drafter = drafter
         self.controller = controller
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.kv = kv
+        self.kv = kv  # the target's KV: draft slots a tree does not use go back here
+        self.errors: list[str] = []  # failures that could not fail a request (release at finish)
 
-    @classmethod
-    def create(cls, engine, folder: Path) -> DraftStage:
-        cfg = engine.config
+    @staticmethod
+    def plugins(pm, config, target: TargetInfo) -> tuple:
+        """(drafter or None, controller) from the registries, by the config's names."""
         drafter = None
-        if cfg.drafter is not None:
-            target = TargetInfo(engine.model, engine.model_config, engine.hf_config,
-                                engine.tokenizer, str(folder), engine.dtype, engine.device)
-            drafter = plugins.create(engine.pm, "specdec_drafters", "drafter", cfg.drafter,
-                                     target, **cfg.drafter_args)
-        controller = plugins.create(engine.pm, "specdec_controllers", "controller",
-                                    cfg.controller, **cfg.controller_args)
-        return cls(drafter, controller, engine.model_config.vocab_size, engine.max_model_len,
-                   engine.kv)
+        if config.drafter is not None:
+            drafter = plugins.create(pm, "specdec_drafters", "drafter", config.drafter, target,
+                                     **config.drafter_args)
+        controller = plugins.create(pm, "specdec_controllers", "controller", config.controller,
+                                    **config.controller_args)
+        return drafter, controller
 
     @property
     def name(self) -> str:
         return f"{self.drafter.name!r} (plugin {getattr(self.drafter, 'plugin_name', '?')!r})"
 
-    def budgets(self, frontier: list[Sequence]) -> list[int]:
-        """Tree budget per frontier request: the controller's, clipped to what can be used."""
-        if self.drafter is None or not frontier:
-            return [0] * len(frontier)
-        views = [_view(s) for s in frontier]
-        wanted = self.controller.budgets(views, len(frontier))
-        if len(wanted) != len(frontier):
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
+
+    # ---- budgets ---------------------------------------------------------------------------
+
+    def budgets(self, frontier: list[Sequence], batch: BatchComposition) -> list[DraftBudget]:
+        """The controller's budget per decode request (none without a drafter)."""
+        if self.drafter is None:
+            return [DraftBudget(0)] * len(frontier)
+        wanted = self.controller.budgets([_view(s) for s in frontier], batch)
+        if len(wanted) != len(frontier) or not all(isinstance(b, DraftBudget) for b in wanted):
             raise plugins.PluginError(
-                f"controller {self.controller.name!r} returned {len(wanted)} budgets "
-                f"for {len(frontier)} requests")
+                f"controller {self.controller.name!r} must return {len(frontier)} DraftBudget "
+                f"values (one per request), got {wanted!r}")
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
-        return [max(0, min(int(b), self.max_model_len - s.num_tokens,
+        return [b.clip(min(self.max_model_len - s.num_tokens,
                            s.params.max_tokens - s.num_output_tokens - 1))
                 for b, s in zip(wanted, frontier)]
 
-    def propose(self, scheduled: list[ScheduledRequest]):
-        """(requests still in the batch, their trees or None, requests that failed)."""
-        trees: list[DraftTree | None] = [None] * len(scheduled)
-        failed = self._ensure_states(scheduled)
-        jobs = [i for i, r in enumerate(scheduled) if r.draft_budget > 0 and i not in failed]
-        if jobs:
-            requests = [self._request(scheduled[i]) for i in jobs]
-            for i, outcome in zip(jobs, self._call_propose(requests)):
-                tree, error = self._check(outcome, scheduled[i].draft_budget)
-                if error is not None:
-                    self._fail(scheduled[i].seq, error)
-                    failed.add(i)
-                else:
-                    trees[i] = tree
-                    self._shrink(scheduled, i, tree)
-        keep = [i for i in range(len(scheduled)) if i not in failed]
-        return ([scheduled[i] for i in keep], [trees[i] for i in keep],
-                [scheduled[i].seq for i in sorted(failed)])
+    # ---- propose ---------------------------------------------------------------------------
 
-    def _ensure_states(self, scheduled: list[ScheduledRequest]) -> set[int]:
-        """Per-request drafter state from a request's first step on (and after preemption);
-        a drafter failing to set up a request fails only that request."""
-        failed = set()
+    def propose(self, records: list[StepRequest]) -> list[Sequence]:
+        """Fill each record's tree (or fail it); returns the requests that failed."""
+        failed = self._ensure_states(records)
+        jobs = [r for r in records if r.budget.max_nodes > 0 and r.seq not in failed]
+        if jobs:
+            requests = [_request(r) for r in jobs]
+            outcomes = _isolate(self.drafter.propose, requests, _check_trees)
+            for rec, req, outcome in zip(jobs, requests, outcomes):
+                error = outcome if isinstance(outcome, str) else self._check(outcome, rec)
+                if error is not None:
+                    self._fail(rec.seq, f"drafter {self.name} {error}")
+                    failed.append(rec.seq)
+                    continue
+                rec.tree, rec.no_kv = outcome, req.no_kv
+                self.kv.shrink(rec.seq.block_table, rec.computed_before + 1 + outcome.num_nodes)
+        return failed
+
+    def _ensure_states(self, records: list[StepRequest]) -> list[Sequence]:
+        """Per-request drafter state from a request's first step on (and after preemption)."""
+        failed = []
         if self.drafter is None:
             return failed
-        for i, req in enumerate(scheduled):
-            seq = req.seq
+        for rec in records:
+            seq = rec.seq
             if seq.drafter_ready:
                 continue
             try:
@@ -92,82 +112,120 @@ class DraftStage:
                 seq.drafter_ready = True
             except Exception as e:
                 self._fail(seq, f"drafter {self.name} failed in init_state: {e!r}")
-                failed.add(i)
+                failed.append(seq)
         return failed
+
+    def _check(self, tree, rec: StepRequest) -> str | None:
+        if not isinstance(tree, DraftTree):
+            return f"returned {type(tree).__name__}, not a DraftTree"
+        try:
+            tree.validate(max_nodes=rec.budget.max_nodes, vocab_size=self.vocab_size,
+                          max_depth=rec.budget.max_depth, check_probs=not rec.seq.params.greedy)
+        except ValueError as e:
+            return f"returned a malformed tree: {e}"
+        return None
+
+    # ---- feedback --------------------------------------------------------------------------
+
+    def on_verified(self, records: list[StepRequest], hidden: dict[int, torch.Tensor]) -> None:
+        """Tell the drafter what the step committed; a request whose drafter call fails is
+        marked failed (the caller finishes it). ``hidden``: layer -> [T, H] of the whole batch."""
+        live = [r for r in records if self.drafter is not None and r.seq.drafter_ready
+                and not r.seq.is_finished and r.seq.finish_reason is None]
+        if not live:
+            return
+        batch = self._verified_batch(live, hidden)
+        outcomes = _isolate(self.drafter.on_verified, batch, lambda out, n: None)
+        for rec, outcome in zip(live, outcomes):
+            if isinstance(outcome, str):
+                self._fail(rec.seq, f"drafter {self.name} failed in on_verified: {outcome}")
+
+    def _verified_batch(self, records: list[StepRequest], hidden) -> VerifiedBatch:
+        reqs, rows, start = [], [], 0
+        for rec in records:
+            seq = rec.seq
+            accepted = rec.result.accepted if rec.result is not None else []
+            committed = rec.num_new_tokens + len(accepted)
+            reqs.append(VerifiedRequest(seq.request_id, seq.drafter_state, TokenView(seq.token_ids),
+                                        seq.num_computed, committed, rec.num_nodes,
+                                        list(accepted), start))
+            start += committed
+            fed = range(rec.row_start, rec.row_start + rec.num_new_tokens)
+            rows.extend([*fed, *(rec.row_start + rec.num_new_tokens + a for a in accepted)])
+        if not hidden:
+            return VerifiedBatch(reqs)
+        index = torch.tensor(rows, dtype=torch.int64, device=next(iter(hidden.values())).device)
+        return VerifiedBatch(reqs, {layer: h.index_select(0, index) for layer, h in hidden.items()})
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the request's drafter state; a drafter failing here fails a running request, and
+        is reported (not raised) for one that already finished."""
+        if self.drafter is None or not seq.drafter_ready:
+            return
+        state, seq.drafter_state, seq.drafter_ready = seq.drafter_state, None, False
+        try:
+            self.drafter.release(state)
+        except Exception as e:
+            message = f"drafter {self.name} failed in release: {e!r}"
+            if seq.finish_reason is None:
+                self._fail(seq, message)
+            else:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                self.errors.append(message)
+
+    def observe(self, records: list[StepRequest], stats: StepStats) -> None:
+        """The controller hears the step's costs and, per asked request, asked/proposed/accepted."""
+        if self.drafter is None:
+            return
+        outcomes = tuple(RequestOutcome(r.seq.request_id, r.asked, r.num_nodes, r.num_accepted,
+                                        r.no_kv) for r in records if r.asked is not None)
+        self.controller.observe(StepReport(
+            draft_seconds=stats.draft_seconds, forward_seconds=stats.forward_seconds,
+            verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,
+            num_verified_rows=stats.num_verified_rows, num_decode=stats.num_decode,
+            num_prefill_tokens=stats.num_prefill_tokens, outcomes=outcomes))
 
     @staticmethod
     def _fail(seq: Sequence, error: str) -> None:
         seq.finish_reason, seq.error = "error", error
 
-    def _request(self, req: ScheduledRequest) -> DraftRequest:
-        seq = req.seq
-        return DraftRequest(seq.request_id, seq.token_ids, req.draft_budget, seq.params,
-                            seq.generator, seq.drafter_state)
 
-    def _call_propose(self, requests: list[DraftRequest]) -> list:
-        """Trees or exceptions, one per request; a batch failure is retried per request."""
-        try:
-            trees = self.drafter.propose(requests)
-            if isinstance(trees, list) and len(trees) == len(requests):
-                return trees
-            raise TypeError(f"propose returned {type(trees).__name__} of wrong length")
-        except Exception as batch_error:
-            if len(requests) == 1:
-                return [batch_error]
-            out = []
-            for r in requests:
-                try:
-                    out.append(self.drafter.propose([r])[0])
-                except Exception as e:
-                    out.append(e)
-            return out
+def _request(rec: StepRequest) -> DraftRequest:
+    seq = rec.seq
+    return DraftRequest(seq.request_id, TokenView(seq.token_ids), rec.budget, seq.params,
+                        seq.generator, seq.drafter_state)
 
-    def _check(self, outcome, budget: int) -> tuple[DraftTree | None, str | None]:
-        if isinstance(outcome, Exception):
-            return None, f"drafter {self.name} failed: {outcome!r}"
-        if not isinstance(outcome, DraftTree):
-            return None, f"drafter {self.name} returned {type(outcome).__name__}, not a DraftTree"
-        try:
-            outcome.validate(max_nodes=budget, vocab_size=self.vocab_size)
-        except ValueError as e:
-            return None, f"drafter {self.name} returned a malformed tree: {e}"
-        return outcome, None
 
-    def _shrink(self, scheduled: list[ScheduledRequest], i: int, tree: DraftTree) -> None:
-        """Give back reserved draft slots the tree did not use."""
-        req = scheduled[i]
-        if tree.num_nodes < req.draft_budget:
-            self.kv.truncate(req.seq.block_table,
-                             req.seq.num_computed + req.num_new_tokens + tree.num_nodes)
-            scheduled[i] = replace(req, draft_budget=tree.num_nodes)
+def _check_trees(out, n: int) -> str | None:
+    if not isinstance(out, list) or len(out) != n:
+        return f"returned {type(out).__name__} of length {len(out) if isinstance(out, list) else '?'}, " \
+               f"expected a list of {n} trees"
+    return None
 
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
 
-    def on_verified(self, seq: Sequence, step: VerifiedStep) -> bool:
-        """Tell the drafter; False (and the request marked failed) if it raised."""
-        if self.drafter is None or not seq.drafter_ready:
-            return True
-        try:
-            self.drafter.on_verified(seq.drafter_state, step)
-        except Exception as e:
-            self._fail(seq, f"drafter {self.name} failed in on_verified: {e!r}")
-            return False
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        if self.drafter is not None and seq.drafter_ready:
-            state, seq.drafter_state, seq.drafter_ready = seq.drafter_state, None, False
-            self.drafter.release(state)
-
-    def observe(self, scheduled, trees, stats) -> None:
-        outcomes = [StepOutcome(r.seq.request_id, r.draft_budget, t.num_nodes, r.seq.last_accepted)
-                    for r, t in zip(scheduled, trees) if t is not None]
-        self.controller.observe(outcomes, stats.step_seconds)
+def _isolate(call: Callable, items, check: Callable) -> list:
+    """call(items) -> per-item results, or per-item error strings: when the batch call raises
+    (or ``check(out, n)`` rejects its output), it is retried item by item to find the bad one.
+    ``items`` is a list or a VerifiedBatch (whose per-item calls return None)."""
+    n = len(items.requests) if isinstance(items, VerifiedBatch) else len(items)
+    try:
+        out = call(items)
+        problem = check(out, n)
+        if problem is None:
+            return out if isinstance(out, list) else [None] * n
+        if n == 1:
+            return [problem]
+    except Exception as e:
+        if n == 1:
+            return [f"failed: {e!r}"]
+    results = []
+    for i in range(n):
+        one = items.select([i]) if isinstance(items, VerifiedBatch) else [items[i]]
+        results.append(_isolate(call, one, check)[0])
+    return results
 
 
 def _view(seq: Sequence) -> RequestView:
     return RequestView(seq.request_id, seq.num_tokens, seq.num_output_tokens,
-                       seq.draft_tokens_proposed, tuple(seq.accepted_by_depth),
-                       seq.num_steps_decoding)
+                       seq.num_steps_decoding, seq.draft_tokens_proposed,
+                       tuple(seq.accepted_by_depth), seq.last_proposed, seq.last_accepted)

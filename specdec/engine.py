@@ -1,39 +1,45 @@
 """The engine: requests in, one draft -> verify step at a time, tokens out.
 
-    schedule (controller budgets) -> drafter.propose -> one target forward over every request's
-    new rows and tree nodes -> verifier -> commit accepted KV, free the rest -> observers
+    schedule (rows, admissions, then controller budgets) -> drafter.propose -> one target
+    forward over every request's new rows and tree nodes (ModelRunner) -> one verifier call for
+    the batch -> commit accepted KV (KVManager), append tokens, stop -> drafter.on_verified ->
+    controller.observe -> step observers
+
+Every request's part in a step is one record (`specdec.step.StepRequest`).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
 import torch
 
 from specdec import plugins
-from specdec.attention import create_backend
-from specdec.batch import ModelInput, build_model_input
+from specdec.batch import build_forward_batch
 from specdec.config import EngineConfig
-from specdec.drafters.base import VerifiedStep
+from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
-from specdec.kv.block_table import KVCacheManager, num_pages_for_budget, slot_of
-from specdec.kv.cache import KVCache
-from specdec.kv.page_pool import PagePool
+from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
+from specdec.models.aliases import cache_dir
 from specdec.models.config import model_config_from_hf, resolve_dtype
+from specdec.models.linear import LinearKernels
 from specdec.models.loader import load_hf_config, load_model, resolve_model_path
 from specdec.models.tokenizer import load_tokenizer
-from specdec.sampling import logits_to_probs, make_generator, params_to_tensors, sample
+from specdec.runner import ModelRunner
+from specdec.sampling import make_generator
 from specdec.sampling_params import SamplingParams
-from specdec.scheduler import ScheduledRequest, Scheduler
+from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
+from specdec.step import StepRequest
 from specdec.stopping import StopChecker
-from specdec.tree import DraftTree
-from specdec.verifiers.base import VerifyResult
+from specdec.verification import VerifyStage
 
 DEFAULT_KV_MEMORY_CAP = 1 << 30
+logger = logging.getLogger("specdec")
 
 
 @dataclass
@@ -50,62 +56,108 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.pm = plugins.get_plugin_manager(plugins_)
         folder = resolve_model_path(config.model)
-        hf_config = load_hf_config(folder)
-        self.model_config = cfg = model_config_from_hf(hf_config)
+        self.model_config = cfg = model_config_from_hf(load_hf_config(folder))
         self.max_model_len = _max_model_len(config, cfg)
-        self.model, _, self.hf_config = load_model(folder, self.dtype, self.device, self.max_model_len)
+        self.model, _, self.hf_config = load_model(folder, self.dtype, self.device,
+                                                   self.max_model_len)
         self.tokenizer = load_tokenizer(folder)
-        self.kv_cache = self._allocate_kv(config)
-        self.kv = KVCacheManager(PagePool(self.kv_cache.num_pages), config.page_size)
-        self.backend = create_backend(config.attention_backend)
+        self.runner = self._new_runner(self.model, "target")
+        self.drafter_runners: list[ModelRunner] = []
+        target = TargetInfo(self.model, cfg, self.hf_config, self.tokenizer, str(folder),
+                            self.dtype, self.device, config.page_size, self.max_model_len,
+                            self._drafter_runner)
+        self.verifying = VerifyStage.create(self.pm, config.verifier, cfg.vocab_size)
+        drafter, controller = DraftStage.plugins(self.pm, config, target)  # may add runners
+        self.kv_split = self._allocate_kv()
+        self.kernels = self._install_kernels()
+        self.kv = self.runner.kv
+        self.drafting = DraftStage(drafter, controller, cfg.vocab_size, self.max_model_len,
+                                   self.kv)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.stopper = StopChecker(cfg.eos_token_ids, self.max_model_len, self.tokenizer)
-        self.verifier = plugins.create(self.pm, "specdec_verifiers", "verifier", "rejection")
-        self.drafting = DraftStage.create(self, folder)
         self.requests: dict[str, Sequence] = {}
         self.totals = EngineTotals()
         self.plugin_errors: list[str] = []
         self._ids = itertools.count()
+        self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
 
-    def _allocate_kv(self, config: EngineConfig) -> KVCache:
-        cfg = self.model_config
-        num_pages = config.num_pages
-        if num_pages is None:
-            budget = config.kv_cache_memory or _default_kv_memory(config, cfg, self.max_model_len, self.dtype)
-            num_pages = num_pages_for_budget(budget, cfg.num_layers, config.page_size,
-                                             cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        if num_pages * config.page_size < self.max_model_len:
-            raise ValueError(
-                f"num_pages={num_pages} x page_size={config.page_size} holds fewer slots than "
-                f"max_model_len={self.max_model_len}; one full-length request must fit"
-            )
-        return KVCache(cfg.num_layers, num_pages, config.page_size, cfg.num_kv_heads,
-                       cfg.head_dim, self.dtype, self.device)
+    def _new_runner(self, model, name: str, num_layers: int | None = None) -> ModelRunner:
+        return ModelRunner(model, name, self.config.attention_backend, self.config.page_size,
+                           self.device, num_layers)
+
+    def _drafter_runner(self, model, name: str = "drafter",
+                        num_layers: int | None = None) -> ModelRunner:
+        """`TargetInfo.new_runner`: a drafter's runner, allocated with the target's."""
+        runner = self._new_runner(model, name, num_layers)
+        self.drafter_runners.append(runner)
+        return runner
+
+    def _allocate_kv(self) -> KVSplit:
+        """One memory budget, the same pages for the target and every drafter runner."""
+        runners = [self.runner, *self.drafter_runners]
+        names = [r.name if i == 0 else f"drafter {r.name}" for i, r in enumerate(runners)]
+        per_page = dict(zip(names, (r.bytes_per_page for r in runners)))
+        c = self.config
+        memory = c.kv_cache_memory
+        if c.num_pages is None and memory is None:
+            per_token = sum(per_page.values()) // c.page_size
+            one = per_token * self.max_model_len
+            memory = max(one, min(DEFAULT_KV_MEMORY_CAP, one * c.max_num_seqs))
+        split = split_kv(per_page, c.page_size, self.max_model_len, memory, c.num_pages)
+        for runner in runners:
+            runner.allocate(split.num_pages)
+        logger.info(split.describe())
+        return split
+
+    def _install_kernels(self) -> LinearKernels:
+        """The matmul paths every runner's model uses, timed here on CPU (see EngineConfig)."""
+        models = list(dict.fromkeys(r.model for r in [self.runner, *self.drafter_runners]))
+        if self.device.type != "cpu" or self.config.linear_kernels == "plain":
+            kernels = LinearKernels.plain()
+        else:
+            shapes = list(dict.fromkeys(s for m in models for s in m.weight_shapes()))
+            kernels = LinearKernels.tune(shapes, self.dtype, cache_dir=cache_dir() / "kernels")
+            logger.info("linear kernels: %s (%.2f s%s)", kernels.key, kernels.tuned_seconds,
+                        ", cached" if kernels.from_cache else "")
+        for m in models:
+            m.matmul = kernels
+        return kernels
 
     # ---- requests ---------------------------------------------------------------------------
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         """Queue a request; ValueError (and no change to the engine) if it is malformed."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        self._check_prompt(prompt_token_ids)
+        self.check_request(prompt_token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        # unseeded requests draw their seed from torch's global RNG (torch.manual_seed applies)
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()).item())
-        generator = None if params.greedy else make_generator(seed, self.device)
+        generator = None
+        if not params.greedy:
+            generator = make_generator(self._seed(params), self.device)
         seq = Sequence(request_id, list(prompt_token_ids), params, generator)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
 
-    def _check_prompt(self, ids) -> None:
+    def _seed(self, params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed
+        return int(torch.randint(2**62, (), generator=self._seeds).item())
+
+    def check_request(self, ids, params: SamplingParams) -> None:
+        """ValueError/TypeError for a request this engine cannot run (nothing is queued)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not params.greedy and not self.verifying.supports_sampling:
+            raise ValueError(f"verifier {self.verifying.name} verifies greedy requests only; "
+                             f"temperature={params.temperature} needs a sampling verifier "
+                             "(e.g. verifier='rejection')")
         if not isinstance(ids, (list, tuple)) or not ids:
             raise ValueError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
@@ -134,131 +186,74 @@ class LLMEngine:
         sched = self.scheduler.schedule(self.drafting.budgets)
         for seq in sched.preempted:
             self.drafting.release(seq)
-        scheduled, trees, failed = self.drafting.propose(sched.scheduled)
+        failed = self.drafting.propose(sched.scheduled) + [
+            s for s in sched.preempted if s.finish_reason == "error"]
         for seq in failed:
             self._finish(seq)
-        if not scheduled and not failed and self.scheduler.has_work():
+        records = [r for r in sched.scheduled if not r.seq.is_finished]
+        if not records and not failed and self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress: no request fits the KV cache "
                                f"({self.kv.pool.num_free} of {self.kv.pool.num_pages} pages free)")
         t1 = time.perf_counter()
-        emitted: list[tuple[Sequence, int]] = []
-        accepted_total = 0
-        if scheduled:
-            inp = build_model_input(scheduled, trees, self.config.page_size, self.device)
-            logits, hidden = self._forward(inp)
+        t2 = t3 = t1
+        if records:
+            out = self.runner.forward(build_forward_batch(records, self.config.page_size,
+                                                          self.device),
+                                      self.drafting.hidden_layers)
             t2 = time.perf_counter()
-            emitted, accepted_total = self._commit_all(scheduled, trees, inp, logits, hidden)
-        else:
-            t2 = t1
-        finished = [s for s in failed] + [s for s, _ in emitted if s.is_finished]
-        stats = StepStats(
-            step=self.totals.steps, num_requests=len(scheduled),
-            num_prefill_tokens=sum(r.num_new_tokens for r in scheduled if r.num_new_tokens > 1),
-            num_draft_nodes=sum(t.num_nodes for t in trees if t is not None),
-            num_accepted=accepted_total, num_emitted=sum(n for _, n in emitted),
-            draft_seconds=t1 - t0, forward_seconds=t2 - t1,
-            step_seconds=time.perf_counter() - t0, num_preempted=len(sched.preempted),
-            failed_requests=[s.request_id for s in failed],
-        )
+            self.verifying.verify(records, out.logits)
+            self._commit(records)
+            t3 = time.perf_counter()
+            self.drafting.on_verified(records, out.hidden)
+        for rec in records:
+            if rec.seq.finish_reason == "error" and not rec.seq.is_finished:
+                failed.append(rec.seq)
+                self._finish(rec.seq)
+        stats = self._stats(records, sched.preempted, failed, (t0, t1, t2, t3))
         self.totals.add(stats)
-        self.drafting.observe(scheduled, trees, stats)
-        self.plugin_errors += plugins.notify_step_end(self.pm, stats)
+        self.drafting.observe(records, stats)
+        self.plugin_errors += plugins.notify_step_end(self.pm, stats) + self.drafting.errors
+        self.drafting.errors = []
+        emitted = [(r.seq, r.appended) for r in records if r.result is not None]
+        finished = list(dict.fromkeys(
+            [*failed, *(r.seq for r in records if r.seq.is_finished)]))
         return StepResult(emitted, finished, stats)
 
-    def _forward(self, inp: ModelInput) -> tuple[torch.Tensor | None, dict[int, torch.Tensor]]:
-        """(logits [R, V] of the rows that need them, {layer: [T, hidden]} the drafter asked for)."""
-        self.backend.plan(inp.metadata)
-        out = self.model(inp.input_ids, inp.positions, self.backend, self.kv_cache,
-                         capture_layers=self.drafting.hidden_layers)
-        if inp.logits_rows.numel() == 0:
-            return None, out.layer_hidden
-        logits = self.model.compute_logits(out.hidden.index_select(0, inp.logits_rows))
-        return logits, out.layer_hidden
-
-    def _commit_all(self, scheduled: list[ScheduledRequest], trees, inp: ModelInput, logits,
-                    hidden: dict[int, torch.Tensor]):
-        """Verify every frontier request, commit accepted tokens and KV; advance prefills."""
-        plain = [i for i, (r, t) in enumerate(zip(scheduled, trees))
-                 if r.at_frontier and (t is None or t.num_nodes == 0)]
-        results: dict[int, VerifyResult] = self._sample_plain(scheduled, plain, inp, logits)
-        emitted, accepted_total = [], 0
-        for i, (req, tree) in enumerate(zip(scheduled, trees)):
-            seq, start, accepted = req.seq, req.seq.num_computed, []
-            if req.at_frontier:
-                if i not in results:
-                    a, b = inp.logits_ranges[i]
-                    results[i] = self._verify_tree(seq, tree, logits[a:b])
-                accepted = results[i].accepted
-                emitted.append((seq, self._commit(seq, tree, results[i])))
-                accepted_total += len(accepted)
-            else:
-                seq.num_computed += req.num_new_tokens
-            if not seq.is_finished:
-                self._tell_drafter(seq, req, tree, accepted, start, inp.row_starts[i], hidden)
-        return emitted, accepted_total
-
-    def _tell_drafter(self, seq, req, tree, accepted, start: int, row0: int, hidden) -> None:
-        """on_verified with what the step committed; a failing drafter fails the request."""
-        if hidden:
-            fed = req.num_new_tokens
-            rows = torch.tensor([*range(row0, row0 + fed), *(row0 + fed + a for a in accepted)],
-                                device=self.device)
-            hidden = {layer: h.index_select(0, rows) for layer, h in hidden.items()}
-        step = VerifiedStep(seq.token_ids, seq.num_computed, seq.num_computed - start,
-                            tree.num_nodes if tree is not None else 0, len(accepted), hidden)
-        if not self.drafting.on_verified(seq, step):
-            self._finish(seq)
-
-    def _sample_plain(self, scheduled, plain: list[int], inp: ModelInput, logits) -> dict:
-        """Requests without a tree: one batched argmax / sample for all of them."""
-        if not plain:
-            return {}
-        rows = torch.tensor([inp.logits_ranges[i][0] for i in plain], device=logits.device)
-        sub = logits.index_select(0, rows)
-        params = [scheduled[i].seq.params for i in plain]
-        tokens = sub.argmax(dim=-1)
-        sampled = [j for j, p in enumerate(params) if not p.greedy]
-        if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
-            probs = logits_to_probs(sub.index_select(0, idx),
-                                    *params_to_tensors([params[j] for j in sampled], logits.device))
-            draws = sample(probs, [scheduled[plain[j]].seq.generator for j in sampled])
-            tokens[idx] = draws
-        return {i: VerifyResult([], [t]) for i, t in zip(plain, tokens.tolist())}
-
-    def _verify_tree(self, seq: Sequence, tree: DraftTree, rows: torch.Tensor) -> VerifyResult:
-        probs = None
-        if not seq.params.greedy:
-            probs = logits_to_probs(rows, *params_to_tensors([seq.params] * rows.shape[0], rows.device))
-        return self.verifier.verify(tree, rows, probs, seq.generator)
-
-    def _commit(self, seq: Sequence, tree, result: VerifyResult) -> int:
-        """Move accepted nodes' KV into place, append tokens, stop or shrink; returns #appended."""
-        n = seq.num_tokens
-        k = len(result.accepted)
-        moves = [(n + a, n + j) for j, a in enumerate(result.accepted) if a != j]
-        if moves:
-            self.kv_cache.move_slots(*self._slots(seq, moves))
-        appended = self.stopper.append_and_check(seq, result.tokens)
-        seq.num_computed = n + k
-        seq.num_steps_decoding += 1
-        m = tree.num_nodes if tree is not None else 0
-        seq.draft_tokens_proposed += m
-        seq.last_accepted = k
-        _count_depths(seq, k)
+    def _commit(self, records: list[StepRequest]) -> None:
+        """Append each frontier request's tokens (stop conditions apply) and commit its KV;
+        advance prefill chunks."""
         now = time.perf_counter()
-        if seq.times.first_token is None:
-            seq.times.first_token = now
-        seq.times.emissions.append((now, appended))
-        if seq.finish_reason is not None:
-            self._finish(seq)
-        else:
-            self.kv.truncate(seq.block_table, seq.num_computed)
-        return appended
+        for rec in records:
+            seq = rec.seq
+            if rec.result is None:
+                if not rec.at_frontier:
+                    seq.num_computed += rec.num_new_tokens
+                continue
+            n, accepted = seq.num_tokens, rec.result.accepted
+            rec.appended = self.stopper.append_and_check(seq, rec.result.tokens)
+            seq.num_computed = n + len(accepted)
+            _count(seq, rec, now)
+            if seq.finish_reason is not None:
+                self._finish(seq)
+            else:
+                self.kv.commit(seq.block_table, n, accepted)
 
-    def _slots(self, seq: Sequence, moves: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-        pages, ps = seq.block_table.pages, self.config.page_size
-        return [slot_of(pages, s, ps) for s, _ in moves], [slot_of(pages, d, ps) for _, d in moves]
+    def _stats(self, records, preempted, failed, times) -> StepStats:
+        t0, t1, t2, t3 = times
+        frontier = [r for r in records if r.result is not None]
+        return StepStats(
+            step=self.totals.steps, num_requests=len(records),
+            num_decode=sum(1 for r in records if r.at_frontier and r.num_new_tokens == 1),
+            num_prefill_tokens=sum(r.num_new_tokens for r in records if r.num_new_tokens > 1),
+            num_draft_nodes=sum(r.num_nodes for r in records),
+            num_verified_rows=sum(1 + r.num_nodes for r in frontier),
+            num_accepted=sum(r.num_accepted for r in frontier),
+            num_emitted=sum(r.appended for r in frontier),
+            num_draft_no_kv=sum(1 for r in records if r.no_kv),
+            draft_seconds=t1 - t0, forward_seconds=t2 - t1, verify_seconds=t3 - t2,
+            step_seconds=time.perf_counter() - t0, num_preempted=len(preempted),
+            failed_requests=[s.request_id for s in dict.fromkeys(failed)],
+        )
 
     def _finish(self, seq: Sequence) -> None:
         if seq.finish_reason is None:
@@ -268,11 +263,19 @@ class LLMEngine:
         seq.times.finished = time.perf_counter()
 
 
-def _count_depths(seq: Sequence, k: int) -> None:
+def _count(seq: Sequence, rec: StepRequest, now: float) -> None:
+    """Per-request metrics of one verification."""
+    k = rec.num_accepted
+    seq.num_steps_decoding += 1
+    seq.draft_tokens_proposed += rec.num_nodes
+    seq.last_proposed, seq.last_accepted = rec.num_nodes, k
     while len(seq.accepted_by_depth) < k:
         seq.accepted_by_depth.append(0)
     for d in range(k):
         seq.accepted_by_depth[d] += 1
+    if seq.times.first_token is None:
+        seq.times.first_token = now
+    seq.times.emissions.append((now, rec.appended))
 
 
 def _max_model_len(config: EngineConfig, cfg) -> int:
@@ -284,10 +287,3 @@ def _max_model_len(config: EngineConfig, cfg) -> int:
     if config.max_model_len > limit:
         raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's limit {limit}")
     return config.max_model_len
-
-
-def _default_kv_memory(config: EngineConfig, cfg, max_model_len: int, dtype) -> int:
-    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-    one_request = per_token * max_model_len
-    return max(one_request, min(DEFAULT_KV_MEMORY_CAP, one_request * config.max_num_seqs))
-

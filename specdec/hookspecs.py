@@ -24,15 +24,22 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 class SpecdecHookSpec:
     @hookspec
     def specdec_drafters(self) -> dict:
-        """Drafter factories: name -> callable(target: TargetInfo, **drafter_args) -> Drafter."""
+        """Drafter factories: name -> callable(target: TargetInfo, **drafter_args) -> Drafter
+        (`specdec.drafters.base`: propose(list[DraftRequest]), on_verified(VerifiedBatch))."""
 
     @hookspec
     def specdec_verifiers(self) -> dict:
-        """Verifier factories: name -> callable() -> Verifier."""
+        """Verifier factories: name -> callable() -> Verifier, selected by `EngineConfig.verifier`.
+
+        A Verifier has `name`, `supports_sampling` and `verify(VerifyBatch) -> VerifyOutput`:
+        one call per step for every request at its frontier, batch-flat (see
+        `specdec.verifiers.base`)."""
 
     @hookspec
     def specdec_controllers(self) -> dict:
-        """Controller factories: name -> callable(**controller_args) -> Controller."""
+        """Controller factories: name -> callable(**controller_args) -> Controller
+        (`specdec.controllers.base`: budgets(requests, BatchComposition) -> list[DraftBudget],
+        observe(StepReport))."""
 
     @hookspec
     def specdec_step_end(self, stats) -> None:

@@ -27,8 +27,10 @@ class LLM:
                  controller: str = "static", controller_args: dict[str, Any] | None = None,
                  plugins: tuple = (), **engine_args: Any) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, drafter=drafter,
-                              drafter_args=dict(drafter_args or {}), controller=controller,
-                              controller_args=dict(controller_args or {}), **engine_args)
+                              drafter_args={} if drafter_args is None else drafter_args,
+                              controller=controller,
+                              controller_args={} if controller_args is None else controller_args,
+                              **engine_args)
         self.engine = LLMEngine(config, plugins)
 
     @property
@@ -83,9 +85,9 @@ class LLM:
     def _add_all(self, prompts, sampling_params) -> list[str]:
         token_lists = self._tokenize_all(prompts)
         params = _params_list(sampling_params, len(token_lists))
-        for i, ids in enumerate(token_lists):  # validate everything before queueing anything
+        for i, (ids, p) in enumerate(zip(token_lists, params)):  # all checked, then queued
             try:
-                self.engine._check_prompt(ids)
+                self.engine.check_request(ids, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
         return [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]

@@ -14,12 +14,16 @@ class StepStats:
 
     step: int
     num_requests: int  # requests in the forward
-    num_prefill_tokens: int  # rows of chunks that did not reach a frontier, plus their frontier rows
+    num_decode: int  # requests verifying a decode row (plus their draft nodes)
+    num_prefill_tokens: int  # rows fed by prefill chunks (requests feeding more than one token)
     num_draft_nodes: int  # tree nodes verified this step
+    num_verified_rows: int  # logits rows verified: 1 + nodes per frontier request
     num_accepted: int  # draft nodes accepted
     num_emitted: int  # tokens appended to requests
-    draft_seconds: float
-    forward_seconds: float
+    num_draft_no_kv: int  # requests the drafter could not draft for (no KV in its runner)
+    draft_seconds: float  # scheduling, budgets and drafting
+    forward_seconds: float  # the target forward
+    verify_seconds: float  # verification and KV commit
     step_seconds: float
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
@@ -32,13 +36,17 @@ class EngineTotals:
     steps: int = 0
     draft_seconds: float = 0.0
     forward_seconds: float = 0.0
+    verify_seconds: float = 0.0
     step_seconds: float = 0.0
+    draft_no_kv: int = 0
 
     def add(self, stats: StepStats) -> None:
         self.steps += 1
         self.draft_seconds += stats.draft_seconds
         self.forward_seconds += stats.forward_seconds
+        self.verify_seconds += stats.verify_seconds
         self.step_seconds += stats.step_seconds
+        self.draft_no_kv += stats.num_draft_no_kv
 
 
 def request_metrics(seq: Sequence) -> RequestMetrics:

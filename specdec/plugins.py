@@ -56,8 +56,12 @@ def collect(pm: pluggy.PluginManager, hook_name: str) -> dict[str, tuple[Callabl
     return found
 
 
-def create(pm: pluggy.PluginManager, hook_name: str, kind: str, name: str, *args, **kwargs):
-    """Instantiate `name` from a registration hook; errors list the names and name the plugin."""
+def create(pm: pluggy.PluginManager, hook_name: str, kind: str, name: str, /, *args, **kwargs):
+    """Instantiate `name` from a registration hook; errors list the names and name the plugin.
+
+    The first four parameters are positional-only, so user keyword arguments (drafter_args,
+    controller_args) may use any key, `name` and `kind` included: all reach the factory.
+    """
     registry = collect(pm, hook_name)
     if name not in registry:
         raise ValueError(f"unknown {kind} {name!r}; registered: {', '.join(sorted(registry))}")

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures in (0, GREEDY_TEMPERATURE_EPS) are decoded greedily: dividing float32 logits by
+# e.g. 1e-39 overflows to inf and the softmax turns into NaN, while the distribution such a
+# temperature describes is already the argmax to within rounding.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Largest accepted seed. torch.Generator.manual_seed takes up to 2**64 - 1; we stay within the
+# signed 64-bit range so a seed round-trips through int64 tensors, numpy and JSON consumers.
+MAX_SEED = 2**63 - 1
 
 
 @dataclass
 class SamplingParams:
     """How one request is decoded.
 
-    temperature 0 means greedy (argmax). top_k -1 (or 0) disables top-k; top_p 1.0 and
-    min_p 0.0 disable nucleus and min-p filtering. The same seed gives the same output.
+    temperature 0 means greedy (argmax); so does any temperature below
+    GREEDY_TEMPERATURE_EPS (1e-5), where float32 sampling would produce NaN probabilities.
+    top_k -1 (or 0) disables top-k; top_p 1.0 and min_p 0.0 disable nucleus and min-p
+    filtering. seed is None (a fresh random seed) or an int in [0, MAX_SEED] = [0, 2**63 - 1];
+    the same seed gives the same output. Numbers must be finite and never bools.
     """
 
     temperature: float = 1.0
@@ -26,26 +38,46 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.temperature, (int, float)) and self.temperature >= 0,
-               f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= -1,
-               f"top_k must be an int >= -1 (-1 or 0 = disabled), got {self.top_k!r}")
-        _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
-               f"top_p must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0,
-               f"min_p must be in [0, 1], got {self.min_p!r}")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
-               f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        _check(self.seed is None or isinstance(self.seed, int),
-               f"seed must be an int or None, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop),
+        _check(_is_real(self.temperature) and self.temperature >= 0,
+               f"temperature must be a finite number >= 0 (0 = greedy), {_got(self.temperature)}")
+        _check(_is_int(self.top_k) and self.top_k >= -1,
+               f"top_k must be an int >= -1 (-1 or 0 = disabled), {_got(self.top_k)}")
+        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
+               f"top_p must be a number in (0, 1], {_got(self.top_p)}")
+        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
+               f"min_p must be a number in [0, 1], {_got(self.min_p)}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+               f"max_tokens must be an int >= 1, {_got(self.max_tokens)}")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+               f"seed must be None or an int in [0, 2**63 - 1], {_got(self.seed)}")
+        _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s
+                                                            for s in self.stop),
                f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-               f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        _check(isinstance(self.stop_token_ids, (list, tuple))
+               and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    """An int or float that is finite as a float; not a bool (bool is an int subclass)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def _got(value) -> str:
+    return f"got {value!r}" + (" (a bool)" if isinstance(value, bool) else "")
 
 
 def _check(ok: bool, message: str) -> None:

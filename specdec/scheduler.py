@@ -1,8 +1,9 @@
 """Continuous batching: which requests run this step, with how many tokens and draft slots.
 
 Running requests go first (oldest first), each getting its remaining prefill chunk or its decode
-row plus draft slots; waiting requests are admitted while the token budget, `max_num_seqs` and
-free pages allow. When pages run out for a running request, the newest running request is
+row; waiting requests are admitted while the token budget, `max_num_seqs` and free pages allow;
+then the controller's draft budgets are asked for the decode requests, knowing that composition,
+and draft slots are reserved within the tokens and pages left. When pages run out for a running request, the newest running request is
 preempted by recompute: its pages are freed and it goes back to the front of the queue, to be
 prefilled again over its prompt and everything it had generated.
 """
@@ -13,30 +14,23 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdec.controllers.base import BatchComposition, DraftBudget
 from specdec.kv.block_table import KVCacheManager
 from specdec.sequence import Sequence, SequenceStatus
+from specdec.step import StepRequest
 
-
-@dataclass
-class ScheduledRequest:
-    seq: Sequence
-    num_new_tokens: int  # tokens fed from token_ids[num_computed:]
-    draft_budget: int = 0  # max draft-tree nodes this step (0 = no speculation)
-
-    @property
-    def at_frontier(self) -> bool:
-        """This step ends at the last token, so the request emits tokens."""
-        return self.seq.num_computed + self.num_new_tokens == self.seq.num_tokens
+# frontier requests and the step's composition -> one budget each (the draft stage's `budgets`)
+BudgetFn = Callable[[list[Sequence], BatchComposition], list[DraftBudget]]
 
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]
+    scheduled: list[StepRequest]
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
-        return sum(r.num_new_tokens + r.draft_budget for r in self.scheduled)
+        return sum(r.num_new_tokens + r.budget.max_nodes for r in self.scheduled)
 
 
 class Scheduler:
@@ -53,42 +47,56 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, draft_budgets: Callable[[list[Sequence]], list[int]]) -> SchedulerOutput:
-        """Pick this step's work. `draft_budgets` maps frontier requests to tree budgets."""
+    def schedule(self, draft_budgets: BudgetFn) -> SchedulerOutput:
+        """Pick this step's work: running requests' rows, admissions, then draft slots.
+
+        Drafts come last, so the controller is asked knowing the step's composition, and a draft
+        never preempts anything: a budget that does not fit (tokens or pages) shrinks or is 0.
+        """
         out = SchedulerOutput([])
         budget = self.max_num_batched_tokens
-        frontier = [s for s in self.running if s.tokens_to_frontier() == 1]
-        wanted = dict(zip((id(s) for s in frontier), draft_budgets(frontier)))
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget <= 0:
                 continue
             n_new = min(seq.tokens_to_frontier(), budget)
-            draft = min(wanted.get(id(seq), 0), budget - n_new) if n_new == 1 else 0
-            draft = self._reserve_running(seq, n_new, draft, out)
-            if draft is None:
-                continue
-            out.scheduled.append(ScheduledRequest(seq, n_new, draft))
-            budget -= n_new + draft
-        self._admit(out, budget)
+            if self._reserve_running(seq, n_new, out):
+                out.scheduled.append(StepRequest(seq, n_new))
+                budget -= n_new
+        budget = self._admit(out, budget)
+        self._reserve_drafts(out, budget, draft_budgets)
         return out
 
-    def _reserve_running(self, seq, n_new, draft, out) -> int | None:
-        """Reserve slots for seq (dropping the draft, then preempting others, if pages run out).
+    def _reserve_drafts(self, out: SchedulerOutput, budget: int, draft_budgets: BudgetFn) -> None:
+        decode = [r for r in out.scheduled if r.at_frontier and r.num_new_tokens == 1]
+        if not decode:
+            return
+        prefill = [r for r in out.scheduled if r not in decode]
+        composition = BatchComposition(
+            num_decode=len(decode), num_prefill_requests=len(prefill),
+            num_prefill_tokens=sum(r.num_new_tokens for r in prefill),
+            num_waiting=len(self.waiting), max_draft_rows=budget)
+        for req, asked in zip(decode, draft_budgets([r.seq for r in decode], composition)):
+            req.asked = asked
+            n = min(asked.max_nodes, budget)
+            seq = req.seq
+            if n > 0 and self.kv.can_reserve(seq.block_table, seq.num_computed + 1 + n):
+                self.kv.reserve(seq.block_table, seq.num_computed + 1 + n)
+                req.budget = asked.clip(n)
+                budget -= n
 
-        Returns the draft budget that fit, or None if seq itself had to be preempted.
+    def _reserve_running(self, seq: Sequence, n_new: int, out: SchedulerOutput) -> bool:
+        """Reserve seq's rows, preempting the newest other running requests if pages run out.
+
+        False if seq itself had to be preempted.
         """
-        for d in (draft, 0):
-            if self.kv.can_reserve(seq.block_table, seq.num_computed + n_new + d):
-                self.kv.reserve(seq.block_table, seq.num_computed + n_new + d)
-                return d
         while not self.kv.can_reserve(seq.block_table, seq.num_computed + n_new):
             victim = self._newest_running(exclude=seq, scheduled=out.scheduled)
             if victim is None:
                 self.preempt(seq, out)
-                return None
+                return False
             self.preempt(victim, out)
         self.kv.reserve(seq.block_table, seq.num_computed + n_new)
-        return 0
+        return True
 
     def _newest_running(self, exclude, scheduled) -> Sequence | None:
         taken = {id(r.seq) for r in scheduled}
@@ -106,7 +114,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests while tokens, seats and pages allow; returns the token budget
+        left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n_new = min(seq.tokens_to_frontier(), budget)
@@ -116,8 +126,9 @@ class Scheduler:
             self.kv.reserve(seq.block_table, seq.num_computed + n_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledRequest(seq, n_new, 0))
+            out.scheduled.append(StepRequest(seq, n_new))
             budget -= n_new
+        return budget
 
     def finish(self, seq: Sequence) -> None:
         """Remove a request (finished, aborted or failed) and return its pages."""

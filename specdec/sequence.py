@@ -53,7 +53,8 @@ class Sequence:
     num_steps_decoding: int = 0  # target forwards that ended at this request's frontier
     draft_tokens_proposed: int = 0
     accepted_by_depth: list[int] = field(default_factory=list)  # [d] times depth d was accepted
-    last_accepted: int = 0  # draft nodes accepted in the latest verification
+    last_proposed: int = 0  # draft nodes verified in the latest verification
+    last_accepted: int = 0  # of which accepted
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -59,8 +59,12 @@ class DraftTree:
     def num_nodes(self) -> int:
         return int(self.tokens.numel())
 
-    def validate(self, max_nodes: int | None = None, vocab_size: int | None = None) -> None:
-        """Raise ValueError if the tree is malformed, over ``max_nodes``, or outside the vocab."""
+    def validate(self, max_nodes: int | None = None, vocab_size: int | None = None,
+                 max_depth: int | None = None, check_probs: bool = False) -> None:
+        """Raise ValueError if the tree is malformed, over ``max_nodes`` nodes or ``max_depth``
+        levels, or outside the vocab. ``check_probs`` also checks the values of ``draft_probs``
+        (finite, >= 0, every row with mass, mass at the node's own token): a sampled request's
+        verifier divides by them."""
         _check_index_tensor("tokens", self.tokens)
         _check_index_tensor("parents", self.parents)
         n = self.num_nodes
@@ -73,6 +77,11 @@ class DraftTree:
         _check_parents(self.parents.tolist())
         _check_tokens(self.tokens.tolist(), vocab_size)
         _check_draft_probs(self.draft_probs, n, vocab_size)
+        if max_depth is not None and self.max_depth + 1 > max_depth:
+            raise ValueError(f"DraftTree is {self.max_depth + 1} levels deep, more than the "
+                             f"budget max_depth={max_depth}")
+        if check_probs and self.draft_probs is not None and n:
+            _check_draft_prob_values(self.draft_probs, self.tokens)
 
     # ---- derived structure (cached) ----------------------------------------------------------
 
@@ -149,6 +158,35 @@ class DraftTree:
         return out
 
 
+def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:
+    """[q_len, kv_len] bool: the q_len new rows are the last q_len of kv_len slots, each sees
+    itself and everything before it. Example, q_len 2, kv_len 4::
+
+        1 1 1 0
+        1 1 1 1
+    """
+    cols = torch.arange(kv_len, device=device)
+    rows = torch.arange(kv_len - q_len, kv_len, device=device)
+    return cols[None, :] <= rows[:, None]
+
+
+def nodes_mask(tree: DraftTree, prefix_len: int, nodes: torch.Tensor | None = None) -> torch.Tensor:
+    """[len(nodes), prefix_len + n] bool: rows of tree nodes (all, or ``nodes`` [r] int64) over a
+    prefix of ``prefix_len`` slots followed by the tree's n node slots (node j at prefix_len + j).
+
+    A node sees the whole prefix and its ancestors-or-self. This is the one tree-mask builder:
+    verification rows (``verify_mask``), a step's rows (``step_mask``) and drafters expanding a
+    tree in their own model all use it. Example, prefix_len 2, parents [-1, -1, 0], nodes [2]::
+
+        1 1 | 1 0 1
+    """
+    anc = tree.ancestor_mask if nodes is None else tree.ancestor_mask.index_select(0, nodes)
+    mask = torch.ones(anc.shape[0], prefix_len + tree.num_nodes, dtype=torch.bool,
+                      device=anc.device)
+    mask[:, prefix_len:] = anc
+    return mask
+
+
 def verify_mask(tree: DraftTree, prefix_len: int) -> torch.Tensor:
     """[1 + n, prefix_len + n] bool attention mask for one request's verification rows.
 
@@ -165,11 +203,22 @@ def verify_mask(tree: DraftTree, prefix_len: int) -> torch.Tensor:
     if prefix_len < 1:
         raise ValueError(
             f"prefix_len must be >= 1 (it includes the last committed token), got {prefix_len}")
-    n = tree.num_nodes
-    mask = torch.zeros(1 + n, prefix_len + n, dtype=torch.bool, device=tree.parents.device)
-    mask[:, :prefix_len] = True
-    mask[1:, prefix_len:] = tree.ancestor_mask
-    return mask
+    root = causal_mask(1, prefix_len + tree.num_nodes, tree.parents.device)
+    root[:, prefix_len:] = False
+    return torch.cat([root, nodes_mask(tree, prefix_len)])
+
+
+def step_mask(tree: DraftTree, num_computed: int, num_tokens: int) -> torch.Tensor:
+    """[q + n, num_tokens + n] bool for one request fed tokens[num_computed:num_tokens] (q rows)
+    plus a tree: causal rows for the fed tokens before the last, then ``verify_mask`` rows."""
+    q = num_tokens - num_computed
+    tree_rows = verify_mask(tree, num_tokens)
+    if q == 1:
+        return tree_rows
+    causal = torch.zeros(q - 1, num_tokens + tree.num_nodes, dtype=torch.bool,
+                         device=tree.parents.device)
+    causal[:, :num_tokens - 1] = causal_mask(q - 1, num_tokens - 1, tree.parents.device)
+    return torch.cat([causal, tree_rows])
 
 
 def from_paths(paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
@@ -238,3 +287,19 @@ def _check_draft_probs(q: object, n: int, vocab_size: int | None) -> None:
     if vocab_size is not None and q.shape[1] != vocab_size:
         raise ValueError(
             f"DraftTree.draft_probs has {q.shape[1]} columns but the vocab size is {vocab_size}")
+
+
+def _check_draft_prob_values(q: torch.Tensor, tokens: torch.Tensor) -> None:
+    finite = bool(torch.isfinite(q).all())
+    if not finite or bool((q < 0).any()):
+        raise ValueError("DraftTree.draft_probs must be finite and non-negative")
+    empty = (q.sum(-1) <= 0).nonzero()
+    if empty.numel():
+        raise ValueError(f"DraftTree.draft_probs row {int(empty[0])} sums to 0; each row must be "
+                         "the distribution its node was drawn from")
+    at_token = q.gather(1, tokens.to(q.device)[:, None])[:, 0]
+    zero = (at_token <= 0).nonzero()
+    if zero.numel():
+        i = int(zero[0])
+        raise ValueError(f"DraftTree.draft_probs[{i}, {int(tokens[i])}] is 0 but node {i} drafted "
+                         f"token {int(tokens[i])}: a node's token must have mass in its own row")

@@ -1,12 +1,22 @@
-"""Verifier protocol, its per-request result, and the padded batch form.
+"""Verifier protocol and its batch-flat payloads (in the manner of vLLM's SpecDecodeMetadata).
 
-Row convention for one request with a tree of n nodes (V = vocab size)::
+One call per step verifies every request at its decode frontier. Request b has a tree of n_b
+nodes (0 for a plain decode row) and 1 + n_b logits rows, stored back to back::
 
-    logits[0]      target distribution of the first draft depth (row of the last committed token)
-    logits[1 + i]  target distribution of node i's children (the token after node i)
+    cu_rows = [0, 1 + n_0, 1 + n_0 + 1 + n_1, ...]                     # [B + 1]
+    logits[cu_rows[b]]          target distribution of request b's first draft depth
+    logits[cu_rows[b] + 1 + i]  target distribution of the token after node i
 
-``probs`` has the same rows after the caller's temperature / top-k / top-p / min-p processing,
-or is None for greedy decoding.
+``probs`` has the same rows after the request's temperature / top-k / top-p / min-p (None when
+every request is greedy; rows of greedy requests are then unused). Draft probabilities travel
+with each tree (``DraftTree.draft_probs``, None for deterministic drafts).
+
+The output is padded with -1: ``accepted[b, :k_b]`` are the accepted node indices (a root-to-leaf
+path prefix, in depth order) and ``tokens[b, :k_b + 1]`` the emitted tokens (the accepted nodes'
+tokens, then one corrected or bonus token). Example, B = 2: request 0 chain [7, 8, 9] with target
+argmax [7, 8, 4, 2], request 1 plain with argmax [5]::
+
+    accepted = [[0, 1], [-1, -1]]       tokens = [[7, 8, 4], [5, -1, -1]]
 """
 
 from __future__ import annotations
@@ -20,8 +30,61 @@ from specdec.tree import DraftTree
 
 
 @dataclass
+class VerifyBatch:
+    trees: list[DraftTree]  # one per request; num_nodes 0 for plain rows
+    cu_rows: list[int]  # [B + 1] cumulative 1 + n_b (host ints: the layout is known on the host)
+    logits: torch.Tensor  # [cu_rows[-1], V] float target logits
+    probs: torch.Tensor | None  # [cu_rows[-1], V] float processed target probs, or None
+    greedy: list[bool]  # [B] request decodes greedily
+    generators: list[torch.Generator | None]  # [B] each request's RNG (None: global RNG)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.trees)
+
+    def select(self, index: list[int]) -> VerifyBatch:
+        """The sub-batch of requests ``index`` (in that order)."""
+        rows = torch.cat([torch.arange(self.cu_rows[b], self.cu_rows[b + 1]) for b in index])
+        rows = rows.to(self.logits.device)
+        cu = [0]
+        for b in index:
+            cu.append(cu[-1] + self.cu_rows[b + 1] - self.cu_rows[b])
+        return VerifyBatch(
+            [self.trees[b] for b in index], cu, self.logits.index_select(0, rows),
+            None if self.probs is None else self.probs.index_select(0, rows),
+            [self.greedy[b] for b in index], [self.generators[b] for b in index])
+
+
+@dataclass
+class VerifyOutput:
+    accepted: torch.Tensor  # [B, D] int64 accepted node indices, -1 padded (D >= max k_b)
+    tokens: torch.Tensor  # [B, D + 1] int64 emitted tokens, -1 padded
+    num_accepted: torch.Tensor  # [B] int64 k_b
+
+    def to_results(self) -> list[VerifyResult]:
+        """Per-request host lists (one device -> host copy)."""
+        acc, tok, k = self.accepted.tolist(), self.tokens.tolist(), self.num_accepted.tolist()
+        return [VerifyResult(a[:n], t[:n + 1]) for a, t, n in zip(acc, tok, k)]
+
+    @staticmethod
+    def merge(parts: list[tuple[list[int], VerifyOutput]], batch_size: int) -> VerifyOutput:
+        """Outputs of sub-batches (each with the request indices it covers) as one output."""
+        d = max((p.accepted.shape[1] for _, p in parts), default=0)
+        device = parts[0][1].accepted.device if parts else "cpu"
+        accepted = torch.full((batch_size, d), -1, dtype=torch.int64, device=device)
+        tokens = torch.full((batch_size, d + 1), -1, dtype=torch.int64, device=device)
+        num = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        for index, p in parts:
+            idx = torch.tensor(index, device=device)
+            accepted[idx, :p.accepted.shape[1]] = p.accepted
+            tokens[idx, :p.tokens.shape[1]] = p.tokens
+            num[idx] = p.num_accepted
+        return VerifyOutput(accepted, tokens, num)
+
+
+@dataclass
 class VerifyResult:
-    """What one request keeps from one verification.
+    """What one request keeps from one verification (host form).
 
     Example: a chain [7, 8, 9] whose first two nodes match and whose third is corrected to 4
     gives ``accepted = [0, 1]``, ``tokens = [7, 8, 4]``.
@@ -41,44 +104,34 @@ class Verifier(Protocol):
     """Decides which draft nodes to keep; output must follow the target distribution exactly."""
 
     name: str
+    supports_sampling: bool  # False: the engine refuses sampled requests with this verifier
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None,
-               generator: torch.Generator | None) -> VerifyResult:
-        """tree: n nodes; logits: [1 + n, V] target logits; probs: [1 + n, V] processed p or None."""
+    def verify(self, batch: VerifyBatch) -> VerifyOutput:
+        """Verify every request of the step at once (see the module docstring)."""
         ...
 
 
-def check_verify_inputs(tree: DraftTree, logits: torch.Tensor,
-                        probs: torch.Tensor | None) -> int:
-    """Validate one request's verifier inputs; return the vocab size V."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError(f"logits must be a 2-D tensor [1 + n, V], got {_shape(logits)}")
-    if logits.shape[0] != tree.num_nodes + 1:
-        raise ValueError(
-            f"logits has {logits.shape[0]} rows but the tree has {tree.num_nodes} nodes; "
-            "expected 1 + n rows (the last committed token, then one per node)")
-    if probs is not None and (not isinstance(probs, torch.Tensor) or probs.shape != logits.shape):
-        raise ValueError(
-            f"probs must match logits' shape {tuple(logits.shape)} or be None, got {_shape(probs)}")
-    vocab_size = int(logits.shape[1])
-    tree.validate(vocab_size=vocab_size)
-    return vocab_size
+def check_batch(batch: VerifyBatch) -> None:
+    """Validate a batch's layout (for direct callers and tests; the engine builds it right)."""
+    b = batch.batch_size
+    if len(batch.cu_rows) != b + 1 or len(batch.greedy) != b or len(batch.generators) != b:
+        raise ValueError(f"cu_rows needs B + 1 = {b + 1} entries and greedy/generators B")
+    for i, tree in enumerate(batch.trees):
+        if batch.cu_rows[i + 1] - batch.cu_rows[i] != tree.num_nodes + 1:
+            raise ValueError(
+                f"request {i}: {batch.cu_rows[i + 1] - batch.cu_rows[i]} logits rows but its "
+                f"tree has {tree.num_nodes} nodes; expected 1 + n rows")
+    if batch.logits.dim() != 2 or batch.logits.shape[0] != batch.cu_rows[-1]:
+        raise ValueError(f"logits must be [{batch.cu_rows[-1]}, V], got "
+                         f"{tuple(batch.logits.shape)}")
+    if batch.probs is not None and batch.probs.shape != batch.logits.shape:
+        raise ValueError(f"probs must match logits' shape {tuple(batch.logits.shape)}")
+    if batch.probs is None and not all(batch.greedy):
+        raise ValueError("probs are required when a request samples (greedy False)")
 
 
-def batch_form(results: list[VerifyResult]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pad per-request results into ``(accepted [B, Dmax], tokens [B, Dmax + 1])`` int64, -1 = pad.
-
-    Example: accepted [[0, 2], []] -> [[0, 2], [-1, -1]]; tokens [[5, 6, 7], [9]] ->
-    [[5, 6, 7], [9, -1, -1]].
-    """
-    dmax = max((len(r.accepted) for r in results), default=0)
-    accepted = torch.full((len(results), dmax), -1, dtype=torch.int64)
-    tokens = torch.full((len(results), dmax + 1), -1, dtype=torch.int64)
-    for b, r in enumerate(results):
-        accepted[b, : len(r.accepted)] = torch.tensor(r.accepted, dtype=torch.int64)
-        tokens[b, : len(r.tokens)] = torch.tensor(r.tokens, dtype=torch.int64)
-    return accepted, tokens
-
-
-def _shape(x: object) -> str:
-    return f"shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+def single(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> VerifyBatch:
+    """A batch of one request (tests, and callers verifying one tree)."""
+    return VerifyBatch([tree], [0, tree.num_nodes + 1], logits, probs, [probs is None],
+                       [generator])

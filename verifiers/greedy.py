@@ -1,37 +1,70 @@
-"""Greedy verification: keep the longest path that matches the target argmax."""
+"""Greedy verification: keep the longest path that matches the target argmax, batched.
+
+Node i is accepted iff it and all its ancestors carry the argmax of their parent's row (and no
+earlier sibling carries the same token: the first match wins). Those nodes form one root path,
+found for every request at once with a handful of tensor ops and no host sync.
+
+Example: chain [7, 8, 9], target argmax per row [7, 8, 4, 2] -> accepted [0, 1], tokens [7, 8, 4].
+"""
 
 from __future__ import annotations
 
 import torch
 
-from specdec.tree import DraftTree
-from specdec.verifiers.base import VerifyResult, check_verify_inputs
+from specdec.verifiers.base import VerifyBatch, VerifyOutput
+from specdec.verifiers.layout import TreeLayout
 
 
 class GreedyVerifier:
-    """Walk from the root: while a child carries the target argmax, accept it; then emit argmax.
-
-    Example: chain [7, 8, 9], target argmax per row [7, 8, 4, 2] -> accepted [0, 1],
-    tokens [7, 8, 4]. ``probs`` and ``generator`` are ignored.
-    """
+    """Verifies greedy requests only: the engine refuses sampled requests with this verifier."""
 
     name = "greedy"
+    supports_sampling = False
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> VerifyResult:
-        check_verify_inputs(tree, logits, probs)
-        return greedy_walk(tree, logits.argmax(dim=-1).tolist())
+    def verify(self, batch: VerifyBatch) -> VerifyOutput:
+        if not all(batch.greedy):
+            raise ValueError("verifier 'greedy' verifies greedy requests only (temperature 0); "
+                             "use 'rejection' for sampled requests")
+        layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
+        return greedy_verify(batch.logits.argmax(dim=-1), layout)
 
 
-def greedy_walk(tree: DraftTree, targets: list[int]) -> VerifyResult:
-    """Accept children equal to ``targets[row]`` (row = 1 + node, 0 = root); first match wins."""
-    tokens = tree.tokens.tolist()
-    accepted: list[int] = []
-    cur = -1
-    while True:
-        want = targets[cur + 1]
-        nxt = next((c for c in tree.children(cur) if tokens[c] == want), None)
-        if nxt is None:
-            return VerifyResult(accepted, [tokens[i] for i in accepted] + [want])
-        accepted.append(nxt)
-        cur = nxt
+def greedy_verify(argmax: torch.Tensor, layout: TreeLayout) -> VerifyOutput:
+    """argmax [R] int64 target token per logits row -> the longest matching path per request."""
+    b, n = layout.tokens.shape
+    bonus_root = argmax.index_select(0, layout.node_row[:, 0])
+    if n == 0:
+        return VerifyOutput(torch.zeros(b, 0, dtype=torch.int64, device=argmax.device),
+                            bonus_root.unsqueeze(1),
+                            torch.zeros(b, dtype=torch.int64, device=argmax.device))
+    want = argmax[layout.parent_row]  # [B, N]: the token each node must carry
+    match = layout.valid & layout.first & (layout.tokens == want)
+    # every ancestor-or-self matches (padding has no ancestors: keep it out explicitly)
+    ok = layout.valid & ~(layout.ancestors & ~match[:, None, :]).any(-1)
+    return path_output(ok, layout, argmax)
+
+
+def path_output(ok: torch.Tensor, layout: TreeLayout, argmax: torch.Tensor) -> VerifyOutput:
+    """ok [B, N] bool marks each request's accepted root path; the bonus is the argmax of the
+    deepest accepted node's row (the root's row when nothing was accepted)."""
+    k = ok.sum(-1)
+    deepest = torch.where(ok, layout.depth, -1).argmax(-1)
+    bonus_row = torch.where(k > 0, layout.node_row.gather(1, (deepest + 1)[:, None])[:, 0],
+                            layout.node_row[:, 0])
+    bonus = argmax.index_select(0, bonus_row)
+    return assemble(ok, layout, bonus)
+
+
+def assemble(ok: torch.Tensor, layout: TreeLayout, last: torch.Tensor) -> VerifyOutput:
+    """Padded output from accepted-node flags ok [B, N] (one root path each) and the emitted
+    token after the path, last [B]."""
+    b, n = ok.shape
+    d = layout.max_depth
+    arange = torch.arange(n, device=ok.device).expand(b, n)
+    idx = torch.where(ok, arange, n).sort(-1).values[:, :d]
+    accepted = torch.where(idx < n, idx, -1)
+    k = ok.sum(-1)
+    tokens = torch.full((b, d + 1), -1, dtype=torch.int64, device=ok.device)
+    tokens[:, :d] = torch.where(accepted >= 0, layout.tokens.gather(1, idx.clamp(max=n - 1)), -1)
+    tokens.scatter_(1, k[:, None], last[:, None])
+    return VerifyOutput(accepted, tokens, k)

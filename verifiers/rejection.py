@@ -1,4 +1,4 @@
-"""Lossless verification for sampled decoding: (multi-draft) recursive rejection sampling.
+"""Lossless verification for sampled decoding: (multi-draft) recursive rejection sampling, batched.
 
 At node ``cur`` (start: the root) the target is r = p(row of cur). Children are tried in index
 order; for child c with token x:
@@ -10,110 +10,133 @@ order; for child c with token x:
 
 An accepted child becomes ``cur`` (fresh r from its row); if no child is accepted a token is drawn
 from r and verification stops, so an accepted leaf is followed by a bonus token from its row.
-A chain is the one-child case of the same walk.
+A chain is the one-child case of the same walk, a plain row the no-child case.
 
 Why it is lossless: each sibling step is a rejection sampler for the current r with proposal q,
 so conditional on any earlier rejected siblings the output is distributed as r. That holds for any
 q a sibling was really drawn from, including "without replacement" (q conditioned on the earlier
 siblings), as long as ``draft_probs[c]`` is exactly that distribution. The q = 1 rule is lossless
 for any draft tokens whatsoever; q only raises acceptance.
+
+Batched: every request walks its tree at once, one tree level and one sibling rank per round of
+tensor ops (rounds = deepest tree x widest node, both known on the host). Each request's
+randomness is drawn up front from its own generator: one uniform per node (node c's coin) and one
+Exp(1) noise row for the final draw (argmax r / E, an exact draw from r). A seed therefore
+reproduces a request's tokens whatever batch it runs in. The only host sync is the final check
+that no accepted coin divided by a zero draft probability.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.tree import DraftTree
-from specdec.verifiers.base import VerifyResult, check_verify_inputs
-from specdec.verifiers.greedy import greedy_walk
+from specdec.verifiers.base import VerifyBatch, VerifyOutput
+from specdec.verifiers.greedy import assemble, greedy_verify
+from specdec.verifiers.layout import TreeLayout
 
 
 class RejectionVerifier:
-    """Sampling verifier; with ``probs=None`` it falls back to greedy (the temperature-0 limit).
-
-    All randomness goes through ``_coin`` and ``_draw`` with the given generator, so a seed
-    reproduces the result. The work happens on the generator's device (probs are moved there).
-    Example: chain [3] with q = p accepts node 0 and draws a bonus token from probs[1].
-    """
+    """Greedy requests get the greedy rule, sampled ones recursive rejection sampling."""
 
     name = "rejection"
+    supports_sampling = True
 
-    def verify(self, tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None,
-               generator: torch.Generator | None = None) -> VerifyResult:
-        check_verify_inputs(tree, logits, probs)
-        if probs is None:
-            return greedy_walk(tree, logits.argmax(dim=-1).tolist())
-        device = generator.device if generator is not None else torch.device("cpu")
-        p = _normalise_rows(probs.to(device, torch.float64), "probs")
-        q = None
-        if tree.draft_probs is not None:
-            q = _normalise_rows(tree.draft_probs.to(device, torch.float64), "tree.draft_probs")
-        tokens = tree.tokens.tolist()
-        accepted: list[int] = []
-        cur = -1
-        while True:
-            child, residual = self._pick_child(tree.children(cur), tokens, p[cur + 1], q, generator)
-            if child is None:
-                emitted = [tokens[i] for i in accepted] + [self._draw(residual, generator)]
-                return VerifyResult(accepted, emitted)
-            accepted.append(child)
-            cur = child
-
-    def _pick_child(self, children: list[int], tokens: list[int], target: torch.Tensor,
-                    q: torch.Tensor | None, generator: torch.Generator | None,
-                    ) -> tuple[int | None, torch.Tensor]:
-        """Try siblings in order: (accepted child, target) or (None, residual [V] to draw from)."""
-        residual = target
-        for c in children:
-            q_row = None if q is None else q[c]
-            if self._coin(_accept_prob(residual, tokens[c], q_row, c), generator):
-                return c, residual
-            residual = _residual(residual, tokens[c], q_row)
-        return None, residual
-
-    def _coin(self, prob: float, generator: torch.Generator | None) -> bool:
-        """True with probability ``prob`` (u < prob, u ~ U[0, 1), so prob 0 never and 1 always)."""
-        device = generator.device if generator is not None else None
-        u = torch.rand(1, generator=generator, dtype=torch.float64, device=device)
-        return bool(u.item() < prob)
-
-    def _draw(self, dist: torch.Tensor, generator: torch.Generator | None) -> int:
-        """One token from ``dist`` [V] (non-negative, positive sum)."""
-        return int(torch.multinomial(dist, 1, generator=generator).item())
+    def verify(self, batch: VerifyBatch) -> VerifyOutput:
+        greedy = [b for b, g in enumerate(batch.greedy) if g]
+        sampled = [b for b, g in enumerate(batch.greedy) if not g]
+        if not sampled:
+            return _greedy(batch)
+        if not greedy:
+            return _sample(batch)
+        return VerifyOutput.merge([(greedy, _greedy(batch.select(greedy))),
+                                   (sampled, _sample(batch.select(sampled)))], batch.batch_size)
 
 
-def _accept_prob(r: torch.Tensor, x: int, q: torch.Tensor | None, node: int) -> float:
-    """min(1, r(x) / q(x)); with q None (deterministic draft) just r(x)."""
-    if q is None:
-        return float(r[x])
-    qx = float(q[x])
-    if qx <= 0.0:
-        raise ValueError(
-            f"tree.draft_probs[{node}, {x}] = {qx} but node {node} drafted token {x}: a drafter "
-            "can only propose tokens its own distribution gives mass to (drafter bug)")
-    return min(1.0, float(r[x]) / qx)
+def _greedy(batch: VerifyBatch) -> VerifyOutput:
+    layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
+    return greedy_verify(batch.logits.argmax(dim=-1), layout)
 
 
-def _residual(r: torch.Tensor, x: int, q: torch.Tensor | None) -> torch.Tensor:
-    """Target after rejecting x: norm(max(0, r - q)), or r with x zeroed when q is None."""
-    if q is None:
-        nxt = r.clone()
-        nxt[x] = 0.0
-    else:
-        nxt = (r - q).clamp_min(0.0)
-    total = float(nxt.sum())
-    if not total > 0.0:
-        # r == q up to rounding, so the rejection was a float artifact and r is still the target
-        return r
-    return nxt / total
+def _sample(batch: VerifyBatch) -> VerifyOutput:
+    device = batch.probs.device
+    layout = TreeLayout.build(batch.trees, batch.cu_rows, device)
+    p = batch.probs.to(torch.float64)
+    p = p / p.sum(-1, keepdim=True)
+    q_rows, q_index = _draft_probs(batch, layout, device)
+    coins, noise = _randomness(batch, layout, p.shape[1], device)
+    ok, r = _walk(p, q_rows, q_index, coins, layout)
+    return assemble(ok, layout, (r / noise).argmax(-1))
 
 
-def _normalise_rows(x: torch.Tensor, name: str) -> torch.Tensor:
-    """Rows divided by their sums; ValueError naming ``name`` on negative, NaN or all-zero rows."""
-    if not bool(torch.isfinite(x).all()) or bool((x < 0).any()):
-        raise ValueError(f"{name} must be finite and non-negative")
-    sums = x.sum(dim=-1, keepdim=True)
-    bad = (sums <= 0).flatten().nonzero()
-    if bad.numel():
-        raise ValueError(f"{name} row {int(bad[0])} sums to 0; each row must be a distribution")
-    return x / sums
+def _walk(p, q_rows, q_index, coins, layout: TreeLayout):
+    """Run every request's walk; returns (accepted flags [B, N], final target r [B, V])."""
+    b, n = layout.tokens.shape
+    rows = torch.arange(b, device=p.device)
+    cur = torch.full((b,), -1, dtype=torch.int64, device=p.device)
+    alive = torch.ones(b, dtype=torch.bool, device=p.device)
+    ok = torch.zeros(b, n, dtype=torch.bool, device=p.device)
+    bad = torch.zeros(b, dtype=torch.bool, device=p.device)
+    r = p.index_select(0, layout.node_row[:, 0])
+    for _ in range(layout.max_depth):
+        kids = layout.children[rows, cur + 1]  # [B, S]
+        moved = torch.zeros_like(alive)
+        nxt = cur
+        for s in range(layout.max_children):
+            child = kids[:, s]
+            act = alive & ~moved & (child >= 0)
+            c = child.clamp(min=0)
+            x = layout.tokens[rows, c][:, None]  # [B, 1]
+            rx = r.gather(1, x)[:, 0]
+            prob, residual = rx, r.scatter(1, x, 0.0)
+            if q_rows is not None:
+                qi = q_index[rows, c]
+                has_q = qi >= 0
+                q = q_rows.index_select(0, qi.clamp(min=0))
+                qx = q.gather(1, x)[:, 0]
+                bad |= act & has_q & ~(qx > 0)
+                prob = torch.where(has_q, (rx / qx).clamp(max=1.0), rx)
+                residual = torch.where(has_q[:, None], (r - q).clamp(min=0.0), residual)
+            take = act & (coins[rows, c] < prob)
+            total = residual.sum(-1, keepdim=True)
+            # total 0: r == q up to rounding, so the rejection was a float artifact; keep r
+            residual = torch.where(total > 0, residual / total, r)
+            r = torch.where((act & ~take)[:, None], residual, r)
+            moved = moved | take
+            nxt = torch.where(take, c, nxt)
+        cur, alive = nxt, moved
+        ok |= moved[:, None] & (torch.arange(n, device=p.device)[None, :] == cur[:, None])
+        fresh = p.index_select(0, layout.node_row.gather(1, (cur + 1)[:, None])[:, 0])
+        r = torch.where(moved[:, None], fresh, r)
+    if bool(bad.any()):
+        raise ValueError("a drafted token has draft probability 0 in its own draft_probs row: a "
+                         "drafter can only propose tokens its distribution gives mass to")
+    return ok, r
+
+
+def _draft_probs(batch: VerifyBatch, layout: TreeLayout, device):
+    """(q rows [Q, V] float64 normalised, q_index [B, N] int64 row of each node or -1), or
+    (None, None) when no tree carries draft probabilities."""
+    with_q = [t for t in batch.trees if t.draft_probs is not None and t.num_nodes]
+    if not with_q:
+        return None, None
+    q = torch.cat([t.draft_probs.to(device, torch.float64) for t in with_q])
+    q = q / q.sum(-1, keepdim=True)
+    index = torch.full(layout.tokens.shape, -1, dtype=torch.int64)
+    start = 0
+    for b, t in enumerate(batch.trees):
+        if t.draft_probs is not None and t.num_nodes:
+            index[b, :t.num_nodes] = torch.arange(start, start + t.num_nodes)
+            start += t.num_nodes
+    return q, index.to(device)
+
+
+def _randomness(batch: VerifyBatch, layout: TreeLayout, vocab: int, device):
+    """Per request from its own generator: coins [B, max(N, 1)] U[0, 1) and noise [B, V] Exp(1)."""
+    n = max(layout.tokens.shape[1], 1)
+    coins = torch.empty(batch.batch_size, n, dtype=torch.float64, device=device)
+    noise = torch.empty(batch.batch_size, vocab, dtype=torch.float64, device=device)
+    for b, g in enumerate(batch.generators):
+        coins[b].uniform_(generator=g)
+        noise[b].exponential_(generator=g)
+    # Exp(1) can (vanishingly rarely) be 0; keep 0 / 0 = nan out of the argmax
+    return coins, noise.clamp_min_(torch.finfo(torch.float64).tiny)

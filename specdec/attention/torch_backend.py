@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention.metadata import AttentionMetadata
+from specdec.tree import causal_mask
 
 
 class TorchAttentionBackend:
@@ -105,8 +106,6 @@ def _mask(md, qo_lens, kv_lens, qmax, lmax) -> torch.Tensor | None:
     if all_decode and all(m is None for m in md.custom_masks):
         return None
     device = md.slot_mapping.device
-    cols = torch.arange(lmax, device=device)
-    rows = torch.arange(qmax, device=device)
     mask = torch.zeros(len(qo_lens), qmax, lmax, dtype=torch.bool, device=device)
     for b, (qo, kv) in enumerate(zip(qo_lens, kv_lens)):
         custom = md.custom_masks[b]
@@ -114,7 +113,6 @@ def _mask(md, qo_lens, kv_lens, qmax, lmax) -> torch.Tensor | None:
             assert custom.shape == (qo, kv), (custom.shape, qo, kv)
             mask[b, :qo, :kv] = custom
         else:
-            qpos = rows[:qo] + (kv - qo)
-            mask[b, :qo] = cols[None, :] <= qpos[:, None]
+            mask[b, :qo, :kv] = causal_mask(qo, kv, device)
         mask[b, qo:, 0] = True  # padding rows: any finite row avoids NaNs; they are dropped
     return mask.unsqueeze(1)

@@ -1,16 +1,14 @@
-"""Our Llama-family decoder (llama, qwen2, qwen3, mistral) over the paged KV cache.
+"""Our Llama-family decoder (llama, qwen2, qwen3, mistral), paged (inference) or dense (training).
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into another) so that a layer
-is a handful of large ops. On CPU a step is bound by streaming the weights from memory, and
-MKL's GEMV/small-M GEMM streams them with one core. `linear` keeps both cores streaming: a
-multiply-reduce for one row; for up to 4 rows a batched product over blocks of the weight with
-the rows on the right (weight-left), which streams the weight once for all rows; beyond that a
-batched product with the rows on the left. Measured over SmolLM2's 30 layers + head (2-core
-EPYC, fp32): 1 row 31 -> 15 ms, 4 rows 47 -> 17 ms, 9 rows 46 -> 38 ms (docs/benchmarks.md).
+is a handful of large ops. Every matmul goes through ``LlamaDecoder.matmul``: F.linear by
+default; the engine installs the kernels it measured fastest on the machine it runs on
+(``specdec.models.linear.LinearKernels``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -25,53 +23,88 @@ from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 @dataclass
 class ForwardOutput:
-    hidden: torch.Tensor  # [T, hidden_size] final-normed hidden states
-    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [T, hidden_size] (its output)
+    hidden: torch.Tensor  # [T, hidden_size] (dense: [B, S, hidden_size]) final-normed hidden states
+    # layer i -> its output (the input of layer i + 1), same leading shape as `hidden`
+    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One pre-norm attention + SwiGLU block over packed rows [T, hidden].
+
+    Attention goes through ``backend.run`` (the paged backends for inference, ``DenseAttention``
+    for training), so the same layer serves the target, drafters and training. ``trainable``
+    layers (drafter heads) get gradients; the target's are frozen.
+    """
+
+    def __init__(self, cfg: ModelConfig, trainable: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
         qkv_out = cfg.q_size + 2 * cfg.kv_size
-        self.qkv_weight = nn.Parameter(torch.empty(qkv_out, cfg.hidden_size), requires_grad=False)
-        self.qkv_bias = (
-            nn.Parameter(torch.empty(qkv_out), requires_grad=False) if cfg.attention_bias else None
-        )
-        self.o_weight = nn.Parameter(torch.empty(cfg.hidden_size, cfg.q_size), requires_grad=False)
-        self.gate_up_weight = nn.Parameter(
-            torch.empty(2 * cfg.intermediate_size, cfg.hidden_size), requires_grad=False
-        )
-        self.down_weight = nn.Parameter(
-            torch.empty(cfg.hidden_size, cfg.intermediate_size), requires_grad=False
-        )
-        self.input_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        self.post_attn_norm = nn.Parameter(torch.empty(cfg.hidden_size), requires_grad=False)
-        if cfg.qk_norm:
-            self.q_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
-            self.k_norm = nn.Parameter(torch.empty(cfg.head_dim), requires_grad=False)
 
-    def forward(self, x, cos, sin, backend: AttentionBackend, kv_layer) -> torch.Tensor:
+        def param(*shape):
+            return nn.Parameter(torch.empty(*shape), requires_grad=trainable)
+
+        self.qkv_weight = param(qkv_out, cfg.hidden_size)
+        self.qkv_bias = param(qkv_out) if cfg.attention_bias else None
+        self.o_weight = param(cfg.hidden_size, cfg.q_size)
+        self.gate_up_weight = param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_weight = param(cfg.hidden_size, cfg.intermediate_size)
+        self.input_norm = param(cfg.hidden_size)
+        self.post_attn_norm = param(cfg.hidden_size)
+        if cfg.qk_norm:
+            self.q_norm = param(cfg.head_dim)
+            self.k_norm = param(cfg.head_dim)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """Random init for a new (trainable) layer: normal(0, std) weights, unit norms, 0 bias."""
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std)
+
+    def forward(self, x, cos, sin, backend: AttentionBackend, kv_layer,
+                mm: Matmul = F.linear) -> torch.Tensor:
+        return self.mlp(self.attention(x, cos, sin, backend, kv_layer, mm), mm)
+
+    def attention(self, x, cos, sin, backend: AttentionBackend, kv_layer, mm: Matmul = F.linear,
+                  h: torch.Tensor | None = None) -> torch.Tensor:
+        """x + attn(norm(x)); ``h`` replaces norm(x) as the projections' input when given (an
+        EAGLE head feeds [embedding; feature] there)."""
         cfg = self.cfg
-        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps)
-        qkv = linear(h, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        h = rms_norm(x, self.input_norm, cfg.rms_norm_eps) if h is None else h
+        q, k, v = mm(h, self.qkv_weight, self.qkv_bias).split(
+            [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.reshape(-1, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(-1, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = rms_norm(q, self.q_norm, cfg.rms_norm_eps)
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = backend.run(q, k, v, kv_layer, cfg.head_dim**-0.5)
-        x = x + linear(attn.reshape(-1, cfg.q_size), self.o_weight)
-        h = rms_norm(x, self.post_attn_norm, cfg.rms_norm_eps)
-        gate, up = linear(h, self.gate_up_weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down_weight)
+        return x + mm(attn.reshape(-1, cfg.q_size), self.o_weight, None)
+
+    def mlp(self, x: torch.Tensor, mm: Matmul = F.linear) -> torch.Tensor:
+        h = rms_norm(x, self.post_attn_norm, self.cfg.rms_norm_eps)
+        gate, up = mm(h, self.gate_up_weight, None).chunk(2, dim=-1)
+        return x + mm(F.silu(gate) * up, self.down_weight, None)
 
 
 class LlamaDecoder(nn.Module):
-    """Token ids + positions + planned attention + paged KV -> hidden states; logits on request."""
+    """Token ids + positions + planned attention + paged KV -> hidden states; logits on request.
+
+    Two ways to run the same weights: ``forward`` over packed rows and a paged KV cache (the
+    engine, through a ``ModelRunner``), and ``forward_dense`` over a padded [B, S] batch with no
+    cache (training: target features without grad, drafter layers with grad). Neither enters
+    ``inference_mode`` itself; the runner does.
+    """
 
     def __init__(self, cfg: ModelConfig, hf_config, max_positions: int, dtype, device) -> None:
         super().__init__()
@@ -85,15 +118,15 @@ class LlamaDecoder(nn.Module):
             else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size), requires_grad=False)
         )
         self.rope = RotaryEmbedding(hf_config, cfg.head_dim, max_positions, dtype, device)
+        self.matmul: Matmul = F.linear  # the runner installs the kernels it measured fastest
         self.to(dtype=dtype, device=device)
 
-    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         backend: AttentionBackend,  # already planned for this step
-        kv_cache: KVCache,
+        kv_cache: KVCache | None,  # None for backends that keep no cache (DenseAttention)
         capture_layers: tuple[int, ...] = (),
         num_layers: int | None = None,  # run only the first N layers (early-exit drafting)
     ) -> ForwardOutput:
@@ -101,15 +134,43 @@ class LlamaDecoder(nn.Module):
         cos, sin = self.rope.lookup(positions)
         captured = {}
         for i, layer in enumerate(self.layers[:num_layers]):
-            x = layer(x, cos, sin, backend, kv_cache.layer(i))
+            kv_layer = None if kv_cache is None else kv_cache.layer(i)
+            x = layer(x, cos, sin, backend, kv_layer, self.matmul)
             if i in capture_layers:
                 captured[i] = x
-        return ForwardOutput(rms_norm(x, self.final_norm, self.cfg.rms_norm_eps), captured)
+        return ForwardOutput(self.norm(x), captured)
 
-    @torch.inference_mode()
+    def forward_dense(
+        self,
+        input_ids: torch.Tensor,  # [B, S] int64
+        attention_mask: torch.Tensor | None = None,  # [B, S] bool/int, 1 = real token
+        capture_layers: tuple[int, ...] = (),
+        num_layers: int | None = None,
+    ) -> ForwardOutput:
+        """Causal forward over a padded batch without KV cache; outputs [B, S, hidden].
+
+        Positions count real tokens (left or right padding both work). Gradients flow where the
+        caller enables them; wrap in ``torch.no_grad()`` for feature extraction.
+        """
+        from specdec.attention.dense import DenseAttention
+
+        b, s = input_ids.shape
+        valid = (torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None
+                 else attention_mask.bool())
+        positions = (valid.long().cumsum(-1) - 1).clamp_min(0)
+        backend = DenseAttention.causal(valid)
+        out = self.forward(input_ids.reshape(-1), positions.reshape(-1), backend, None,
+                           capture_layers, num_layers)
+        return ForwardOutput(out.hidden.view(b, s, -1),
+                             {i: h.view(b, s, -1) for i, h in out.layer_hidden.items()})
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm (before the LM head)."""
+        return rms_norm(x, self.final_norm, self.cfg.rms_norm_eps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [R, hidden_size] (only the rows that need logits) -> [R, vocab] float32+."""
-        logits = linear(hidden, self.head_weight, splits=8 if self.cfg.vocab_size % 8 == 0 else 1)
+        logits = self.matmul(hidden, self.head_weight, None)
         return logits if logits.dtype == torch.float64 else logits.float()
 
     @property
@@ -117,35 +178,12 @@ class LlamaDecoder(nn.Module):
         """[vocab, hidden]: the LM head (the embedding when tied)."""
         return self.embed if self.lm_head is None else self.lm_head
 
-
-# multiply-reduce materialises weight-sized products: beyond ~16 MB (an LM head) bmm wins
-_VECDOT_MAX = 1 << 22
-# up to here the weight-left batched product costs about one row's time (2-4 rows ~= 1 row over
-# SmolLM2's layers); at 5-8 rows it is no better in isolation and 15% worse end to end at batch 8
-_WEIGHT_LEFT_MAX_ROWS = 4
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           splits: int = 2) -> torch.Tensor:
-    """x [T, in] @ weight[out, in].T (+ bias) -> [T, out], fast on CPU (see module docstring).
-
-    `splits`: the weight's rows are cut into this many blocks for the batched paths (`out` must
-    divide, else plain F.linear).
-    """
-    rows, out_features = x.shape[0], weight.shape[0]
-    if x.device.type != "cpu" or rows > 64 or out_features % splits:
-        return F.linear(x, weight, bias)
-    blocks = weight.view(splits, out_features // splits, weight.shape[1])
-    if rows == 1 and weight.numel() <= _VECDOT_MAX:
-        out = torch.linalg.vecdot(weight, x).unsqueeze(0)
-    elif rows <= _WEIGHT_LEFT_MAX_ROWS:
-        # blocks @ x.T: MKL's kernel for a skinny right operand streams W once for all rows
-        out = torch.bmm(blocks, x.t().unsqueeze(0).expand(splits, -1, -1))
-        out = out.reshape(out_features, rows).t()
-    else:
-        out = torch.bmm(x.unsqueeze(0).expand(splits, -1, -1), blocks.transpose(1, 2))
-        out = out.transpose(0, 1).reshape(rows, out_features)
-    return out if bias is None else out + bias
+    def weight_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) of every matrix the forward multiplies by (for kernel tuning)."""
+        layer = self.layers[0]
+        mats = (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight,
+                self.head_weight)
+        return list(dict.fromkeys(tuple(w.shape) for w in mats))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

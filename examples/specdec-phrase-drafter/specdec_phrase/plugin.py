@@ -47,7 +47,8 @@ class PhraseDrafter(BaseDrafter):
             k = _longest_overlap(r.token_ids, phrase, self.min_match)
             if k and k < len(phrase):
                 continuations.append(phrase[k:])
-        return DraftTree.from_paths(continuations, max_nodes=r.budget)
+        return DraftTree.from_paths([c[:r.budget.depth_limit] for c in continuations],
+                                    max_nodes=r.budget.max_nodes)
 
 
 def _longest_overlap(tokens: list[int], phrase: list[int], min_match: int) -> int:

@@ -1,0 +1,121 @@
+"""ModelRunner: one model, its paged KV cache and its attention backend.
+
+The engine's target forward and every drafter that runs a model go through a runner. A drafter
+gets its runner from the engine (``TargetInfo.new_runner``), so its KV comes out of the engine's
+one memory budget and uses the target's attention backend. Runners are created first and
+allocated once the split is known (``allocate``; see ``specdec.memory``).
+
+One forward runs one packed batch (``ForwardBatch``): B requests' rows back to back, T rows in
+all; it returns the logits of the rows asked for and, batch-flat, the hidden states of the
+layers asked for (``[T, hidden]``; request b's rows are ``qo_indptr[b]:qo_indptr[b + 1]``).
+
+Example, two requests feeding 3 and 1 tokens::
+
+    batch = runner.pack([[5, 6, 7], [9]], starts=[0, 12], tables=[t0, t1], logits="last")
+    out = runner.forward(batch)      # out.logits [2, V] (rows 2 and 3), out.final_hidden [4, H]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention import create_backend
+from specdec.attention.metadata import AttentionMetadata, build_metadata
+from specdec.kv.block_table import BlockTable
+from specdec.kv.manager import KVManager
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    metadata: AttentionMetadata  # per request: its rows, pages and mask
+    logits_indices: torch.Tensor  # [R] int64: rows of the batch whose logits are returned
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class ForwardResult:
+    logits: torch.Tensor | None  # [R, V] float32 (float64 for float64 models); None if R == 0
+    final_hidden: torch.Tensor  # [T, hidden] after the final norm
+    hidden: dict[int, torch.Tensor]  # layer -> [T, hidden]: that layer's output, every row
+    seconds: float  # wall time of the forward
+
+
+class ModelRunner:
+    """Runs one model over packed batches and a paged KV cache it owns.
+
+    ``num_layers`` < the model's layers runs only the first N (early-exit self-speculation); the
+    cache then holds only those layers. The KV exists after ``allocate(num_pages)``.
+    """
+
+    def __init__(self, model, name: str, attention_backend: str, page_size: int, device,
+                 num_layers: int | None = None) -> None:
+        self.model = model
+        self.name = name
+        self.cfg = model.cfg
+        self.num_layers = num_layers or self.cfg.num_layers
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.dtype = model.embed.dtype
+        self.backend = create_backend(attention_backend)
+        self.kv: KVManager | None = None
+
+    @property
+    def bytes_per_page(self) -> int:
+        """K and V of one page in every layer of this runner's cache."""
+        c = self.cfg
+        return (self.num_layers * 2 * self.page_size * c.num_kv_heads * c.head_dim
+                * self.dtype.itemsize)
+
+    def allocate(self, num_pages: int) -> None:
+        assert self.kv is None, f"runner {self.name!r} is already allocated"
+        c = self.cfg
+        self.kv = KVManager(self.num_layers, num_pages, self.page_size, c.num_kv_heads,
+                            c.head_dim, self.dtype, self.device)
+
+    def forward(self, batch: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardResult:
+        assert self.kv is not None, f"runner {self.name!r}: allocate() before forward()"
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            self.backend.plan(batch.metadata)
+            out = self.model(batch.input_ids, batch.positions, self.backend, self.kv.cache,
+                             capture_layers=capture_layers, num_layers=self.num_layers)
+            logits = None
+            if batch.logits_indices.numel():
+                logits = self.model.compute_logits(
+                    out.hidden.index_select(0, batch.logits_indices))
+        return ForwardResult(logits, out.hidden, out.layer_hidden, time.perf_counter() - t0)
+
+    def pack(self, feeds: list[list[int]], starts: list[int], tables: list[BlockTable],
+             logits: str = "last", positions: list[list[int]] | None = None,
+             masks: list[torch.Tensor | None] | None = None) -> ForwardBatch:
+        """A batch where request b feeds ``feeds[b]`` into slots ``starts[b]`` onwards.
+
+        Positions default to the slots (``starts[b] + i``); give ``positions`` (and a custom
+        ``masks[b]`` of shape [len(feeds[b]), starts[b] + len(feeds[b])]) for tree rows.
+        ``logits``: "last" (each request's last row), "all" or "none".
+        """
+        assert logits in ("last", "all", "none"), logits
+        lens = [len(f) for f in feeds]
+        ends = [s + n for s, n in zip(starts, lens)]
+        md = build_metadata([t.pages for t in tables], ends, lens, self.page_size, masks,
+                            self.device)
+        if positions is None:
+            positions = [list(range(s, e)) for s, e in zip(starts, ends)]
+        long = dict(dtype=torch.int64, device=self.device)
+        total = sum(lens)
+        if logits == "last":
+            rows = torch.tensor(lens, **long).cumsum(0) - 1
+        elif logits == "all":
+            rows = torch.arange(total, **long)
+        else:
+            rows = torch.zeros(0, **long)
+        return ForwardBatch(torch.tensor([t for f in feeds for t in f], **long),
+                            torch.tensor([p for ps in positions for p in ps], **long), md, rows)
