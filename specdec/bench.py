@@ -139,9 +139,11 @@ class Tally:
 def make_systems(args) -> dict:
     """{"baseline"?, "plain"?, "engine"}: in the order they run on each batch."""
     common = dict(model=args.model, dtype=args.dtype, device=args.device,
-                  max_num_seqs=max(32, args.batch_size))
+                  max_num_seqs=max(32, args.batch_size),
+                  linear_kernels=getattr(args, "linear_kernels", "tuned"))
     engine = LLM(drafter=args.drafter, drafter_args=args.drafter_args,
-                 controller=args.controller, controller_args=args.controller_args, **common)
+                 controller=args.controller, controller_args=args.controller_args,
+                 verifier=getattr(args, "verifier", "rejection"), **common)
     systems: dict = {}
     if args.baseline in HF_BASELINES:
         folder = resolve_model_path(args.model)

@@ -8,9 +8,10 @@ from specdec.hookspecs import hookimpl
 @hookimpl
 def specdec_drafters() -> dict:
     from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.drafters.eagle3 import Eagle3Drafter
     from specdec.drafters.ngram import NgramDrafter
 
-    return {"ngram": NgramDrafter, "draft_model": DraftModelDrafter}
+    return {"ngram": NgramDrafter, "draft_model": DraftModelDrafter, "eagle3": Eagle3Drafter}
 
 
 @hookimpl

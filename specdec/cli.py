@@ -72,6 +72,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=_int_at_least(0), default=None,
                    help="draft budget per request per step (sets controller_args budget)")
     p.add_argument("--controller-args", type=_json_object, default={}, metavar="JSON")
+    p.add_argument("--verifier", default="rejection", help="registered verifier name")
+    p.add_argument("--linear-kernels", choices=("tuned", "plain"), default="tuned",
+                   help="CPU matmul paths: timed at start-up (default) or F.linear only")
 
 
 def _generate_parser(sub) -> None:
@@ -127,7 +130,8 @@ def _check_registered(parser, args) -> None:
 
     pm = plugins.get_plugin_manager()
     for flag, hook, name in (("--drafter", "specdec_drafters", args.drafter),
-                             ("--controller", "specdec_controllers", args.controller)):
+                             ("--controller", "specdec_controllers", args.controller),
+                             ("--verifier", "specdec_verifiers", args.verifier)):
         if name is None:
             continue
         try:
@@ -213,7 +217,8 @@ def main(argv=None) -> int:
 def _engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
                 drafter_args=args.drafter_args, controller=args.controller,
-                controller_args=args.controller_args)
+                controller_args=args.controller_args, verifier=args.verifier,
+                linear_kernels=args.linear_kernels)
 
 
 def cmd_generate(args) -> int:

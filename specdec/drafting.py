@@ -27,6 +27,7 @@ from specdec.drafters.base import (
     VerifiedBatch,
     VerifiedRequest,
 )
+from specdec.drafters.compose import ComposedDrafter
 from specdec.kv.block_table import KVCacheManager
 from specdec.metrics import StepStats
 from specdec.sequence import Sequence
@@ -43,12 +44,16 @@ class DraftStage:
         self.max_model_len = max_model_len
         self.kv = kv  # the target's KV: draft slots a tree does not use go back here
         self.errors: list[str] = []  # failures that could not fail a request (release at finish)
+        # this step's budgets as the controller asked for them (before clipping), by request id
+        self.asked: dict[str, DraftBudget] = {}
 
     @staticmethod
     def plugins(pm, config, target: TargetInfo) -> tuple:
         """(drafter or None, controller) from the registries, by the config's names."""
         drafter = None
-        if config.drafter is not None:
+        if config.drafter is not None and "+" in config.drafter:
+            drafter = _composed(pm, config.drafter, config.drafter_args, target)
+        elif config.drafter is not None:
             drafter = plugins.create(pm, "specdec_drafters", "drafter", config.drafter, target,
                                      **config.drafter_args)
         controller = plugins.create(pm, "specdec_controllers", "controller", config.controller,
@@ -70,10 +75,12 @@ class DraftStage:
         if self.drafter is None:
             return [DraftBudget(0)] * len(frontier)
         wanted = self.controller.budgets([_view(s) for s in frontier], batch)
-        if len(wanted) != len(frontier) or not all(isinstance(b, DraftBudget) for b in wanted):
+        if not isinstance(wanted, (list, tuple)) or len(wanted) != len(frontier) \
+                or not all(isinstance(b, DraftBudget) for b in wanted):
             raise plugins.PluginError(
                 f"controller {self.controller.name!r} must return {len(frontier)} DraftBudget "
                 f"values (one per request), got {wanted!r}")
+        self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
         return [b.clip(min(self.max_model_len - s.num_tokens,
                            s.params.max_tokens - s.num_output_tokens - 1))
@@ -177,8 +184,10 @@ class DraftStage:
         """The controller hears the step's costs and, per asked request, asked/proposed/accepted."""
         if self.drafter is None:
             return
-        outcomes = tuple(RequestOutcome(r.seq.request_id, r.asked, r.num_nodes, r.num_accepted,
-                                        r.no_kv) for r in records if r.asked is not None)
+        asked, self.asked = self.asked, {}
+        outcomes = tuple(RequestOutcome(r.seq.request_id, asked.get(r.seq.request_id, r.asked),
+                                        r.num_nodes, r.num_accepted, r.no_kv)
+                         for r in records if r.asked is not None)
         self.controller.observe(StepReport(
             draft_seconds=stats.draft_seconds, forward_seconds=stats.forward_seconds,
             verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,
@@ -188,6 +197,19 @@ class DraftStage:
     @staticmethod
     def _fail(seq: Sequence, error: str) -> None:
         seq.finish_reason, seq.error = "error", error
+
+
+def _composed(pm, spec: str, args: dict, target: TargetInfo) -> ComposedDrafter:
+    """``"a+b"`` with drafter_args ``{"a": {...}, "b": {...}}``: the drafters merged in order."""
+    names = spec.split("+")
+    if len(set(names)) != len(names) or not all(names):
+        raise ValueError(f"drafter {spec!r}: name each drafter once, e.g. 'eagle3+ngram'")
+    unknown = set(args) - set(names)
+    if unknown or not all(isinstance(v, dict) for v in args.values()):
+        raise ValueError(f"drafter {spec!r} takes drafter_args keyed by drafter name, e.g. "
+                         f"{{{names[0]!r}: {{...}}}}; got keys {sorted(args)}")
+    return ComposedDrafter([plugins.create(pm, "specdec_drafters", "drafter", n, target,
+                                           **args.get(n, {})) for n in names])
 
 
 def _request(rec: StepRequest) -> DraftRequest:

@@ -34,6 +34,7 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata  # per request: its rows, pages and mask
     logits_indices: torch.Tensor  # [R] int64: rows of the batch whose logits are returned
+    features: torch.Tensor | None = None  # [T, hidden] per-row input features (EAGLE heads)
 
     @property
     def num_rows(self) -> int:
@@ -85,8 +86,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.inference_mode():
             self.backend.plan(batch.metadata)
+            extra = {} if batch.features is None else {"features": batch.features}
             out = self.model(batch.input_ids, batch.positions, self.backend, self.kv.cache,
-                             capture_layers=capture_layers, num_layers=self.num_layers)
+                             capture_layers=capture_layers, num_layers=self.num_layers, **extra)
             logits = None
             if batch.logits_indices.numel():
                 logits = self.model.compute_logits(
@@ -95,12 +97,14 @@ class ModelRunner:
 
     def pack(self, feeds: list[list[int]], starts: list[int], tables: list[BlockTable],
              logits: str = "last", positions: list[list[int]] | None = None,
-             masks: list[torch.Tensor | None] | None = None) -> ForwardBatch:
+             masks: list[torch.Tensor | None] | None = None,
+             features: torch.Tensor | None = None) -> ForwardBatch:
         """A batch where request b feeds ``feeds[b]`` into slots ``starts[b]`` onwards.
 
         Positions default to the slots (``starts[b] + i``); give ``positions`` (and a custom
         ``masks[b]`` of shape [len(feeds[b]), starts[b] + len(feeds[b])]) for tree rows.
-        ``logits``: "last" (each request's last row), "all" or "none".
+        ``logits``: "last" (each request's last row), "all" or "none". ``features``: [T, hidden]
+        per-row inputs for models that take them (EAGLE heads).
         """
         assert logits in ("last", "all", "none"), logits
         lens = [len(f) for f in feeds]
@@ -118,4 +122,5 @@ class ModelRunner:
         else:
             rows = torch.zeros(0, **long)
         return ForwardBatch(torch.tensor([t for f in feeds for t in f], **long),
-                            torch.tensor([p for ps in positions for p in ps], **long), md, rows)
+                            torch.tensor([p for ps in positions for p in ps], **long), md, rows,
+                            features)

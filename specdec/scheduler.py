@@ -75,12 +75,15 @@ class Scheduler:
             num_decode=len(decode), num_prefill_requests=len(prefill),
             num_prefill_tokens=sum(r.num_new_tokens for r in prefill),
             num_waiting=len(self.waiting), max_draft_rows=budget)
+        kv = self.kv
         for req, asked in zip(decode, draft_budgets([r.seq for r in decode], composition)):
             req.asked = asked
-            n = min(asked.max_nodes, budget)
-            seq = req.seq
-            if n > 0 and self.kv.can_reserve(seq.block_table, seq.num_computed + 1 + n):
-                self.kv.reserve(seq.block_table, seq.num_computed + 1 + n)
+            table, start = req.seq.block_table, req.seq.num_computed + 1
+            # slots its own pages and the free pages hold past the decode row (never preempts)
+            room = kv.capacity(table) + kv.pool.num_free * kv.page_size - start
+            n = min(asked.max_nodes, budget, room)
+            if n > 0:
+                kv.reserve(table, start + n)
                 req.budget = asked.clip(n)
                 budget -= n
 

@@ -37,6 +37,9 @@ class DraftTree:
     tokens: torch.Tensor  # [n] int64
     parents: torch.Tensor  # [n] int64; -1 = child of the last committed token; parents[i] < i
     draft_probs: torch.Tensor | None = None  # [n, V] float; row i = distribution node i was drawn from
+    # [n] float: the drafter's cumulative probability of the path to node i (its confidence; a
+    # controller may use it), or None; never used for acceptance
+    path_probs: torch.Tensor | None = None
 
     @classmethod
     def empty(cls) -> DraftTree:
@@ -82,6 +85,9 @@ class DraftTree:
                              f"budget max_depth={max_depth}")
         if check_probs and self.draft_probs is not None and n:
             _check_draft_prob_values(self.draft_probs, self.tokens)
+        if self.path_probs is not None and (not isinstance(self.path_probs, torch.Tensor)
+                                            or tuple(self.path_probs.shape) != (n,)):
+            raise ValueError(f"DraftTree.path_probs must be a float tensor [n={n}] or None")
 
     # ---- derived structure (cached) ----------------------------------------------------------
 
@@ -303,3 +309,44 @@ def _check_draft_prob_values(q: torch.Tensor, tokens: torch.Tensor) -> None:
         i = int(zero[0])
         raise ValueError(f"DraftTree.draft_probs[{i}, {int(tokens[i])}] is 0 but node {i} drafted "
                          f"token {int(tokens[i])}: a node's token must have mass in its own row")
+
+
+def merge_trees(trees: Sequence[DraftTree], max_nodes: int,
+                maps: list[list[int]] | None = None) -> DraftTree:
+    """One tree holding the nodes of ``trees`` in order (earlier trees, and earlier nodes of a
+    tree, first) until ``max_nodes``: nodes with the same token under the same parent become one.
+
+    Draft probabilities are dropped (merged siblings were not drawn from one distribution), so
+    the verifier treats every node as deterministic (the q = 1 rule: lossless for any tokens).
+    Path probabilities are kept where every kept node has one (the first tree's wins). ``maps``,
+    when given, receives per tree its nodes' merged indices (-1: dropped). Example::
+
+        merge([chain [5, 6], tokens [5, 7] parents [-1, -1]], 3) -> tokens [5, 6, 7],
+                                                                    parents [-1, 0, -1]
+    """
+    index: dict[tuple[int, int], int] = {}
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float | None] = []
+    for tree in trees:
+        local: list[int] = []  # this tree's node -> merged node
+        node_probs = tree.path_probs.tolist() if tree.path_probs is not None else None
+        for i, (p, t) in enumerate(zip(tree.parents.tolist(), tree.tokens.tolist())):
+            parent = -1 if p < 0 else local[p]
+            key = (parent, t)
+            if key not in index:
+                if len(tokens) >= max_nodes or parent == -2:
+                    local.append(-2)  # dropped: so are its descendants
+                    continue
+                index[key] = len(tokens)
+                tokens.append(t)
+                parents.append(parent)
+                probs.append(node_probs[i] if node_probs is not None else None)
+            local.append(index[key])
+        if maps is not None:
+            maps.append([m if m >= 0 else -1 for m in local])
+    path_probs = None
+    if probs and all(p is not None for p in probs):
+        path_probs = torch.tensor(probs, dtype=torch.float32)
+    return DraftTree(torch.tensor(tokens, dtype=torch.int64),
+                     torch.tensor(parents, dtype=torch.int64), None, path_probs)

@@ -87,7 +87,7 @@ def _walk(p, q_rows, q_index, coins, layout: TreeLayout):
             c = child.clamp(min=0)
             x = layout.tokens[rows, c][:, None]  # [B, 1]
             rx = r.gather(1, x)[:, 0]
-            prob, residual = rx, r.scatter(1, x, 0.0)
+            prob, residual = rx, residual_without(r, x)
             if q_rows is not None:
                 qi = q_index[rows, c]
                 has_q = qi >= 0
@@ -113,6 +113,12 @@ def _walk(p, q_rows, q_index, coins, layout: TreeLayout):
     return ok, r
 
 
+def residual_without(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The q = 1 rule's residual after rejecting token x: r [B, V] with r(x) zeroed (x [B, 1]);
+    the caller renormalises."""
+    return r.scatter(1, x, 0.0)
+
+
 def _draft_probs(batch: VerifyBatch, layout: TreeLayout, device):
     """(q rows [Q, V] float64 normalised, q_index [B, N] int64 row of each node or -1), or
     (None, None) when no tree carries draft probabilities."""
@@ -131,12 +137,15 @@ def _draft_probs(batch: VerifyBatch, layout: TreeLayout, device):
 
 
 def _randomness(batch: VerifyBatch, layout: TreeLayout, vocab: int, device):
-    """Per request from its own generator: coins [B, max(N, 1)] U[0, 1) and noise [B, V] Exp(1)."""
+    """Per request from its own generator: coins [B, max(N, 1)] U[0, 1) and noise [B, V] Exp(1).
+
+    Request b draws exactly its own tree's n_b coins, then its noise, so what it draws does not
+    depend on the other trees of the batch (padding coins are 1: never accepted, never read)."""
     n = max(layout.tokens.shape[1], 1)
-    coins = torch.empty(batch.batch_size, n, dtype=torch.float64, device=device)
+    coins = torch.ones(batch.batch_size, n, dtype=torch.float64, device=device)
     noise = torch.empty(batch.batch_size, vocab, dtype=torch.float64, device=device)
-    for b, g in enumerate(batch.generators):
-        coins[b].uniform_(generator=g)
+    for b, (g, tree) in enumerate(zip(batch.generators, batch.trees)):
+        coins[b, :tree.num_nodes].uniform_(generator=g)
         noise[b].exponential_(generator=g)
     # Exp(1) can (vanishingly rarely) be 0; keep 0 / 0 = nan out of the argmax
     return coins, noise.clamp_min_(torch.finfo(torch.float64).tiny)

@@ -36,10 +36,12 @@ class DecoderLayer(nn.Module):
 
     Attention goes through ``backend.run`` (the paged backends for inference, ``DenseAttention``
     for training), so the same layer serves the target, drafters and training. ``trainable``
-    layers (drafter heads) get gradients; the target's are frozen.
+    layers (drafter heads) get gradients; the target's are frozen. ``qkv_in``: the width of the
+    projections' input when it is not the hidden size (an EAGLE-3 layer reads [embedding; feature],
+    2 x hidden).
     """
 
-    def __init__(self, cfg: ModelConfig, trainable: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, trainable: bool = False, qkv_in: int | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         qkv_out = cfg.q_size + 2 * cfg.kv_size
@@ -47,7 +49,7 @@ class DecoderLayer(nn.Module):
         def param(*shape):
             return nn.Parameter(torch.empty(*shape), requires_grad=trainable)
 
-        self.qkv_weight = param(qkv_out, cfg.hidden_size)
+        self.qkv_weight = param(qkv_out, qkv_in or cfg.hidden_size)
         self.qkv_bias = param(qkv_out) if cfg.attention_bias else None
         self.o_weight = param(cfg.hidden_size, cfg.q_size)
         self.gate_up_weight = param(2 * cfg.intermediate_size, cfg.hidden_size)

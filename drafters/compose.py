@@ -1,0 +1,90 @@
+"""Several drafters as one (``drafter="eagle3+ngram"``): every drafter proposes within the step's
+budget and their trees are merged in the order named (``specdec.tree.merge_trees``: earlier
+drafters' nodes first, equal tokens under equal parents shared, cut at the budget).
+
+Written once for any drafters: each keeps its own per-request state, and hears back the part of
+the verified step that concerns its own nodes (the longest prefix of the accepted path made of
+nodes it proposed, in its own node indices), so a drafter that keeps KV for its drafts stays
+consistent. Merged trees carry no draft probabilities (the verifier then uses the q = 1 rule,
+lossless for any tokens): sampled drafts from different drafters are not one distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from specdec.drafters.base import DraftRequest, VerifiedBatch
+from specdec.tree import DraftTree, merge_trees
+
+
+@dataclass
+class ComposedState:
+    states: list  # one per drafter
+    maps: list[list[int]]  # per drafter: its last tree's node -> merged node (-1: dropped)
+
+
+class ComposedDrafter:
+    def __init__(self, drafters: list) -> None:
+        assert len(drafters) >= 2
+        self.drafters = drafters
+        self.name = "+".join(d.name for d in drafters)
+        self.hidden_layers = tuple(sorted({i for d in drafters for i in d.hidden_layers}))
+
+    def init_state(self, request_id: str, prompt_token_ids: list[int]) -> ComposedState:
+        return ComposedState([d.init_state(request_id, prompt_token_ids) for d in self.drafters],
+                             [[] for _ in self.drafters])
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        per_drafter = []
+        for k, d in enumerate(self.drafters):
+            subs = [replace(r, state=r.state.states[k], no_kv=False) for r in requests]
+            trees = d.propose(subs)
+            if not isinstance(trees, list) or len(trees) != len(requests):
+                raise TypeError(f"drafter {d.name!r} returned {type(trees).__name__} for "
+                                f"{len(requests)} requests")
+            for sub, tree in zip(subs, trees):
+                tree.validate(max_nodes=sub.budget.max_nodes, max_depth=sub.budget.max_depth)
+            per_drafter.append((subs, trees))
+        out = []
+        for i, r in enumerate(requests):
+            maps: list[list[int]] = []
+            out.append(merge_trees([trees[i] for _, trees in per_drafter], r.budget.max_nodes,
+                                   maps))
+            r.state.maps = maps
+            if all(subs[i].no_kv for subs, _ in per_drafter):
+                r.mark_no_kv()
+        return out
+
+    def on_verified(self, batch: VerifiedBatch) -> None:
+        for k, d in enumerate(self.drafters):
+            reqs = []
+            for r in batch.requests:
+                own = _own_prefix(r.accepted, r.state.maps[k] if r.num_proposed else [])
+                # what it proposed, kept or not: its own draft state (e.g. KV) covered all of it
+                reqs.append(replace(r, state=r.state.states[k], accepted=own,
+                                    num_proposed=len(r.state.maps[k]) if r.num_proposed else 0))
+            d.on_verified(VerifiedBatch(reqs, batch.hidden))
+        for r in batch.requests:
+            r.state.maps = [[] for _ in self.drafters]
+
+    def release(self, state: ComposedState) -> None:
+        errors = []
+        for d, s in zip(self.drafters, state.states):
+            try:
+                d.release(s)
+            except Exception as e:  # release every drafter's resources, then report
+                errors.append(f"{d.name}: {e!r}")
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+
+def _own_prefix(accepted: list[int], node_map: list[int]) -> list[int]:
+    """The longest prefix of the accepted (merged) path whose nodes this drafter proposed, in
+    its own node indices."""
+    back = {m: i for i, m in enumerate(node_map) if m >= 0}
+    own = []
+    for a in accepted:
+        if a not in back:
+            break
+        own.append(back[a])
+    return own

@@ -1,0 +1,252 @@
+"""EAGLE-3 drafting with dynamic trees (EAGLE-2's expansion), through the head's own runner.
+
+Per request the head keeps paged KV for the positions whose rows it computed from the target's
+true features (``num_cached``) and the target features of committed tokens it has not fed yet
+(``pending``, from ``on_verified``). A step, all requests batched:
+
+1. catch-up: rows num_cached .. N-2 (N tokens; the last token has no target features yet), row
+   i = (fc(target features of token i), embedding of token i+1) at position i. The last row's
+   distribution ranks the first draft level (candidates for token N).
+2. expansion, for each further level: the ``topk`` candidates of the previous level with the
+   highest cumulative draft probability get a row each (feature: their parent's row output,
+   position N-1+level, attending to the prefix and their own ancestors' rows: ``nodes_mask``),
+   and each contributes its top-k children as candidates of the next level.
+3. the tree: the ``budget`` candidates with the highest cumulative probability (ancestor-closed,
+   since probabilities only shrink along a path), in that order, mapped to target ids by d2t.
+
+Drafts are deterministic (top-k) for greedy and sampled requests alike: the verifier accepts them
+losslessly with the q = 1 rule. Expansion rows are scratch: the head's KV is cut back to
+``num_cached`` after every step, and the next catch-up recomputes the accepted positions from the
+target's true features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
+from specdec.kv.block_table import BlockTable
+from specdec.models.eagle3 import Eagle3Head
+from specdec.tree import DraftTree, nodes_mask
+
+
+@dataclass
+class Eagle3State:
+    table: BlockTable = field(default_factory=BlockTable)  # the head's KV pages
+    num_cached: int = 0  # positions whose head KV came from the target's features
+    pending: list[torch.Tensor] = field(default_factory=list)  # [n_i, 3 * H] features to feed
+
+    @property
+    def num_pending(self) -> int:
+        return sum(int(p.shape[0]) for p in self.pending)
+
+
+@dataclass
+class _Level:
+    """Candidates of one tree level for one request."""
+
+    parent: list[int]  # index into the previous level's expanded rows (-1: the catch-up row)
+    token: list[int]  # draft-vocabulary ids
+    logp: list[float]  # cumulative log-probability
+
+
+class Eagle3Drafter(BaseDrafter):
+    name = "eagle3"
+
+    def __init__(self, target: TargetInfo, path: str | None = None, depth: int = 6,
+                 topk: int = 4, head: Eagle3Head | None = None) -> None:
+        """``path``: an EAGLE-3 checkpoint folder; or ``head``: an Eagle3Head object (e.g. one
+        being trained, evaluated without saving it)."""
+        for arg, value, low in (("depth", depth, 1), ("topk", topk, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"eagle3 drafter_args.{arg} must be an int >= {low}, got {value!r}")
+        self.depth, self.topk = depth, topk
+        if head is not None:
+            head.config.check_target(target.model_config)
+            self.head = head
+        else:
+            self.head = load_head(path, target)
+        self.hidden_layers = self.head.config.capture_layers
+        self.runner = target.new_runner(self.head, name="eagle3")
+
+    def init_state(self, request_id, prompt_token_ids) -> Eagle3State:
+        return Eagle3State()
+
+    def release(self, state: Eagle3State) -> None:
+        self.runner.kv.release(state.table)
+        state.pending.clear()
+        state.num_cached = 0
+
+    def on_verified(self, batch: VerifiedBatch) -> None:
+        layers = self.head.config.capture_layers
+        for i, r in enumerate(batch.requests):
+            state: Eagle3State = r.state
+            hidden = batch.hidden_of(i)
+            if r.num_committed:
+                state.pending.append(torch.cat([hidden[j] for j in layers], dim=-1))
+            # expansion rows were scratch; the accepted positions are recomputed from features
+            self.runner.kv.truncate(state.table, min(state.num_cached, state.table.num_slots))
+
+    # ---- propose ---------------------------------------------------------------------------
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        trees = [DraftTree.empty() for _ in requests]
+        live = [r for r in requests if self._reserve(r)]
+        if not live:
+            return trees
+        depth = max(min(self.depth, r.budget.depth_limit) for r in live)
+        y, logp = self._catch_up(live)
+        levels, rows = self._expand(live, y, logp, depth)
+        index = {id(r): i for i, r in enumerate(requests)}
+        for j, r in enumerate(live):
+            trees[index[id(r)]] = self._select(levels[j], rows[j], r.budget.max_nodes,
+                                               min(self.depth, r.budget.depth_limit))
+        return trees
+
+    def _reserve(self, r: DraftRequest) -> bool:
+        """Head KV for the catch-up rows and the expansion rows; none: no draft this step."""
+        state: Eagle3State = r.state
+        n = len(r.token_ids)
+        # every committed token's features arrived through on_verified
+        assert state.num_cached + state.num_pending == n - 1, (state.num_cached,
+                                                               state.num_pending, n)
+        if not state.num_pending:
+            return False  # a one-token prompt's first step: no target features yet
+        # expansion runs as deep as the deepest request of the step: reserve for the maximum
+        need = n - 1 + self.topk * (self.depth - 1)
+        if not self.runner.kv.try_reserve(state.table, need):
+            r.mark_no_kv()
+            return False
+        return True
+
+    def _catch_up(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed every request's pending rows; (y [B, H], log-probs [B, Vd]) of each last row."""
+        feeds, starts, feats = [], [], []
+        for r in reqs:
+            s: Eagle3State = r.state
+            feeds.append(list(r.token_ids[s.num_cached + 1:]))
+            starts.append(s.num_cached)
+            feats.extend(s.pending)
+        features = self.head.fuse(torch.cat(feats).to(self.head.embed.dtype))
+        batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="last",
+                                 features=features)
+        out = self.runner.forward(batch)
+        for r in reqs:
+            r.state.num_cached = len(r.token_ids) - 1
+            r.state.pending.clear()
+        return out.final_hidden.index_select(0, batch.logits_indices), out.logits.log_softmax(-1)
+
+    def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor, depth: int):
+        """Levels of candidates per request, and per request the expanded rows as
+        (level, candidate index) in row order."""
+        k = self.topk
+        top = logp.topk(k, dim=-1)
+        levels = [[_Level([-1] * k, top.indices[b].tolist(), top.values[b].tolist())]
+                  for b in range(len(reqs))]
+        rows: list[list[tuple[int, int]]] = [[] for _ in reqs]
+        parent_y = y  # [B, H] feature of each request's current parents (catch-up row)
+        for level in range(1, depth):
+            picks = [self._frontier(levels[b][-1], k) for b in range(len(reqs))]
+            out = self._forward_level(reqs, levels, rows, picks, parent_y, level)
+            parent_y = out.final_hidden  # [B * k, H], request b's rows at b*k .. b*k+k-1
+            top = out.logits.log_softmax(-1).topk(k, dim=-1)
+            for b in range(len(reqs)):
+                cand = levels[b][-1]
+                first = len(rows[b]) - k
+                parent, token, lp = [], [], []
+                for j, c in enumerate(picks[b]):
+                    row = b * k + j
+                    parent += [first + j] * k
+                    token += top.indices[row].tolist()
+                    lp += [cand.logp[c] + v for v in top.values[row].tolist()]
+                levels[b].append(_Level(parent, token, lp))
+        return levels, rows
+
+    @staticmethod
+    def _frontier(cand: _Level, k: int) -> list[int]:
+        """The k candidates of a level with the highest cumulative probability."""
+        order = sorted(range(len(cand.logp)), key=lambda i: -cand.logp[i])
+        return order[:k]
+
+    def _forward_level(self, reqs, levels, rows, picks, parent_y, level: int):
+        """One row per picked candidate of every request, batched; updates ``rows``."""
+        k = self.topk
+        feeds, starts, positions, masks, feats = [], [], [], [], []
+        for b, r in enumerate(reqs):
+            n = len(r.token_ids)
+            cand = levels[b][-1]
+            prev_rows = len(rows[b])
+            for c in picks[b]:
+                rows[b].append((level - 1, c))
+            tree = _row_tree(levels[b], rows[b])
+            feeds.append([cand.token[c] for c in picks[b]])  # draft ids; mapped below
+            starts.append(n - 1 + prev_rows)
+            positions.append([n - 1 + level - 1] * k)
+            new = torch.arange(prev_rows, prev_rows + k)
+            masks.append(nodes_mask(tree, n - 1, new))
+            parent_index = [cand.parent[c] for c in picks[b]]
+            feats.append(parent_y[[b if p < 0 or level == 1 else b * k + p - (prev_rows - k)
+                                   for p in parent_index]])
+        d2t = self.head.d2t.tolist()
+        ids = [[t + d2t[t] for t in f] for f in feeds]  # the target's ids (its embedding)
+        batch = self.runner.pack(ids, starts,
+                                 [r.state.table for r in reqs], logits="all",
+                                 positions=positions, masks=masks, features=torch.cat(feats))
+        return self.runner.forward(batch)
+
+    def _select(self, levels: list[_Level], rows: list[tuple[int, int]], budget: int,
+                depth: int) -> DraftTree:
+        """The ``budget`` most probable candidates of the first ``depth`` levels, as a tree."""
+        flat = [(lv, c) for lv in range(min(depth, len(levels)))
+                for c in range(len(levels[lv].token))]
+        # best first; a child's log-prob is its parent's plus a log-prob <= 0, and ties go to
+        # the shallower node, so the first `budget` are ancestor-closed and topological
+        flat.sort(key=lambda lc: (-levels[lc[0]].logp[lc[1]], lc[0], lc[1]))
+        chosen = flat[:budget]
+        node = {lc: i for i, lc in enumerate(chosen)}
+        tokens, parents, probs = [], [], []
+        d2t = self.head.d2t
+        for lv, c in chosen:
+            p = _parent_of(levels, rows, (lv, c))
+            parents.append(-1 if p is None else node[p])
+            t = levels[lv].token[c]
+            tokens.append(t + int(d2t[t]))
+            probs.append(levels[lv].logp[c])
+        return DraftTree(torch.tensor(tokens, dtype=torch.int64),
+                         torch.tensor(parents, dtype=torch.int64), None,
+                         torch.tensor(probs, dtype=torch.float32).exp())
+
+
+def _parent_of(levels: list[_Level], rows: list[tuple[int, int]], lc: tuple[int, int]):
+    """(level, candidate) of a candidate's parent, None for the first level."""
+    lv, c = lc
+    p = levels[lv].parent[c]
+    return None if p < 0 else rows[p]
+
+
+def _row_tree(levels: list[_Level], rows: list[tuple[int, int]]) -> DraftTree:
+    """The tree of expanded rows (row j's parent is its candidate's parent's row)."""
+    index = {lc: j for j, lc in enumerate(rows)}
+    parents = []
+    for lc in rows:
+        p = _parent_of(levels, rows, lc)
+        parents.append(-1 if p is None else index[p])
+    return DraftTree(torch.zeros(len(rows), dtype=torch.int64),
+                     torch.tensor(parents, dtype=torch.int64))
+
+
+def load_head(path: str | None, target: TargetInfo) -> Eagle3Head:
+    """The head at ``path`` (EAGLE-3 format), checked against the target."""
+    from specdec.models.eagle3_io import load_eagle3
+
+    if path is None:
+        raise ValueError("eagle3 needs drafter_args.path: a folder in the EAGLE-3 format "
+                         "(config.json + model.safetensors), e.g. one made by `specdec train "
+                         "eagle3`")
+    folder = Path(path).expanduser()
+    head = load_eagle3(folder, target.model_config, target.model.embed, target.hf_config)
+    head.requires_grad_(False)
+    return head

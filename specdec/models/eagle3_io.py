@@ -1,0 +1,380 @@
+"""Save and load an EAGLE-3 head in the checkpoint format vLLM and SGLang load (SpecForge's export).
+
+A folder with two files (no embedding: the head uses the target's)::
+
+    config.json        architectures ["LlamaForCausalLMEagle3"], model_type "llama",
+                       num_hidden_layers 1, the draft layer's shapes, RoPE (rope_theta /
+                       rope_scaling), vocab_size (target), draft_vocab_size,
+                       tie_word_embeddings false, eagle_config {eagle_aux_hidden_state_layer_ids,
+                       use_aux_hidden_state}, torch_dtype, and our own metadata under "specdec"
+    model.safetensors  fc.weight [H, 3 Ht]; midlayer.self_attn.{q,k,v}_proj.weight [*, 2 H];
+                       midlayer.self_attn.o_proj.weight; midlayer.mlp.{gate,up,down}_proj.weight;
+                       midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight;
+                       norm.weight; lm_head.weight [Vd, H]; d2t int64 [Vd]; t2d bool [V]
+
+``d2t`` holds offsets, not ids: draft id i is target id ``i + d2t[i]``; ``t2d`` marks exactly those
+target ids. Example, target vocab 6, draft vocabulary {1, 4}: d2t = [1, 3],
+t2d = [F, T, F, F, T, F].
+
+Aux-layer ids are HF ``hidden_states`` indices (id j = the input of target layer j), which vLLM
+reads as is; SGLang adds 1 when the first id is 1, so ids should start at 2 (the default does).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+
+import safetensors.torch
+import torch
+
+from specdec.models.config import ModelConfig, rope_parameters
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from specdec.models.loader import read_safetensors
+from specdec.models.rope import RotaryEmbedding
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+SAVE_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# Variants of the format that our head does not implement, with the value it does implement.
+UNSUPPORTED_FLAGS = {"norm_before_residual": False, "fc_norm": False, "norm_output": False,
+                     "norm_before_fc": False, "attention_bias": False, "mlp_bias": False}
+# Keys some exporters add that the head does not use (it shares the target's embedding).
+IGNORED_KEY_SUFFIXES = ("embed_tokens.weight", "rotary_emb.inv_freq")
+
+
+def tensor_layout(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the format with its shape; floating point except d2t (int64), t2d (bool)."""
+    h, i, vd = config.hidden_size, config.intermediate_size, config.draft_vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    return {
+        "fc.weight": (h, 3 * config.target_hidden_size),
+        a + "q_proj.weight": (q, 2 * h), a + "k_proj.weight": (kv, 2 * h),
+        a + "v_proj.weight": (kv, 2 * h), a + "o_proj.weight": (h, q),
+        m + "gate_proj.weight": (i, h), m + "up_proj.weight": (i, h), m + "down_proj.weight": (h, i),
+        "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,), "norm.weight": (h,),
+        "lm_head.weight": (vd, h), "d2t": (vd,), "t2d": (config.vocab_size,),
+    }
+
+
+# ----------------------------------------------------------------------------------------- save
+
+def save_eagle3(head: Eagle3Head, folder: Path, target_hf_config, *,
+                dtype: torch.dtype = torch.bfloat16, extra: dict | None = None,
+                overwrite: bool = False) -> None:
+    """Write ``head`` to ``folder`` (config.json + model.safetensors) for vLLM, SGLang and us.
+
+    ``target_hf_config``: the target's HF config, whose RoPE the head was built with (checked)
+    and whose name/path is recorded. ``extra``: JSON-serialisable metadata (training metrics…)
+    stored under config.json's "specdec" key. The folder appears complete or not at all: files
+    are written into a hidden sibling that is renamed into place. An existing ``folder`` raises
+    FileExistsError unless ``overwrite``; then it is swapped out and deleted after the rename.
+    """
+    folder = Path(folder)
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES.values())}, got {dtype}")
+    if folder.exists() and not (overwrite and folder.is_dir()):
+        raise FileExistsError(f"{folder} exists; pass overwrite=True to replace the folder")
+    _check_rope(head, target_hf_config)
+    text = json.dumps(_config_json(head, target_hf_config, dtype, extra), indent=2) + "\n"
+    tensors = _export_tensors(head, dtype)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex}")
+    tmp.mkdir()
+    try:
+        (tmp / "config.json").write_text(text)
+        safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        for f in (tmp / "config.json", tmp / "model.safetensors", tmp):
+            _fsync(f)
+        _publish(tmp, folder, overwrite)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # already renamed away on success
+
+
+def _config_json(head: Eagle3Head, target_hf_config, dtype: torch.dtype,
+                 extra: dict | None) -> dict:
+    c = head.config
+    rope = rope_parameters(target_hf_config)
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "num_hidden_layers": 1, "hidden_size": c.hidden_size,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "hidden_act": "silu",
+        "attention_bias": False, "rms_norm_eps": c.rms_norm_eps,
+        # the legacy spelling: transformers 4 (vLLM, SGLang) reads it, transformers 5 converts it
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope.get("rope_type", "default") == "default"
+        else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "tie_word_embeddings": False,  # SGLang ties lm_head to the embedding when true
+    }
+    if c.target_hidden_size != c.hidden_size:
+        out["target_hidden_size"] = c.target_hidden_size
+    if c.aux_layer_ids[0] == 1:
+        warnings.warn("aux layer ids start at 1: SGLang reads such ids as output-of-layer "
+                      "and shifts them by one; vLLM and specdec read them as given", stacklevel=3)
+    out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+                           "use_aux_hidden_state": True}
+    out["torch_dtype"] = SAVE_DTYPES[dtype]
+    out["specdec"] = _metadata(c, target_hf_config, extra)
+    return out
+
+
+def _metadata(c: Eagle3Config, target_hf_config, extra: dict | None) -> dict:
+    meta = {"target_model": getattr(target_hf_config, "name_or_path", None) or None,
+            "target_num_layers": c.target_num_layers}
+    if extra and "target_num_layers" in extra:
+        raise ValueError("extra must not set 'target_num_layers' (it comes from the head)")
+    meta.update(extra or {})
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must be JSON-serialisable: {e}") from e
+    return meta
+
+
+def _check_rope(head: Eagle3Head, target_hf_config) -> None:
+    """The RoPE written must be the one the head runs with."""
+    cos = head.rope.cos
+    ref = RotaryEmbedding(target_hf_config, head.config.head_dim, cos.shape[0], cos.dtype, "cpu")
+    if not torch.equal(ref.cos, cos.cpu()):
+        raise ValueError(f"target_hf_config's RoPE ({rope_parameters(target_hf_config)}) is not "
+                         "the one this head was built with")
+
+
+def _export_tensors(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Our fused parameters split into the format's tensors (fresh CPU copies, none shared)."""
+    c, layer = head.config.layer_config(), head.layer
+    q, k, v = layer.qkv_weight.split([c.q_size, c.kv_size, c.kv_size])
+    gate, up = layer.gate_up_weight.chunk(2)
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    floats = {
+        "fc.weight": head.fc, a + "q_proj.weight": q, a + "k_proj.weight": k,
+        a + "v_proj.weight": v, a + "o_proj.weight": layer.o_weight,
+        m + "gate_proj.weight": gate, m + "up_proj.weight": up,
+        m + "down_proj.weight": layer.down_weight,
+        "midlayer.input_layernorm.weight": layer.input_norm,
+        "midlayer.hidden_norm.weight": head.hidden_norm,
+        "midlayer.post_attention_layernorm.weight": layer.post_attn_norm,
+        "norm.weight": head.norm_weight, "lm_head.weight": head.lm_head,
+    }
+    out = {k: t.detach().to("cpu", dtype, copy=True).contiguous() for k, t in floats.items()}
+    out["d2t"] = head.d2t.detach().to("cpu", torch.int64, copy=True)
+    out["t2d"] = head.t2d.detach().to("cpu", torch.bool, copy=True)
+    return out
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, folder: Path, overwrite: bool) -> None:
+    """Rename ``tmp`` to ``folder``; an existing folder (overwrite) is moved aside first and
+    restored if the rename fails, so ``folder`` is always the old or the new checkpoint."""
+    if not folder.exists():
+        os.rename(tmp, folder)
+        return
+    if not overwrite:
+        raise FileExistsError(f"{folder} appeared while saving; not replacing it")
+    old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex}")
+    os.rename(folder, old)
+    try:
+        os.rename(tmp, folder)
+    except BaseException:
+        os.rename(old, folder)
+        raise
+    shutil.rmtree(old)
+
+
+# ----------------------------------------------------------------------------------------- load
+
+def load_eagle3(folder: Path, target_cfg: ModelConfig, embed: torch.Tensor,
+                trainable: bool = False) -> Eagle3Head:
+    """An Eagle3Head (dtype and device of ``embed``, the target's [vocab, hidden] embedding)
+    from a folder in this format, checked against the target.
+
+    RoPE comes from the checkpoint's own config.json, as in vLLM and SGLang. The target's layer
+    count comes from ``specdec.target_num_layers`` when present; otherwise only the aux-layer
+    ids can be checked against the target. ValueError names the file, field or tensor at fault.
+    """
+    folder = Path(folder)
+    raw = read_eagle3_config(folder)
+    config = eagle3_config_from_json(raw, target_cfg)
+    config.check_target(target_cfg)
+    if tuple(embed.shape) != (target_cfg.vocab_size, target_cfg.hidden_size):
+        raise ValueError(f"embed has shape {tuple(embed.shape)}, expected the target's "
+                         f"{(target_cfg.vocab_size, target_cfg.hidden_size)}")
+    tensors = read_safetensors(folder)
+    _check_tensors(tensors, config, folder)
+    used = vocab_ids(tensors["d2t"], tensors["t2d"])
+    head = Eagle3Head(config, embed, _draft_hf_config(raw, folder), trainable)
+    _fill(head, tensors)
+    head.set_vocab(used)
+    return head
+
+
+def read_eagle3_config(folder: Path) -> dict:
+    """config.json as a dict, checked to be an EAGLE-3 head; ValueError names the file."""
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise ValueError(f"no EAGLE-3 checkpoint in {folder}: {path} is missing") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"could not read {path}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
+    archs = raw.get("architectures") or []
+    if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+        raise ValueError(f"{path}: architectures {archs} is not an EAGLE-3 head; expected one "
+                         f"of {list(EAGLE3_ARCHITECTURES)}")
+    return raw
+
+
+def eagle3_config_from_json(raw: dict, target_cfg: ModelConfig) -> Eagle3Config:
+    """The head's Eagle3Config from config.json; shape fields are required, the rest default as
+    vLLM defaults them. The RoPE table covers the target's positions (the rows it drafts for)."""
+    _check_supported(raw)
+    num_layers = _target_num_layers(raw, target_cfg)
+    aux = _aux_layer_ids(raw, num_layers)
+    try:
+        h, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
+        vocab = int(raw["vocab_size"])
+        return Eagle3Config(
+            hidden_size=h, num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or h // heads),
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw["rms_norm_eps"]), vocab_size=vocab,
+            draft_vocab_size=int(raw.get("draft_vocab_size") or vocab),
+            target_hidden_size=int(raw.get("target_hidden_size") or h),
+            target_num_layers=num_layers, aux_layer_ids=aux,
+            max_position_embeddings=target_cfg.max_position_embeddings)
+    except KeyError as e:
+        raise ValueError(f"config.json lacks the field {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json has a malformed field: {e}") from e
+
+
+def _check_supported(raw: dict) -> None:
+    if raw.get("num_hidden_layers", 1) != 1:
+        raise ValueError(f"config.json: num_hidden_layers {raw['num_hidden_layers']}; only "
+                         "one-layer EAGLE-3 heads are supported")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
+    if not (raw.get("eagle_config") or {}).get("use_aux_hidden_state", True):
+        raise ValueError("config.json: eagle_config.use_aux_hidden_state false (no fc) is not "
+                         "supported")
+    for name, ours in UNSUPPORTED_FLAGS.items():
+        if bool(raw.get(name, ours)) != ours:
+            raise ValueError(f"config.json: {name}={raw[name]!r} is not supported "
+                             f"(this head implements {name}={ours})")
+
+
+def _target_num_layers(raw: dict, target_cfg: ModelConfig) -> int:
+    """Recorded by specdec; other exporters do not record it, so then the target's own."""
+    meta = raw.get("specdec") or {}
+    try:
+        return int(meta.get("target_num_layers", target_cfg.num_layers))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json: specdec.target_num_layers is malformed: {e}") from e
+
+
+def _aux_layer_ids(raw: dict, target_num_layers: int) -> tuple[int, int, int]:
+    """Top level (vLLM also reads it there) or eagle_config; absent: the default for the target."""
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top and nested and list(top) != list(nested):
+        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {top} at top level and "
+                         f"{nested} in eagle_config disagree")
+    ids = top or nested
+    if not ids:
+        return default_aux_layer_ids(target_num_layers)
+    if len(ids) != 3:
+        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {ids} must name 3 "
+                         "layers (low, mid, high)")
+    try:
+        return tuple(int(j) for j in ids)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {ids}: {e}") from e
+
+
+def _draft_hf_config(raw: dict, folder: Path):
+    """A transformers LlamaConfig of the draft layer, for its RoPE (legacy and new spellings)."""
+    from transformers import LlamaConfig
+
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+            "partial_rotary_factor")
+    try:
+        return LlamaConfig(**{k: raw[k] for k in keys if k in raw})
+    except Exception as e:
+        raise ValueError(f"{Path(folder) / 'config.json'}: bad RoPE settings: {e}") from e
+
+
+def _check_tensors(tensors: dict[str, torch.Tensor], config: Eagle3Config, folder: Path) -> None:
+    """Every key present with its shape and kind; no key this head would silently drop."""
+    layout = tensor_layout(config)
+    where = f"{folder}/*.safetensors"
+    for name, shape in layout.items():
+        if name not in tensors:
+            raise ValueError(f"{where} lacks tensor {name!r} (expected shape {shape})")
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
+        kinds = {"d2t": "integer", "t2d": "bool"}
+        kind = ("bool" if t.dtype == torch.bool else "floating" if t.dtype.is_floating_point
+                else "integer")
+        if kind != kinds.get(name, "floating"):
+            raise ValueError(f"{where}: tensor {name} has dtype {t.dtype}, expected "
+                             f"{kinds.get(name, 'floating')} values")
+    extra = [k for k in tensors if k not in layout and not k.endswith(IGNORED_KEY_SUFFIXES)]
+    if extra:
+        raise ValueError(f"{where} has tensors this EAGLE-3 head does not use: {sorted(extra)}")
+
+
+def vocab_ids(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """[draft_vocab] ascending target ids ``arange + d2t``, checked to be exactly ``t2d``'s."""
+    ids = torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64)
+    marked = t2d.nonzero().flatten()
+    if marked.numel() != ids.numel():
+        raise ValueError(f"d2t and t2d disagree: t2d marks {marked.numel()} target ids, d2t maps "
+                         f"{ids.numel()} draft ids")
+    wrong = (marked != ids).nonzero().flatten()
+    if wrong.numel():
+        i = int(wrong[0])
+        raise ValueError(f"d2t and t2d disagree: draft id {i} maps to target id {int(ids[i])} "
+                         f"(= {i} + d2t[{i}]) but t2d's {i}-th marked id is {int(marked[i])}")
+    return ids
+
+
+def _fill(head: Eagle3Head, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy the format's tensors into our fused parameters (q|k|v rows, gate|up rows)."""
+    a, m, layer = "midlayer.self_attn.", "midlayer.mlp.", head.layer
+    parts = [
+        (head.fc, ["fc.weight"]),
+        (layer.qkv_weight, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
+        (layer.o_weight, [a + "o_proj.weight"]),
+        (layer.gate_up_weight, [m + "gate_proj.weight", m + "up_proj.weight"]),
+        (layer.down_weight, [m + "down_proj.weight"]),
+        (layer.input_norm, ["midlayer.input_layernorm.weight"]),
+        (head.hidden_norm, ["midlayer.hidden_norm.weight"]),
+        (layer.post_attn_norm, ["midlayer.post_attention_layernorm.weight"]),
+        (head.norm_weight, ["norm.weight"]),
+        (head.lm_head, ["lm_head.weight"]),
+    ]
+    with torch.no_grad():
+        for param, names in parts:
+            value = torch.cat([tensors[n] for n in names])
+            assert value.shape == param.shape, (names, value.shape, param.shape)
+            param.copy_(value.to(param.dtype))

@@ -1,0 +1,182 @@
+"""EAGLE-3 drafting: losslessness, tree properties, and the paged head against a dense oracle.
+
+Random heads are fine for losslessness (the verifier keeps only what the target would produce).
+The oracle test recomputes, without paging or batching, what the head must output for every
+candidate path (each path's rows run densely, one at a time, from the target's own features) and
+rebuilds EAGLE-2's dynamic tree from those distributions; the drafter's batched, paged proposal
+must be exactly that tree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from specdec import LLM, SamplingParams
+from specdec.attention.dense import DenseAttention
+from specdec.drafters.eagle3 import Eagle3Drafter
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.loader import load_model
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 5, 6], [3, 4, 3, 4, 3], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9],
+           [11, 12], [7, 7, 7, 7], [40, 41, 42, 40, 41], [60]]
+
+
+@pytest.fixture(scope="module")
+def target4(tmp_path_factory):
+    """A 4-layer tiny llama (EAGLE-3's default layers need L >= 4) and its float64 decoder."""
+    folder = make_tiny_model(tmp_path_factory.mktemp("l4"), num_hidden_layers=4, seed=4)
+    model, cfg, hf = load_model(folder, torch.float64, "cpu", 512)
+    return folder, model, cfg, hf
+
+
+def random_head(model, cfg, hf, draft_vocab: int = 64, seed: int = 0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab), model.embed, hf)
+    head.reset_parameters(0.5)  # large weights: peaked, tie-free distributions
+    used = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
+    head.set_vocab(used)
+    return head
+
+
+def _greedy(folder, prompts, **kw) -> list:
+    llm = LLM(model=str(folder), dtype="float64", **kw)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    assert [o.error for o in outs] == [None] * len(prompts)
+    return outs
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("drafter", ["eagle3", "eagle3+ngram"])
+def test_greedy_identical_to_plain(target4, batch, drafter):
+    folder, model, cfg, hf = target4
+    head = random_head(model, cfg, hf)
+    eagle = {"head": head, "depth": 3, "topk": 2}
+    args = eagle if drafter == "eagle3" else {"eagle3": eagle, "ngram": {"min_ngram": 1}}
+    prompts = PROMPTS[:batch]
+    plain = _greedy(folder, prompts)
+    spec = _greedy(folder, prompts, drafter=drafter, drafter_args=args,
+                   controller_args={"budget": 5})
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert all(o.metrics.draft_tokens_proposed > 0 for o in spec)
+
+
+def _proposals(monkeypatch) -> list:
+    """Record (token ids, budget, tree) of every eagle3 proposal."""
+    seen = []
+    original = Eagle3Drafter.propose
+
+    def spy(self, requests):
+        trees = original(self, requests)
+        seen.extend((r.token_ids.tolist(), r.budget, t) for r, t in zip(requests, trees))
+        return trees
+
+    monkeypatch.setattr(Eagle3Drafter, "propose", spy)
+    return seen
+
+
+@pytest.mark.parametrize("budget, depth, topk", [(6, 3, 2), (10, 4, 3), (3, 5, 2)])
+def test_tree_properties(target4, monkeypatch, budget, depth, topk):
+    folder, model, cfg, hf = target4
+    seen = _proposals(monkeypatch)
+    _greedy(folder, PROMPTS[:4], drafter="eagle3",
+            drafter_args={"head": random_head(model, cfg, hf), "depth": depth, "topk": topk},
+            controller_args={"budget": budget})
+    assert seen
+    for _, b, tree in seen:
+        tree.validate(max_nodes=b.max_nodes, vocab_size=cfg.vocab_size)
+        assert tree.num_nodes == min(b.max_nodes, _num_candidates(depth, topk))
+        assert tree.max_depth + 1 <= depth
+        probs = tree.path_probs
+        for i, p in enumerate(tree.parents.tolist()):
+            if p >= 0:
+                assert probs[i] <= probs[p] + 1e-12  # cumulative: never rises along a path
+        assert bool((probs > 0).all() and (probs <= 1).all())
+
+
+def _num_candidates(depth: int, k: int) -> int:
+    return k + (depth - 1) * k * k
+
+
+def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch):
+    folder, model, cfg, hf = target4
+    head = random_head(model, cfg, hf, seed=1)
+    depth, topk = 3, 2
+    seen = _proposals(monkeypatch)
+    _greedy(folder, PROMPTS[:5], drafter="eagle3",
+            drafter_args={"head": head, "depth": depth, "topk": topk},
+            controller_args={"budget": 7})
+    assert len(seen) > 10
+    for tokens, budget, tree in seen:
+        ref = _oracle_tree(model, head, tokens, depth, topk, budget.max_nodes)
+        assert tree.tokens.tolist() == ref[0] and tree.parents.tolist() == ref[1]
+        torch.testing.assert_close(tree.path_probs.double(), torch.tensor(ref[2]).double(),
+                                   rtol=1e-5, atol=0)
+
+
+def _oracle_tree(model, head, tokens, depth, k, budget):
+    """EAGLE-2's tree for one request, from dense per-path head runs (no KV, no batching)."""
+    cap = head.config.capture_layers
+    with torch.no_grad():
+        out = model.forward_dense(torch.tensor([tokens[:-1]]), capture_layers=cap)
+        feats = head.fuse(torch.cat([out.layer_hidden[c][0] for c in cap], -1))
+    n = len(tokens)
+    d2t = head.d2t.tolist()
+    memo = {}
+
+    def next_logp(path: tuple[int, ...]) -> torch.Tensor:
+        """log-probs of the token after the path (draft ids): the catch-up rows, then one row per
+        path token whose feature is the previous row's output, each run densely from scratch."""
+        if path not in memo:
+            ids = list(tokens[1:]) + [d + d2t[d] for d in path]
+            fs = list(feats)
+            y = _dense_head(head, ids[:n - 1], torch.stack(fs))
+            for j in range(len(path)):
+                fs.append(y[-1])
+                y = _dense_head(head, ids[:n + j], torch.stack(fs))
+            memo[path] = head.compute_logits(y[-1:])[0].log_softmax(-1)
+        return memo[path]
+
+    cands = []  # (logp, level, index, path)
+    frontier = [((), 0.0)]
+    for level in range(depth):
+        new = []
+        for path, lp in frontier:
+            top = next_logp(path).topk(k)
+            new += [(path + (t,), lp + v) for t, v in zip(top.indices.tolist(),
+                                                          top.values.tolist())]
+        cands += [(lp, level, i, p) for i, (p, lp) in enumerate(new)]
+        order = sorted(range(len(new)), key=lambda i: -new[i][1])[:k]
+        frontier = [new[i] for i in order]
+    cands.sort(key=lambda c: (-c[0], c[1], c[2]))
+    chosen = cands[:budget]
+    node = {c[3]: i for i, c in enumerate(chosen)}
+    toks = [c[3][-1] + d2t[c[3][-1]] for c in chosen]
+    parents = [node[c[3][:-1]] if len(c[3]) > 1 else -1 for c in chosen]
+    return toks, parents, [float(torch.tensor(c[0]).exp()) for c in chosen]
+
+
+def _dense_head(head, ids, features) -> torch.Tensor:
+    """The head's outputs y [S, H] for rows (features[i], embedding of ids[i]) at positions 0..S-1,
+    causal, no cache."""
+    s = len(ids)
+    backend = DenseAttention.causal(torch.ones(1, s, dtype=torch.bool))
+    with torch.no_grad():
+        return head(torch.tensor(ids), torch.arange(s), backend, None,
+                    features=features[:s]).hidden
+
+
+def test_head_for_another_target_is_refused(target4, tiny_llama):
+    folder, model, cfg, hf = target4
+    head = random_head(model, cfg, hf)
+    with pytest.raises(ValueError, match="layer count 4.*layer count 2"):
+        LLM(model=str(tiny_llama), dtype="float64", drafter="eagle3",
+            drafter_args={"head": head})
+
+
+def test_bad_args(target4):
+    folder, model, cfg, hf = target4
+    for bad in ({"depth": 0}, {"topk": "2"}, {}):
+        with pytest.raises(ValueError, match="eagle3"):
+            LLM(model=str(folder), dtype="float64", drafter="eagle3", drafter_args=bad)
