@@ -259,7 +259,7 @@ def _system_summary(t: Tally, name: str) -> dict:
             "seconds": statistics.median(t.seconds), "new_tokens": t.tokens[0]}
 
 
-def _speculation(outs: list[Out]) -> dict:
+def speculation_summary(outs: list[Out]) -> dict:
     metrics = [o.metrics for o in outs]
     taus = [m.tau for m in metrics if m.tau is not None]
     forwards = sum(m.num_target_forwards for m in metrics)
@@ -282,7 +282,7 @@ def _per_category(tallies: dict, ref: str | None) -> dict:
         outs = [o for k, o in eng.outputs[0].items() if eng.categories[k] == cat]
         row = {"engine_tokens_per_s": statistics.median(eng.cat_tps(cat)),
                "baseline_tokens_per_s": None, "speedup": None,
-               "tau": _speculation(outs)["tau"], "num_requests": len(outs)}
+               "tau": speculation_summary(outs)["tau"], "num_requests": len(outs)}
         if ref is not None:
             base = tallies[ref].cat_tps(cat)
             row["baseline_tokens_per_s"] = statistics.median(base)
@@ -306,7 +306,7 @@ def build_report(args, tallies: dict, questions, draft_share: float | None) -> d
         "tpot_ms": percentiles([m.tpot for m in all_metrics if m.tpot is not None]),
         "itl_ms": percentiles([x for m in all_metrics for x in m.itls]),
         "per_category": _per_category(tallies, ref),
-        **_speculation(outs0),
+        **speculation_summary(outs0),
         "draft_ms_share": draft_share if args.drafter else None,
     }
     report.update(_comparisons(tallies, ref))

@@ -116,11 +116,34 @@ def _bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _train_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter for a target model on your prompts")
+    p.add_argument("kind", choices=["eagle3"], help="drafter kind")
+    p.add_argument("--target", default=None, help=f"target model (default {DEFAULT_MODEL})")
+    p.add_argument("--data", nargs="+", type=_existing_file, default=None, metavar="FILE",
+                   help="json/jsonl: ShareGPT, Alpaca, MT-Bench turns, GSM8K or plain text")
+    p.add_argument("--out", default=None, help="output folder (must not exist, or --resume)")
+    p.add_argument("--regenerate", action="store_true", default=None,
+                   help="the target answers the prompts first (self-distillation)")
+    p.add_argument("--resume", action="store_true", default=None,
+                   help="continue the run in --out from its last checkpoint")
+    p.add_argument("--eval", nargs="+", type=_existing_file, default=None, metavar="FILE",
+                   dest="eval_files", help="extra held-out prompts for the final evaluation")
+    p.add_argument("--config", type=_existing_file, default=None, metavar="YAML",
+                   help="settings (training/config.py names); flags override them")
+    p.add_argument("--report-to", choices=["none", "wandb"], default=None)
+    p.add_argument("--max-steps", type=_int_at_least(1), default=None)
+    p.add_argument("--limit", type=_int_at_least(1), default=None,
+                   help="use this many conversations of the data (seeded sample)")
+    p.set_defaults(func=cmd_train)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="speculative decoding engine")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _bench_parser(sub)
+    _train_parser(sub)
     return parser
 
 
@@ -183,6 +206,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Parse and validate; exits (SystemExit 2) with a message naming the bad argument."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return args  # its settings are checked by TrainConfig (flags and --config together)
     _merge_budget(parser, args)
     if args.command == "generate":
         _check_sampling(parser, args)
@@ -253,6 +278,24 @@ def generate_stats(m, seconds: float, speculative: bool) -> str:
         tau = f"{m.tau:.2f}" if m.tau is not None else "n/a"
         parts += [f"tau {tau}", f"acceptance {rate:.1%} ({accepted}/{m.draft_tokens_proposed})"]
     return "[" + ", ".join(parts) + "]"
+
+
+# ---- train ---------------------------------------------------------------------------------
+
+
+def cmd_train(args) -> int:
+    from specdec.training.config import TrainConfig
+    from specdec.training.trainer import train
+
+    flags = {k: getattr(args, k) for k in ("kind", "target", "data", "out", "regenerate",
+                                           "resume", "eval_files", "report_to", "max_steps",
+                                           "limit")}
+    config = TrainConfig.from_sources(args.config, flags)
+    report = train(config)
+    tau, speed = report.get("tau"), report.get("speedup_vs_plain")
+    print(f"drafter: {Path(config.out) / 'drafter'}  tau {_fmt(tau)}  speedup vs plain "
+          f"{_fmt(speed)}x on {report.get('num_prompts')} held-out prompts", file=sys.stderr)
+    return 0
 
 
 # ---- bench ------------------------------------------------------------------------------------

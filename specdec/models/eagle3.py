@@ -83,9 +83,9 @@ class Eagle3Config:
             if ours != theirs:
                 raise ValueError(f"this EAGLE-3 head was made for a target with {what} {ours}, "
                                  f"but the target has {what} {theirs}")
-        if not all(1 <= j <= target.num_layers for j in self.aux_layer_ids):
+        if not all(1 <= j < target.num_layers for j in self.aux_layer_ids):
             raise ValueError(f"aux layer ids {self.aux_layer_ids} must be in [1, "
-                             f"{target.num_layers}] (inputs of the target's layers)")
+                             f"{target.num_layers - 1}] (inputs of the target's layers 1..L-1)")
 
 
 class Eagle3Head(nn.Module):
@@ -118,7 +118,9 @@ class Eagle3Head(nn.Module):
                                                 device=embed.device))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool,
                                                 device=embed.device))
-        self.embed_weight = embed  # the target's [vocab, hidden], frozen and not a parameter here
+        # the target's [vocab, hidden]: shared, frozen, and not a parameter of the head (detach
+        # keeps nn.Module from registering it, so it is never trained, moved or saved here)
+        self.embed_weight = embed.detach()
         self.rope = RotaryEmbedding(hf_config, config.head_dim, config.max_position_embeddings,
                                     embed.dtype, embed.device)
         self.matmul: Matmul = F.linear

@@ -32,7 +32,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from specdec.models.config import ModelConfig, rope_parameters
+from specdec.models.config import STATIC_ROPE_TYPES, ModelConfig, rope_parameters
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from specdec.models.loader import read_safetensors
 from specdec.models.rope import RotaryEmbedding
@@ -44,6 +44,7 @@ UNSUPPORTED_FLAGS = {"norm_before_residual": False, "fc_norm": False, "norm_outp
                      "norm_before_fc": False, "attention_bias": False, "mlp_bias": False}
 # Keys some exporters add that the head does not use (it shares the target's embedding).
 IGNORED_KEY_SUFFIXES = ("embed_tokens.weight", "rotary_emb.inv_freq")
+ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
 def tensor_layout(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
@@ -72,8 +73,9 @@ def save_eagle3(head: Eagle3Head, folder: Path, target_hf_config, *,
     ``target_hf_config``: the target's HF config, whose RoPE the head was built with (checked)
     and whose name/path is recorded. ``extra``: JSON-serialisable metadata (training metrics…)
     stored under config.json's "specdec" key. The folder appears complete or not at all: files
-    are written into a hidden sibling that is renamed into place. An existing ``folder`` raises
-    FileExistsError unless ``overwrite``; then it is swapped out and deleted after the rename.
+    are written into a hidden sibling that is renamed into place (on error the sibling is
+    removed). An existing ``folder`` raises FileExistsError unless ``overwrite``; then it is
+    moved aside, replaced by the rename, and deleted.
     """
     folder = Path(folder)
     if dtype not in SAVE_DTYPES:
@@ -179,8 +181,9 @@ def _fsync(path: Path) -> None:
 
 
 def _publish(tmp: Path, folder: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``folder``; an existing folder (overwrite) is moved aside first and
-    restored if the rename fails, so ``folder`` is always the old or the new checkpoint."""
+    """Rename ``tmp`` to ``folder``. An existing folder (overwrite) is moved aside first and put
+    back if the second rename fails: ``folder`` is the old checkpoint, the new one, or (between
+    the two renames) absent, never a mix. POSIX has no portable rename over a full folder."""
     if not folder.exists():
         os.rename(tmp, folder)
         return
@@ -198,26 +201,37 @@ def _publish(tmp: Path, folder: Path, overwrite: bool) -> None:
 
 # ----------------------------------------------------------------------------------------- load
 
-def load_eagle3(folder: Path, target_cfg: ModelConfig, embed: torch.Tensor,
+def load_eagle3(folder: Path, target_cfg: ModelConfig, embed: torch.Tensor, target_hf_config,
                 trainable: bool = False) -> Eagle3Head:
     """An Eagle3Head (dtype and device of ``embed``, the target's [vocab, hidden] embedding)
     from a folder in this format, checked against the target.
 
-    RoPE comes from the checkpoint's own config.json, as in vLLM and SGLang. The target's layer
-    count comes from ``specdec.target_num_layers`` when present; otherwise only the aux-layer
-    ids can be checked against the target. ValueError names the file, field or tensor at fault.
+    RoPE comes from the checkpoint's own config.json (rope_theta / rope_scaling or
+    rope_parameters), as in vLLM and SGLang; only a config.json with none of those fields takes
+    ``target_hf_config``'s (vLLM would take transformers' default theta 10000 there; we export
+    rope_theta always). The target's layer count comes from ``specdec.target_num_layers`` when
+    present; otherwise only the aux-layer ids can be checked against the target. ValueError
+    names the file, field or tensor at fault.
     """
     folder = Path(folder)
     raw = read_eagle3_config(folder)
-    config = eagle3_config_from_json(raw, target_cfg)
+    try:
+        config = eagle3_config_from_json(raw, target_cfg)
+    except ValueError as e:
+        raise ValueError(f"{folder / 'config.json'}: {e}") from e
     config.check_target(target_cfg)
     if tuple(embed.shape) != (target_cfg.vocab_size, target_cfg.hidden_size):
         raise ValueError(f"embed has shape {tuple(embed.shape)}, expected the target's "
                          f"{(target_cfg.vocab_size, target_cfg.hidden_size)}")
     tensors = read_safetensors(folder)
     _check_tensors(tensors, config, folder)
-    used = vocab_ids(tensors["d2t"], tensors["t2d"])
-    head = Eagle3Head(config, embed, _draft_hf_config(raw, folder), trainable)
+    try:
+        used = vocab_ids(tensors["d2t"], tensors["t2d"])
+    except ValueError as e:
+        raise ValueError(f"{folder}/*.safetensors: {e}") from e
+    rope_config = (_draft_hf_config(raw, folder) if any(k in raw for k in ROPE_FIELDS)
+                   else target_hf_config)
+    head = Eagle3Head(config, embed, rope_config, trainable)
     _fill(head, tensors)
     head.set_vocab(used)
     return head
@@ -261,23 +275,22 @@ def eagle3_config_from_json(raw: dict, target_cfg: ModelConfig) -> Eagle3Config:
             target_num_layers=num_layers, aux_layer_ids=aux,
             max_position_embeddings=target_cfg.max_position_embeddings)
     except KeyError as e:
-        raise ValueError(f"config.json lacks the field {e.args[0]!r}") from e
+        raise ValueError(f"the field {e.args[0]!r} is missing") from e
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config.json has a malformed field: {e}") from e
+        raise ValueError(f"malformed field: {e}") from e
 
 
 def _check_supported(raw: dict) -> None:
     if raw.get("num_hidden_layers", 1) != 1:
-        raise ValueError(f"config.json: num_hidden_layers {raw['num_hidden_layers']}; only "
+        raise ValueError(f"num_hidden_layers {raw['num_hidden_layers']}; only "
                          "one-layer EAGLE-3 heads are supported")
     if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
+        raise ValueError(f"hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
     if not (raw.get("eagle_config") or {}).get("use_aux_hidden_state", True):
-        raise ValueError("config.json: eagle_config.use_aux_hidden_state false (no fc) is not "
-                         "supported")
+        raise ValueError("eagle_config.use_aux_hidden_state false (no fc) is not supported")
     for name, ours in UNSUPPORTED_FLAGS.items():
         if bool(raw.get(name, ours)) != ours:
-            raise ValueError(f"config.json: {name}={raw[name]!r} is not supported "
+            raise ValueError(f"{name}={raw[name]!r} is not supported "
                              f"(this head implements {name}={ours})")
 
 
@@ -287,7 +300,7 @@ def _target_num_layers(raw: dict, target_cfg: ModelConfig) -> int:
     try:
         return int(meta.get("target_num_layers", target_cfg.num_layers))
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config.json: specdec.target_num_layers is malformed: {e}") from e
+        raise ValueError(f"specdec.target_num_layers is malformed: {e}") from e
 
 
 def _aux_layer_ids(raw: dict, target_num_layers: int) -> tuple[int, int, int]:
@@ -295,18 +308,18 @@ def _aux_layer_ids(raw: dict, target_num_layers: int) -> tuple[int, int, int]:
     top = raw.get("eagle_aux_hidden_state_layer_ids")
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if top and nested and list(top) != list(nested):
-        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {top} at top level and "
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {top} at top level and "
                          f"{nested} in eagle_config disagree")
     ids = top or nested
     if not ids:
         return default_aux_layer_ids(target_num_layers)
     if len(ids) != 3:
-        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {ids} must name 3 "
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids} must name 3 "
                          "layers (low, mid, high)")
     try:
         return tuple(int(j) for j in ids)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"config.json: eagle_aux_hidden_state_layer_ids {ids}: {e}") from e
+        raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids}: {e}") from e
 
 
 def _draft_hf_config(raw: dict, folder: Path):
@@ -316,10 +329,16 @@ def _draft_hf_config(raw: dict, folder: Path):
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
             "partial_rotary_factor")
+    path = Path(folder) / "config.json"
     try:
-        return LlamaConfig(**{k: raw[k] for k in keys if k in raw})
+        hf = LlamaConfig(**{k: raw[k] for k in keys if k in raw})
     except Exception as e:
-        raise ValueError(f"{Path(folder) / 'config.json'}: bad RoPE settings: {e}") from e
+        raise ValueError(f"{path}: bad RoPE settings: {e}") from e
+    rope_type = rope_parameters(hf).get("rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ValueError(f"{path}: unsupported rope_type={rope_type!r}; supported: "
+                         f"{', '.join(STATIC_ROPE_TYPES)}")
+    return hf
 
 
 def _check_tensors(tensors: dict[str, torch.Tensor], config: Eagle3Config, folder: Path) -> None:
@@ -354,7 +373,7 @@ def vocab_ids(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
     if wrong.numel():
         i = int(wrong[0])
         raise ValueError(f"d2t and t2d disagree: draft id {i} maps to target id {int(ids[i])} "
-                         f"(= {i} + d2t[{i}]) but t2d's {i}-th marked id is {int(marked[i])}")
+                         f"(= {i} + d2t[{i}]), but t2d's marked id number {i} is {int(marked[i])}")
     return ids
 
 

@@ -1,0 +1,107 @@
+"""`specdec train` settings: one dataclass, from CLI flags and an optional YAML file.
+
+Precedence: defaults < YAML (`--config`) < flags given on the command line. Every field is
+checked here, with errors naming the field and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+KINDS = ("eagle3",)
+
+
+@dataclass
+class TrainConfig:
+    kind: str = "eagle3"
+    target: str = "smollm2-135m-instruct"
+    data: list[str] = field(default_factory=list)  # json / jsonl files (see training/data.py)
+    out: str = ""
+    eval_files: list[str] = field(default_factory=list)  # extra held-out prompts (e.g. MT-Bench)
+    resume: bool = False
+    regenerate: bool = False  # the target answers the prompts (self-distillation)
+    regen_temperature: float = 0.0
+    regen_max_tokens: int = 256
+    regen_batch_size: int = 16
+    limit: int | None = None  # conversations sampled from the data (None: all)
+    holdout: int = 16  # conversations kept out of training for the end-of-run evaluation
+    max_length: int = 512
+    draft_vocab_size: int = 16000
+    aux_layer_ids: list[int] | None = None  # default: (2, L // 2, L - 3), vLLM's convention
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; None: epochs over the data
+    batch_size: int = 4  # sequences per optimizer step
+    learning_rate: float = 1e-4
+    warmup_ratio: float = 0.015
+    max_grad_norm: float = 0.5
+    weight_decay: float = 0.0
+    checkpoint_every: int = 200  # optimizer steps between accelerate checkpoints
+    seed: int = 0
+    dtype: str = "float32"  # training dtype of the head and the target features
+    save_dtype: str = "bfloat16"  # dtype of the exported checkpoint
+    report_to: str = "none"  # "none" or "wandb" (offline unless configured)
+    eval_max_tokens: int = 128
+    eval_budget: int = 8
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not self.data:
+            raise ValueError("data: give at least one training file (--data FILE ...)")
+        if not self.out:
+            raise ValueError("out: give the output folder (--out DIR)")
+        for name in ("regen_max_tokens", "regen_batch_size", "max_length", "draft_vocab_size",
+                     "ttt_steps", "epochs", "batch_size", "checkpoint_every", "eval_max_tokens",
+                     "eval_budget"):
+            _int_at_least(name, getattr(self, name), 1)
+        for name in ("limit", "max_steps"):
+            if getattr(self, name) is not None:
+                _int_at_least(name, getattr(self, name), 1)
+        _int_at_least("holdout", self.holdout, 0)
+        for name in ("learning_rate", "max_grad_norm"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
+        if not 0 <= self.warmup_ratio < 1 or not 0 < self.ttt_decay <= 1:
+            raise ValueError("warmup_ratio must be in [0, 1) and ttt_decay in (0, 1]")
+        if self.report_to not in ("none", "wandb"):
+            raise ValueError(f"report_to must be 'none' or 'wandb', got {self.report_to!r}")
+        if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
+            raise ValueError(f"aux_layer_ids must list 3 layer ids, got {self.aux_layer_ids!r}")
+
+    @classmethod
+    def from_sources(cls, yaml_file: str | None, overrides: dict) -> TrainConfig:
+        """Defaults, then the YAML file's keys, then ``overrides`` (flags the user gave)."""
+        values: dict = {}
+        if yaml_file is not None:
+            values.update(_read_yaml(Path(yaml_file)))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown training settings {unknown}; allowed: {sorted(known)}")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    try:
+        values = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: cannot read it as YAML: {e}") from e
+    if not isinstance(values, dict):
+        raise ValueError(f"--config {path}: expected a mapping of settings, got "
+                         f"{type(values).__name__}")
+    return {k.replace("-", "_"): v for k, v in values.items()}
+
+
+def _int_at_least(name: str, value, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")

@@ -1,0 +1,264 @@
+"""`specdec train eagle3`: prompts in, an EAGLE-3 drafter folder (vLLM / SGLang format) out.
+
+    data -> [regenerate: the target answers] -> tokenize (chat template, loss on the assistant)
+    -> draft vocabulary -> TTT training (accelerate: devices, checkpoints, resume; wandb logging)
+    -> export (atomic) -> evaluation through the real engine on held-out prompts
+
+Layout of ``out``::
+
+    out/regenerated.jsonl     the target's answers (resumable)
+    out/vocab.pt              the draft vocabulary (target ids, ascending)
+    out/checkpoints/step_N/   accelerate states (model, optimizer, scheduler, RNG, progress)
+    out/drafter/              the EAGLE-3 checkpoint: config.json + model.safetensors
+    out/eval.json             evaluation of out/drafter (also in out/drafter/eval.json)
+    out/train_config.json     the settings of the run
+
+The same script runs under ``accelerate launch`` on several GPUs or nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.loader import load_model, resolve_model_path
+from specdec.models.tokenizer import load_tokenizer
+from specdec.training.config import TrainConfig
+from specdec.training.data import (
+    Conversation,
+    has_answers,
+    load_conversations,
+    prompts_of,
+    tokenize_all,
+)
+from specdec.training.ttt import target_batch, ttt_loss
+from specdec.training.vocab import coverage, draft_vocab
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    """Optimizer steps done; saved with every checkpoint (accelerate custom state)."""
+
+    step: int = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def train(config: TrainConfig) -> dict:
+    """Run the whole recipe; returns the evaluation report."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+
+    out = _prepare_out(Path(config.out), config.resume)
+    accelerator = Accelerator(log_with=None if config.report_to == "none" else config.report_to,
+                              project_dir=str(out))
+    set_seed(config.seed)
+    folder = resolve_model_path(config.target)
+    dtype = getattr(torch, config.dtype)
+    model, cfg, hf = load_model(folder, dtype, accelerator.device, config.max_length + 16)
+    tokenizer = load_tokenizer(folder)
+    train_convs, held_out = _split(load_conversations([Path(f) for f in config.data],
+                                                      config.limit, config.seed), config)
+    train_convs = _answers(train_convs, config, out)
+    dataset = tokenize_all(train_convs, tokenizer, config.max_length)
+    head = _new_head(config, cfg, model, hf, dataset, out)
+    metrics = _fit(accelerator, config, model, head, dataset, out)
+    drafter = _export(head, hf, config, out, metrics)
+    report = _evaluate(config, drafter, held_out)
+    for path in (out / "eval.json", drafter / "eval.json"):
+        path.write_text(json.dumps(report, indent=2) + "\n")
+    accelerator.end_training()
+    return report
+
+
+def _prepare_out(out: Path, resume: bool) -> Path:
+    if out.exists() and any(out.iterdir()) and not resume:
+        raise ValueError(f"--out {out} exists and is not empty: pass --resume to continue that "
+                         "run, or choose a new folder")
+    if resume and not out.exists():
+        raise ValueError(f"--resume: {out} does not exist; nothing to resume")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _split(convs: list[Conversation], config: TrainConfig):
+    """(training conversations, held-out prompts): a seeded split, the same on every rerun."""
+    order = list(range(len(convs)))
+    random.Random(config.seed).shuffle(order)
+    k = min(config.holdout, max(0, len(convs) - 1))
+    held = [prompts_of(convs[i]) for i in order[:k]]
+    return [convs[i] for i in sorted(order[k:])], [p for p in held if p]
+
+
+def _answers(convs: list[Conversation], config: TrainConfig, out: Path) -> list[Conversation]:
+    if config.regenerate:
+        from specdec.training.regenerate import regenerate
+
+        return regenerate(convs, config.target, out / "regenerated.jsonl",
+                          temperature=config.regen_temperature, max_tokens=config.regen_max_tokens,
+                          batch_size=config.regen_batch_size, seed=config.seed)
+    missing = [c for c in convs if not has_answers(c)]
+    if missing:
+        c = missing[0]
+        raise ValueError(f"{c.source} record {c.index} (and {len(missing) - 1} more) has no "
+                         "assistant answer to train on: pass --regenerate so that the target "
+                         "answers the prompts")
+    return convs
+
+
+def _new_head(config: TrainConfig, cfg, model, hf, dataset, out: Path) -> Eagle3Head:
+    """A fresh head with the draft vocabulary of the data (saved, so a resumed run keeps it)."""
+    vocab_file = out / "vocab.pt"
+    size = min(config.draft_vocab_size, cfg.vocab_size)
+    if vocab_file.exists():
+        used = torch.load(vocab_file)
+    else:
+        used = draft_vocab(dataset, size, cfg.vocab_size)
+        torch.save(used, vocab_file)
+    log.info("draft vocabulary: %d tokens cover %.1f%% of the trained tokens", size,
+             100 * coverage(used, dataset))
+    aux = tuple(config.aux_layer_ids) if config.aux_layer_ids else None
+    torch.manual_seed(config.seed)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, size, aux), model.embed, hf, trainable=True)
+    head.reset_parameters()
+    head.set_vocab(used)
+    return head
+
+
+def _fit(accelerator, config: TrainConfig, model, head: Eagle3Head, dataset, out: Path) -> dict:
+    from tqdm.auto import tqdm
+    from transformers import get_cosine_schedule_with_warmup
+
+    per_epoch = math.ceil(len(dataset) / config.batch_size)
+    total = config.max_steps or config.epochs * per_epoch
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate,
+                                  weight_decay=config.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(config.warmup_ratio * total), total)
+    head, optimizer, scheduler = accelerator.prepare(head, optimizer, scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if config.resume:
+        _load_latest(accelerator, out)
+    if config.report_to != "none":
+        os.environ.setdefault("WANDB_MODE", "offline")
+        accelerator.init_trackers("specdec-train", config=config.to_dict())
+    metrics: dict = {}
+    bar = tqdm(total=total, initial=progress.step, desc="train eagle3", unit="step",
+               disable=not accelerator.is_local_main_process)
+    while progress.step < total:
+        epoch, skip = divmod(progress.step, per_epoch)
+        for batch in _batches(dataset, config, epoch, skip, accelerator.device):
+            metrics = {**_train_step(accelerator, config, model, head, batch, optimizer,
+                                     scheduler), "first_loss": metrics.get("first_loss")}
+            metrics["first_loss"] = metrics["first_loss"] or metrics["loss"]
+            progress.step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acceptance_0']:.2f}")
+            accelerator.log(metrics, step=progress.step)
+            if progress.step % config.checkpoint_every == 0 or progress.step == total:
+                _save_checkpoint(accelerator, out, progress.step)
+            if progress.step >= total:
+                break
+    bar.close()
+    metrics["steps"] = progress.step
+    return metrics
+
+
+def _train_step(accelerator, config, model, head, batch, optimizer, scheduler) -> dict:
+    ids, valid, loss_mask = batch
+    raw = accelerator.unwrap_model(head)
+    tb = target_batch(model, raw, ids, valid)
+    res = ttt_loss(raw, ids, valid, loss_mask, tb, config.ttt_steps, config.ttt_decay)
+    accelerator.backward(res.loss)
+    accelerator.clip_grad_norm_(head.parameters(), config.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    metrics = {"loss": float(res.loss.detach()), "lr": scheduler.get_last_lr()[0]}
+    for j, (acc, top1) in enumerate(zip(res.step_acceptance, res.step_top1)):
+        metrics[f"acceptance_{j}"] = acc
+        metrics[f"top1_{j}"] = top1
+    return metrics
+
+
+def _batches(dataset, config: TrainConfig, epoch: int, skip: int, device):
+    """Padded batches in a seeded order per epoch (so a resumed run sees the same batches)."""
+    order = list(range(len(dataset)))
+    random.Random(config.seed * 1000 + epoch).shuffle(order)
+    for start in range(skip * config.batch_size, len(order), config.batch_size):
+        rows = [dataset[i] for i in order[start:start + config.batch_size]]
+        yield _pad(rows, device)
+
+
+def _pad(rows: list[dict], device):
+    """(input_ids [B, S] int64, valid [B, S] bool, loss_mask [B, S] bool), right-padded."""
+    s = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), s, dtype=torch.int64)
+    valid = torch.zeros(len(rows), s, dtype=torch.bool)
+    mask = torch.zeros(len(rows), s, dtype=torch.bool)
+    for b, r in enumerate(rows):
+        n = len(r["input_ids"])
+        ids[b, :n] = torch.as_tensor(r["input_ids"])
+        valid[b, :n] = True
+        mask[b, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.bool)
+    return ids.to(device), valid.to(device), mask.to(device)
+
+
+def _save_checkpoint(accelerator, out: Path, step: int) -> None:
+    """accelerate state into a temporary folder, renamed when complete."""
+    final = out / "checkpoints" / f"step_{step}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+
+def _load_latest(accelerator, out: Path) -> None:
+    steps = sorted((int(p.name.split("_")[1]), p) for p in (out / "checkpoints").glob("step_*")
+                   if p.name.split("_")[1].isdigit())
+    if not steps:
+        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+    accelerator.load_state(str(steps[-1][1]))
+
+
+def _export(head, hf, config: TrainConfig, out: Path, metrics: dict) -> Path:
+    from specdec.models.eagle3_io import save_eagle3
+
+    folder = out / "drafter"
+    save_eagle3(head, folder, hf, dtype=getattr(torch, config.save_dtype), overwrite=True,
+                extra={"target": config.target, "train": metrics})
+    (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    return folder
+
+
+def _evaluate(config: TrainConfig, drafter: Path, held_out: list[list[dict]]) -> dict:
+    from specdec.training.evaluate import evaluate
+
+    prompts = held_out + _eval_prompts(config)
+    return evaluate(config.target, prompts, "eagle3", {"path": str(drafter)},
+                    max_tokens=config.eval_max_tokens, budget=config.eval_budget)
+
+
+def _eval_prompts(config: TrainConfig) -> list[list[dict]]:
+    if not config.eval_files:
+        return []
+    convs = load_conversations([Path(f) for f in config.eval_files])
+    return [p for p in (prompts_of(c) for c in convs) if p]
