@@ -80,7 +80,9 @@ class OracleTree:
         trees = []
         for r in requests:
             n = len(r.token_ids)
-            future = self.truth[n:n + self.depth][: r.budget - 1]
+            # the wrong sibling is one node; the true path must fit the node and depth limits
+            keep = min(r.budget.max_nodes - 1, r.budget.depth_limit)
+            future = self.truth[n:n + self.depth][:keep]
             if not future:
                 trees.append(DraftTree.empty())
                 continue
@@ -89,7 +91,7 @@ class OracleTree:
             trees.append(DraftTree(torch.tensor(tokens), torch.tensor(parents)))
         return trees
 
-    def on_verified(self, state, step) -> None:
+    def on_verified(self, batch) -> None:
         return None
 
     def release(self, state) -> None:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.hookspecs import hookimpl
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 13, [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -175,3 +176,69 @@ def test_smollm2_stop_strings_and_chat(smollm2_dir):
     assert cut.finish_reason == "stop" and "5" not in cut.text
     assert full.text.startswith(cut.text) and len(cut.token_ids) < len(full.token_ids)
     assert full.token_ids[: len(cut.token_ids)] == cut.token_ids
+
+
+def test_check_request_rejects_without_queueing(tiny_llama):
+    eng = LLM(model=str(tiny_llama), dtype="float32", max_model_len=16).engine
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
+        eng.check_request([1, 2], {"temperature": 0})
+    for ids, needle in [([], "empty"), ((), "empty"), ([1, True], r"\[0, 96\)"),
+                        ([1, 96], r"\[0, 96\)"), ([1.0], r"\[0, 96\)"),
+                        (list(range(16)), "at most 15 prompt tokens")]:
+        with pytest.raises(ValueError, match=needle):
+            eng.check_request(ids, GREEDY)
+        with pytest.raises(ValueError, match=needle):
+            eng.add_request(ids, GREEDY)
+    eng.check_request(list(range(15)), GREEDY)
+    rid = eng.add_request([1, 2], GREEDY, request_id="x")
+    with pytest.raises(ValueError, match="'x' is already in use"):
+        eng.add_request([3, 4], GREEDY, request_id="x")
+    assert list(eng.requests) == [rid] and len(eng.scheduler.waiting) == 1
+
+
+def test_engine_seed_seeds_unseeded_requests(tiny_llama):
+    p = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)  # no seed of its own
+
+    def run(**kw) -> list[list[int]]:
+        llm = LLM(model=str(tiny_llama), dtype="float32", **kw)
+        return [o.token_ids for o in llm.generate([PROMPTS[0]] * 3, p)]
+
+    a = run(seed=5)
+    assert run(seed=5) == a and run(seed=6) != a
+    assert len({tuple(t) for t in a}) > 1  # each request still gets its own seed
+    torch.manual_seed(0)
+    b = run()
+    torch.manual_seed(0)
+    assert run() == b  # seed None: torch's global RNG
+    with pytest.raises(ValueError, match="seed must be None or an int"):
+        LLM(model=str(tiny_llama), seed=-1)
+
+
+def test_step_stats_count_the_step(tiny_llama):
+    class Recorder:
+        def __init__(self):
+            self.steps = []
+
+        @hookimpl
+        def specdec_step_end(self, stats):
+            self.steps.append(stats)
+
+    rec = Recorder()
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram", plugins=(rec,),
+              drafter_args={"min_ngram": 1}, controller_args={"budget": 3},
+              max_num_batched_tokens=16)
+    outs = llm.generate(PROMPTS, GREEDY)
+    steps = rec.steps
+    assert sum(s.num_emitted for s in steps) == sum(len(o.token_ids) for o in outs)
+    assert sum(s.num_accepted for s in steps) == sum(sum(o.metrics.accepted_by_depth)
+                                                     for o in outs) > 0
+    assert sum(s.num_draft_nodes for s in steps) == sum(o.metrics.draft_tokens_proposed
+                                                        for o in outs)
+    assert sum(s.num_prefill_tokens for s in steps) >= sum(len(p) for p in PROMPTS) - len(PROMPTS)
+    for s in steps:
+        assert s.num_verified_rows >= s.num_decode + s.num_draft_nodes
+        assert s.num_draft_no_kv == 0 and s.failed_requests == []
+        assert min(s.draft_seconds, s.forward_seconds, s.verify_seconds) >= 0
+        assert s.step_seconds >= s.forward_seconds + s.verify_seconds
+    assert any(s.num_decode == len(PROMPTS) for s in steps)
+    assert llm.engine.totals.steps == len(steps)

@@ -92,7 +92,7 @@ class _Flaky(BaseDrafter):
             if r.token_ids[0] == 8:
                 out.append(DraftTree(torch.tensor([1, 2]), torch.tensor([1, -1])))
             else:
-                out.append(DraftTree.chain(torch.tensor(r.token_ids[-2:][: r.budget])))
+                out.append(DraftTree.chain(torch.tensor(r.token_ids[-2:][: r.budget.max_nodes])))
         return out
 
 
@@ -167,8 +167,8 @@ class _FailsLater(BaseDrafter):
     def propose(self, requests):
         return [DraftTree.chain(torch.tensor(r.token_ids[-1:])) for r in requests]
 
-    def on_verified(self, state, step):
-        if state == 12:
+    def on_verified(self, batch):
+        if any(r.state == 12 for r in batch.requests):
             raise RuntimeError("bookkeeping bug")
 
 

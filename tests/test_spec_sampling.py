@@ -89,3 +89,21 @@ def test_speculative_sampling_follows_target(small_vocab_models, drafter):
     if drafter == "draft_model":  # power: the draft's own distribution is clearly rejected
         wrong = exact_joint(draft, PROMPT).sum(dim=0)
         assert chi_square_pvalue(grid.flatten(), wrong.flatten()) < 1e-6
+
+
+def test_seeded_speculative_sampling_is_independent_of_the_batch(small_vocab_models):
+    """A seeded request samples the same tokens alone and beside requests whose draft trees have
+    other sizes (its verifier randomness is its own, drawn for its own tree)."""
+    target, _ = small_vocab_models
+    llm = LLM(model=str(target), dtype="float64", drafter="ngram",
+              drafter_args={"max_matches": 3, "min_ngram": 1}, controller_args={"budget": 4})
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True)
+    others = [SamplingParams(temperature=0.9, seed=s, max_tokens=24, ignore_eos=True)
+              for s in (1, 2, 3)]
+    alone = llm.generate([PROMPT], params)[0]
+    prompts = [[3, 4, 3, 4, 3, 4, 3], PROMPT, [7, 7, 7, 7], [1, 2, 3, 1, 2, 3, 1, 2]]
+    mixed = llm.generate(prompts, [others[0], params, others[1], others[2]])
+    assert mixed[1].token_ids == alone.token_ids
+    assert alone.metrics.draft_tokens_proposed > 0
+    proposed = [o.metrics.draft_tokens_proposed for o in mixed]
+    assert len(set(proposed)) > 1, "the neighbours' trees must differ in size"

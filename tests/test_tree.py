@@ -7,7 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specdec.tree import DraftTree, from_paths, verify_mask
+from specdec.tree import (
+    DraftTree,
+    causal_mask,
+    from_paths,
+    nodes_mask,
+    step_mask,
+    verify_mask,
+)
 
 VOCAB = 8
 
@@ -185,3 +192,67 @@ def test_corrupting_one_parent_is_caught(tree, data):
     parents[i] = bad
     with pytest.raises(ValueError, match=rf"parents\[{i}\]"):
         DraftTree(tree.tokens, parents).validate()
+
+
+# ---- masks: causal, nodes, step ----------------------------------------------------------------
+
+def test_causal_mask_docstring_example():
+    assert causal_mask(2, 4).int().tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert torch.equal(causal_mask(5, 5), _causal(5))
+
+
+@given(kv_len=st.integers(1, 12), data=st.data())
+def test_causal_mask_is_the_last_rows_of_the_square_one(kv_len, data):
+    q_len = data.draw(st.integers(1, kv_len))
+    assert torch.equal(causal_mask(q_len, kv_len), _causal(kv_len)[kv_len - q_len:])
+
+
+def test_nodes_mask_docstring_example_and_row_selection():
+    tree = DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 0]))
+    assert nodes_mask(tree, 2, torch.tensor([2])).int().tolist() == [[1, 1, 1, 0, 1]]
+    full = nodes_mask(tree, 2)
+    assert torch.equal(full[:, 2:], tree.ancestor_mask) and full[:, :2].all()
+    assert torch.equal(nodes_mask(tree, 2, torch.tensor([2, 0])), full[[2, 0]])
+
+
+@given(tree=trees(), computed=st.integers(0, 8), fed=st.integers(1, 6))
+def test_step_mask_rows(tree, computed, fed):
+    """Fed rows are causal over the committed and fed slots; node rows are verify_mask rows."""
+    end = computed + fed
+    mask = step_mask(tree, computed, end)
+    n = tree.num_nodes
+    assert mask.shape == (fed + n, end + n)
+    for r in range(fed - 1):  # token at slot computed + r sees slots 0 .. computed + r
+        assert mask[r].tolist() == [j <= computed + r for j in range(end + n)]
+    assert torch.equal(mask[fed - 1:], verify_mask(tree, end))
+
+
+@given(n=st.integers(0, 6), computed=st.integers(0, 5), fed=st.integers(1, 5))
+def test_chain_step_mask_is_causal(n, computed, fed):
+    end = computed + fed
+    assert torch.equal(step_mask(DraftTree.chain(list(range(n))), computed, end),
+                       causal_mask(fed + n, end + n))
+
+
+# ---- validation of depth and draft probabilities -----------------------------------------------
+
+def test_validate_max_depth():
+    tree = _tree([1, 2, 3, 4], [-1, 0, 1, -1])  # 3 levels
+    tree.validate(max_depth=3)
+    with pytest.raises(ValueError, match="3 levels deep.*max_depth=2"):
+        tree.validate(max_depth=2)
+
+
+@pytest.mark.parametrize("q, match", [
+    (torch.tensor([[0.5, float("nan"), 0.5]]), "finite and non-negative"),
+    (torch.tensor([[0.5, float("inf"), 0.5]]), "finite and non-negative"),
+    (torch.tensor([[0.6, 0.6, -0.2]]), "finite and non-negative"),
+    (torch.tensor([[0.0, 0.0, 0.0]]), "row 0 sums to 0"),
+    (torch.tensor([[0.5, 0.0, 0.5]]), r"draft_probs\[0, 1\] is 0"),
+])
+def test_validate_draft_prob_values(q, match):
+    tree = _tree([1], [-1], draft_probs=q)
+    tree.validate(vocab_size=3)  # the values are only checked for sampled requests
+    with pytest.raises(ValueError, match=match):
+        tree.validate(vocab_size=3, check_probs=True)
+    _tree([1], [-1], draft_probs=torch.tensor([[0.2, 0.3, 0.5]])).validate(check_probs=True)

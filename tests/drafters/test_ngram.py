@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from specdec.drafters.base import Drafter, DraftRequest, VerifiedStep
+from specdec.controllers.base import DraftBudget
+from specdec.drafters.base import Drafter, DraftRequest, TokenView, VerifiedBatch, VerifiedRequest
 from specdec.drafters.ngram import NgramDrafter, NgramState
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree
@@ -24,12 +25,20 @@ def _match(tokens: list[int], budget: int = 64, **kw) -> list[list[int]]:
     return d.match(state, tokens, budget)
 
 
-def _propose(d: NgramDrafter, tokens: list[int], budget: int, state=None) -> DraftTree:
+def _propose(d: NgramDrafter, tokens: list[int], budget: int, state=None,
+             max_depth: int | None = None) -> DraftTree:
     state = d.init_state("r", tokens) if state is None else state
-    req = DraftRequest("r", tokens, budget, SamplingParams(temperature=0), None, state)
+    req = DraftRequest("r", TokenView(tokens), DraftBudget(budget, max_depth),
+                       SamplingParams(temperature=0), None, state)
     (tree,) = d.propose([req])
-    tree.validate(max_nodes=budget)
+    tree.validate(max_nodes=budget, max_depth=max_depth)
     return tree
+
+
+def _verified(d: NgramDrafter, state, tokens: list[int]) -> None:
+    """The engine's feedback after a step that committed everything up to the last token."""
+    n = len(tokens) - 1
+    d.on_verified(VerifiedBatch([VerifiedRequest("r", state, TokenView(tokens), n, 1, 0, [], 0)]))
 
 
 def _scratch_index(tokens: list[int], lo: int, hi: int) -> dict:
@@ -101,6 +110,14 @@ def test_budget_is_respected_most_recent_first():
     assert _propose(_drafter(max_depth=30), long, budget=5).tokens.tolist() == [10, 11, 12, 13, 14]
 
 
+def test_budget_max_depth_limits_every_path():
+    tokens = [1, 2, 3, 9, 8, 1, 2, 4, 5, 1, 2]
+    d = _drafter(max_depth=4)
+    assert _propose(d, tokens, budget=8).max_depth == 3  # [4, 5, 1, 2] and [3, 9, 8, 1]
+    tree = _propose(d, tokens, budget=8, max_depth=2)
+    assert tree.max_depth == 1 and tree.tokens.tolist() == [4, 5, 3, 9]
+
+
 def test_falls_back_to_shorter_ngrams_while_budget_is_left():
     # (1, 2, 3) -> [4, 9, 3]; (2, 3) adds nothing new; (3,) at 5 -> [5, 1, 2]
     tokens = [1, 2, 3, 4, 9, 3, 5, 1, 2, 3]
@@ -130,7 +147,7 @@ def test_incremental_index_equals_a_from_scratch_index():
     for _ in range(60):
         _propose(d, tokens, budget=rng.randrange(1, 12), state=state)
         tokens += [rng.randrange(5) for _ in range(rng.randrange(0, 5))]
-        d.on_verified(state, VerifiedStep(tokens, len(tokens), 0, 0, 0, {}))
+        _verified(d, state, tokens)
         assert state.num_indexed == len(tokens)
         assert state.index == _scratch_index(tokens, 2, 5)
         fresh = NgramState()
@@ -159,7 +176,7 @@ def test_a_step_costs_new_tokens_not_sequence_length(prompt_len):
     for _ in range(5):
         tokens.append(rng.randrange(50))
         _CountingList.reads = 0
-        d.on_verified(state, VerifiedStep(tokens, len(tokens), 0, 0, 0, {}))
+        _verified(d, state, tokens)
         _propose(d, tokens, 8, state)
         reads.append(_CountingList.reads)
     # 4 n-gram keys per new token, 4 suffix lookups, <= 4 * max_scan continuation slices
@@ -170,7 +187,7 @@ def test_states_are_per_request_and_release_clears():
     d = _drafter(max_depth=2)
     a, b = [1, 2, 1], [3, 4, 3]
     sa, sb = d.init_state("a", a), d.init_state("b", b)
-    reqs = [DraftRequest(r, t, 4, SamplingParams(temperature=0), None, s)
+    reqs = [DraftRequest(r, TokenView(t), DraftBudget(4), SamplingParams(temperature=0), None, s)
             for r, t, s in (("a", a, sa), ("b", b, sb))]
     trees = d.propose(reqs)
     assert [t.tokens.tolist() for t in trees] == [[2, 1], [4, 3]]

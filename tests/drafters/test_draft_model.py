@@ -11,6 +11,7 @@ from conftest import make_tiny_model
 from safetensors.torch import load_file, save_file
 
 from specdec import LLM, SamplingParams
+from specdec.controllers.base import DraftBudget
 from specdec.hookspecs import hookimpl
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 13, [3, 1, 4, 1, 5],
@@ -27,10 +28,10 @@ class MixedBudgets:
     name = "mixed"
     BUDGETS = (3, 0, 7, 1)
 
-    def budgets(self, requests, batch_size):
-        return [self.BUDGETS[int(r.request_id) % 4] for r in requests]
+    def budgets(self, requests, batch):
+        return [DraftBudget(self.BUDGETS[int(r.request_id) % 4]) for r in requests]
 
-    def observe(self, outcomes, step_seconds):
+    def observe(self, report):
         pass
 
 
@@ -59,7 +60,8 @@ def plain_outputs(tiny_llama):
 
 
 def all_pages_free(llm: LLM) -> bool:
-    pools = [llm.engine.kv.pool, llm.engine.drafting.drafter.kv.pool]
+    assert len(llm.engine.drafter_runners) == 1
+    pools = [llm.engine.kv.pool, llm.engine.drafting.drafter.runner.kv.pool]
     return all(p.num_free == p.num_pages for p in pools)
 
 
@@ -84,7 +86,7 @@ def test_greedy_identical_to_plain(tiny_llama, other_draft, plain_outputs, sourc
 
 def test_abort_and_preemption_leave_no_pages(tiny_llama, other_draft, plain_outputs):
     llm = LLM(model=str(tiny_llama), dtype="float64", drafter="draft_model",
-              drafter_args={"model": str(other_draft), "page_size": 4, "max_seqs": 2},
+              drafter_args={"model": str(other_draft)},
               controller_args={"budget": 4}, page_size=4, num_pages=24, max_model_len=80)
     eng = llm.engine
     ids = [eng.add_request(p, greedy(i)) for i, p in enumerate(PROMPTS)]
@@ -129,3 +131,35 @@ def test_smollm2_early_exit_is_lossless(smollm2_dir):
     a, b = plain.generate(chats, params), spec.generate(chats, params)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert sum(o.metrics.draft_tokens_proposed for o in b) > 0
+
+
+def test_no_kv_in_the_draft_cache_drafts_nothing_and_says_so(tiny_llama):
+    """The draft cache comes from the engine's budget (the drafter no longer sizes its own):
+    when its runner's pages run out, the request gets no draft and is marked no_kv."""
+    from specdec.controllers.base import DraftBudget
+    from specdec.drafters.base import DraftRequest, TargetInfo, TokenView
+    from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.models.loader import load_model
+    from specdec.runner import ModelRunner
+
+    model = load_model(tiny_llama, torch.float64, "cpu", 64)[0]
+    runners = []
+
+    def new_runner(m, name="drafter", num_layers=None):
+        runners.append(ModelRunner(m, name, "torch", 4, "cpu", num_layers))
+        return runners[-1]
+
+    target = TargetInfo(model, model.cfg, None, None, str(tiny_llama), torch.float64,
+                        torch.device("cpu"), 4, 64, new_runner)
+    drafter = DraftModelDrafter(target, early_exit_layers=1, max_depth=3)
+    (runner,) = runners
+    assert runner.num_layers == 1 and runner.kv is None  # the engine allocates it
+    runner.allocate(3)  # 12 slots: one request of 7 tokens + 3 drafts
+    params = SamplingParams(temperature=0)
+    reqs = [DraftRequest(str(i), TokenView([3, 1, 4, 1, 5, 9, 2]), DraftBudget(3), params, None,
+                         drafter.init_state(str(i), [3, 1, 4])) for i in range(2)]
+    trees = drafter.propose(reqs)
+    assert [t.num_nodes for t in trees] == [3, 0] and [r.no_kv for r in reqs] == [False, True]
+    for r in reqs:
+        drafter.release(r.state)
+    assert runner.kv.pool.num_free == 3

@@ -9,15 +9,15 @@ import torch
 from conftest import oracle_plugin
 
 from specdec import LLM, SamplingParams
-from specdec.batch import build_model_input
-from specdec.scheduler import ScheduledRequest
+from specdec.batch import build_forward_batch
+from specdec.step import StepRequest
 
 PROMPT = [5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 2, 5, 6, 9, 1, 5, 6]
 
 
 def sequence_kv(llm: LLM, seq, n: int) -> torch.Tensor:
     """[layers, n, 2, kv_heads, head_dim]: the KV of the first n tokens of seq."""
-    cache, ps = llm.engine.kv_cache.tensor, llm.engine.config.page_size
+    cache, ps = llm.engine.kv.cache.tensor, llm.engine.config.page_size
     pages = torch.tensor([seq.block_table.pages[i // ps] for i in range(n)])
     offsets = torch.arange(n) % ps
     return cache[:, pages, :, offsets].transpose(0, 1)
@@ -26,10 +26,10 @@ def sequence_kv(llm: LLM, seq, n: int) -> torch.Tensor:
 def next_logits(llm: LLM, seq) -> torch.Tensor:
     """Logits after the sequence's last token, from its cached KV (the step plain decoding runs)."""
     eng = llm.engine
-    req = ScheduledRequest(seq, seq.num_tokens - seq.num_computed, 0)
+    req = StepRequest(seq, seq.num_tokens - seq.num_computed)
     eng.kv.reserve(seq.block_table, seq.num_tokens)
-    inp = build_model_input([req], [None], eng.config.page_size, eng.device)
-    return eng._forward(inp)[0][-1]
+    batch = build_forward_batch([req], eng.config.page_size, eng.device)
+    return eng.runner.forward(batch).logits[-1]
 
 
 def test_kv_and_next_logits_after_tree_acceptance(tiny_llama, monkeypatch):
@@ -39,8 +39,8 @@ def test_kv_and_next_logits_after_tree_acceptance(tiny_llama, monkeypatch):
     spec = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
                plugins=(oracle_plugin(truth),), controller_args={"budget": 4})
     moves = []
-    move = spec.engine.kv_cache.move_slots
-    monkeypatch.setattr(spec.engine.kv_cache, "move_slots",
+    move = spec.engine.kv.cache.move_slots
+    monkeypatch.setattr(spec.engine.kv.cache, "move_slots",
                         lambda src, dst: (moves.append(len(src)), move(src, dst)))
     rid = spec.engine.add_request(PROMPT, params)
     seq = spec.engine.requests[rid]
@@ -63,7 +63,7 @@ def _prefill_all_but_last(llm: LLM, seq) -> torch.Tensor:
     eng = llm.engine
     eng.scheduler.waiting.remove(seq)
     eng.kv.reserve(seq.block_table, seq.num_tokens)
-    req = ScheduledRequest(seq, seq.num_tokens, 0)
-    logits, _ = eng._forward(build_model_input([req], [None], eng.config.page_size, eng.device))
+    req = StepRequest(seq, seq.num_tokens)
+    logits = eng.runner.forward(build_forward_batch([req], eng.config.page_size, eng.device)).logits
     seq.num_computed = seq.num_tokens
     return logits[-1]

@@ -1,96 +1,28 @@
-"""The `specdec` CLI in-process: generate streams, bench writes a complete report, bad args fail.
+"""`specdec bench` in-process: a complete report against each baseline, bad args and datasets.
 
-The model is a tiny random Llama with a small word-level tokenizer and a chat template (the
-`tiny_llama` fixture has no tokenizer). Bench runs in float64, so greedy outputs of the engine,
-the plain engine and HF transformers must be identical token for token.
+Bench runs in float64, so greedy outputs of the engine, the plain engine and HF transformers
+must be identical token for token.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-from pathlib import Path
 
+import cli_helpers
 import pytest
-import torch
-from conftest import make_tiny_model
+from cli_helpers import MT_BENCH
 
-from specdec import builtins
 from specdec.bench_data import load_questions
 from specdec.cli import main
-from specdec.drafters.base import BaseDrafter
-from specdec.hookspecs import hookimpl
-from specdec.tree import DraftTree
 
-WORDS = ("write a short poem about the sea and the sky explain how python lists work "
-         "give three tips for sleep better solve two plus two now code function sum").split()
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-MT_BENCH = [
-    {"question_id": 1, "category": "writing", "turns": ["write a short poem about the sea",
-                                                         "now explain the poem"]},
-    {"question_id": 2, "category": "writing", "turns": ["write a poem about the sky",
-                                                         "give three tips"]},
-    {"question_id": 3, "category": "coding", "turns": ["explain how python lists work",
-                                                        "code function sum"]},
-    {"question_id": 4, "category": "coding", "turns": ["code function sum of two lists",
-                                                        "solve two plus two"]},
-]
+chat_model, dataset, repeat_drafter = (cli_helpers.chat_model, cli_helpers.dataset,
+                                       cli_helpers.repeat_drafter)  # fixtures
+
 SUMMARY_KEYS = ("engine", "baseline", "speedup_vs_baseline", "speedup_vs_plain",
                 "greedy_match_rate", "token_match_rate", "ttft_ms", "tpot_ms", "itl_ms",
                 "per_category", "tau", "acceptance_by_depth", "draft_ms_share", "config",
                 "num_prompts", "total_new_tokens")
-
-
-def make_tokenizer_model(folder: Path) -> Path:
-    """A tiny random Llama whose vocab is a word-level tokenizer with a chat template (seed 1:
-    its greedy answers to the test prompts are non-empty and repeat themselves)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
-    vocab = {w: i for i, w in enumerate(specials + sorted(set(WORDS)))}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                  eos_token="</s>")
-    tok.chat_template = CHAT_TEMPLATE
-    make_tiny_model(folder, seed=1, vocab_size=len(vocab), eos_token_id=2, bos_token_id=1)
-    tok.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory) -> str:
-    return str(make_tokenizer_model(tmp_path_factory.mktemp("chat_model")))
-
-
-@pytest.fixture
-def dataset(tmp_path) -> str:
-    path = tmp_path / "questions.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in MT_BENCH))
-    return str(path)
-
-
-class RepeatDrafter(BaseDrafter):
-    """Proposes the last token repeated: accepted often on a tiny random model."""
-
-    name = "repeat"
-
-    def __init__(self, target, **kwargs) -> None:
-        pass
-
-    def propose(self, requests):
-        return [DraftTree.chain([r.token_ids[-1]] * r.budget) for r in requests]
-
-
-@pytest.fixture
-def repeat_drafter(monkeypatch):
-    @hookimpl
-    def specdec_drafters():
-        return {"repeat": RepeatDrafter}
-
-    monkeypatch.setattr(builtins, "specdec_drafters", specdec_drafters)
 
 
 def run_bench(tmp_path, model: str, dataset: str, *extra: str) -> dict:
@@ -171,22 +103,6 @@ def test_bench_ngram_with_extra_baseline(tmp_path, chat_model, dataset):
     assert extra["greedy_match_rate"] == 1.0  # HF prompt lookup is lossless too (float64)
 
 
-@pytest.mark.parametrize("chat", [True, False])
-def test_generate_streams(chat_model, capsys, chat):
-    argv = ["generate", "write a poem", "--model", chat_model, "--max-tokens", "6"]
-    assert main(argv + ([] if chat else ["--no-chat"])) == 0
-    out, err = capsys.readouterr()
-    assert out.strip() and "6 tokens" in err and "tokens/s" in err and "TTFT" in err
-
-
-def test_generate_with_drafter_prints_tau(chat_model, capsys, repeat_drafter):
-    argv = ["generate", "write a poem", "--model", chat_model, "--max-tokens", "6",
-            "--drafter", "repeat", "--budget", "2", "--temperature", "0.7", "--seed", "1"]
-    assert main(argv) == 0
-    err = capsys.readouterr().err
-    assert "tau" in err and "acceptance" in err
-
-
 @pytest.mark.parametrize("args, needle", [
     (["--drafter", "no-such-drafter"], "--drafter"),
     (["--controller", "no-such-controller"], "--controller"),
@@ -197,15 +113,11 @@ def test_generate_with_drafter_prints_tau(chat_model, capsys, repeat_drafter):
     (["--baseline", "vllm"], "--baseline"),
     (["--drafter-args", '{"n": 2}'], "--drafter-args"),  # without --drafter
 ])
+
+
 def test_bench_bad_args(chat_model, dataset, capsys, repeat_drafter, args, needle):
     assert main(["bench", "--dataset", dataset, "--model", chat_model, *args]) != 0
     assert needle in capsys.readouterr().err
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
-def test_device_without_cuda(chat_model, capsys):
-    assert main(["generate", "hi", "--model", chat_model, "--device", "cuda"]) != 0
-    assert "--device" in capsys.readouterr().err
 
 
 def test_bench_missing_dataset(tmp_path, capsys):
@@ -218,6 +130,8 @@ def test_bench_missing_dataset(tmp_path, capsys):
     ('{"question_id": 1}\n', "expected MT-Bench"),
     ("not json\n", "not valid JSON"),
 ])
+
+
 def test_bench_bad_dataset(tmp_path, chat_model, capsys, content, needle):
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
@@ -230,13 +144,6 @@ def test_bench_too_many_prompts(chat_model, dataset, capsys):
     assert main(["bench", "--dataset", dataset, "--model", chat_model, "--num-prompts", "9",
                  "--baseline", "none"]) == 1
     assert "--num-prompts 9" in capsys.readouterr().err
-
-
-def test_generate_bad_args(chat_model, capsys):
-    assert main(["generate", "hi", "--model", chat_model, "--max-tokens", "0"]) != 0
-    assert "--max-tokens" in capsys.readouterr().err
-    assert main(["generate", "hi", "--model", chat_model, "--top-p", "2"]) == 2  # parse time
-    assert "argument --top-p: top_p" in capsys.readouterr().err
 
 
 def test_humaneval_and_round_robin(tmp_path):

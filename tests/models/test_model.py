@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from specdec.attention.metadata import build_metadata
 from specdec.attention.torch_backend import TorchAttentionBackend
 from specdec.kv.cache import KVCache
-from specdec.models.llama import linear, rms_norm
+from specdec.models.llama import rms_norm
 from specdec.models.loader import load_model
 from specdec.models.tokenizer import load_tokenizer
 
@@ -202,19 +202,3 @@ def test_smollm2_matches_hf(smollm2):
         ours = torch.cat([logits[b], decode[b : b + 1]])
         torch.testing.assert_close(ours, ref, atol=1e-3, rtol=0)
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-
-
-@pytest.mark.parametrize("rows", [1, 2, 4, 8, 9, 64, 65])
-@pytest.mark.parametrize("out_features, in_features, splits", [
-    (96, 32, 2), (8200, 576, 8), (97, 32, 2), (48, 40, 1)])
-def test_cpu_linear_paths_match_f_linear(rows, out_features, in_features, splits):
-    """Every CPU path of `linear` (multiply-reduce, batched halves, LM-head size, fallback)."""
-
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=g, dtype=torch.float64)
-    w = torch.randn(out_features, in_features, generator=g, dtype=torch.float64)
-    b = torch.randn(out_features, generator=g, dtype=torch.float64)
-    expected = torch.nn.functional.linear(x, w, b)
-    got = linear(x, w, b, splits=splits)
-    assert got.shape == expected.shape
-    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

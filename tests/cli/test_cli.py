@@ -1,0 +1,40 @@
+"""The `specdec` CLI in-process: generate streams, prints its stats, bad args fail."""
+
+from __future__ import annotations
+
+import cli_helpers
+import pytest
+import torch
+
+from specdec.cli import main
+
+chat_model, repeat_drafter = cli_helpers.chat_model, cli_helpers.repeat_drafter  # fixtures
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_generate_streams(chat_model, capsys, chat):
+    argv = ["generate", "write a poem", "--model", chat_model, "--max-tokens", "6"]
+    assert main(argv + ([] if chat else ["--no-chat"])) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() and "6 tokens" in err and "tokens/s" in err and "TTFT" in err
+
+
+def test_generate_with_drafter_prints_tau(chat_model, capsys, repeat_drafter):
+    argv = ["generate", "write a poem", "--model", chat_model, "--max-tokens", "6",
+            "--drafter", "repeat", "--budget", "2", "--temperature", "0.7", "--seed", "1"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "tau" in err and "acceptance" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_device_without_cuda(chat_model, capsys):
+    assert main(["generate", "hi", "--model", chat_model, "--device", "cuda"]) != 0
+    assert "--device" in capsys.readouterr().err
+
+
+def test_generate_bad_args(chat_model, capsys):
+    assert main(["generate", "hi", "--model", chat_model, "--max-tokens", "0"]) != 0
+    assert "--max-tokens" in capsys.readouterr().err
+    assert main(["generate", "hi", "--model", chat_model, "--top-p", "2"]) == 2  # parse time
+    assert "argument --top-p: top_p" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""What a controller hears: per step, the costs and, per request it was asked about, the budget
+it asked for, the nodes proposed and the nodes accepted, kept apart (and whether the drafter had
+no KV). A recording controller runs with the oracle drafter, whose trees (a wrong sibling plus
+the true continuation) make asked, proposed and accepted three different numbers."""
+
+from __future__ import annotations
+
+from conftest import OracleTree, oracle_plugin
+
+from specdec import LLM, SamplingParams
+from specdec.controllers.base import DraftBudget, RequestOutcome, StepReport
+from specdec.hookspecs import hookimpl
+from specdec.tree import DraftTree
+
+PROMPT = [5, 6, 7, 8, 5, 6]
+ASK = DraftBudget(6)
+
+
+class Recording:
+    name = "recording"
+
+    def __init__(self):
+        self.views, self.batches, self.reports = [], [], []
+
+    def budgets(self, requests, batch):
+        self.views.append(requests)
+        self.batches.append(batch)
+        return [ASK] * len(requests)
+
+    def observe(self, report):
+        self.reports.append(report)
+
+
+class NoKVForNines(OracleTree):
+    """The oracle, except that requests whose prompt starts with 9 get no draft: no KV."""
+
+    def propose(self, requests):
+        trees = super().propose(requests)
+        for i, r in enumerate(requests):
+            if r.token_ids[0] == 9:
+                r.mark_no_kv()
+                trees[i] = DraftTree.empty()
+        return trees
+
+
+class Plugins:
+    def __init__(self):
+        self.controller, self.stats = Recording(), []
+
+    @hookimpl
+    def specdec_controllers(self):
+        return {"recording": lambda: self.controller}
+
+    @hookimpl
+    def specdec_step_end(self, stats):
+        self.stats.append(stats)
+
+
+def test_observe_keeps_asked_proposed_and_accepted_apart(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    truth = PROMPT + LLM(model=str(tiny_llama), dtype="float64").generate(
+        [PROMPT], params)[0].token_ids
+    rec = Plugins()
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle", controller="recording",
+              plugins=(oracle_plugin(truth, depth=3, cls=NoKVForNines), rec))
+    outs = llm.generate([PROMPT, [9, 1, 2]], params)
+    ctl = rec.controller
+    assert len(ctl.reports) == len(rec.stats) and all(isinstance(r, StepReport)
+                                                      for r in ctl.reports)
+    outcomes = [o for r in ctl.reports for o in r.outcomes]
+    assert all(isinstance(o, RequestOutcome) and o.asked == ASK for o in outcomes)
+    ids = [o.request_id for o in outs]
+    mine = [o for o in outcomes if o.request_id == ids[0]]
+    assert any(o.num_proposed > o.num_accepted > 0 and o.asked.max_nodes > o.num_proposed
+               for o in mine), "some step must have asked != proposed != accepted"
+    assert all(o.num_proposed <= o.asked.max_nodes and o.num_accepted <= o.num_proposed
+               for o in outcomes)
+    # the outcomes add up to the requests' own metrics
+    m = outs[0].metrics
+    assert sum(o.num_proposed for o in mine) == m.draft_tokens_proposed
+    assert sum(o.num_accepted for o in mine) == sum(m.accepted_by_depth)
+    nines = [o for o in outcomes if o.request_id == ids[1]]
+    assert nines and all(o.num_proposed == 0 for o in nines)
+    # the drafter marks no KV whenever it is asked to draft; in the last step the engine clips
+    # the budget to 0 (one token left to emit), so it is not asked and nothing is marked
+    assert all(o.no_kv for o in nines[:-1]) and not nines[-1].no_kv
+    assert not any(o.no_kv for o in mine)
+    for report, stats in zip(ctl.reports, rec.stats):  # the report matches the step's stats
+        assert report.num_decode == stats.num_decode == len(report.outcomes)
+        assert report.num_verified_rows == stats.num_verified_rows
+        if not stats.num_prefill_tokens:  # (a prefill reaching its frontier verifies one row)
+            assert stats.num_verified_rows == sum(1 + o.num_proposed for o in report.outcomes)
+        assert stats.num_draft_no_kv == sum(o.no_kv for o in report.outcomes)
+        assert stats.num_accepted == sum(o.num_accepted for o in report.outcomes)
+        assert report.forward_seconds == stats.forward_seconds >= 0
+        assert report.num_prefill_tokens == stats.num_prefill_tokens
+    first = rec.stats[0]  # both prompts prefilled at once: no decode row, nothing asked
+    assert first.num_decode == 0 and first.num_prefill_tokens == 9
+    assert first.num_verified_rows == 2 and ctl.reports[0].outcomes == ()
+    assert llm.engine.totals.draft_no_kv == len(nines) - 1
+
+
+def test_controller_sees_request_history(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    truth = PROMPT + LLM(model=str(tiny_llama), dtype="float64").generate(
+        [PROMPT], params)[0].token_ids
+    rec = Plugins()
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle", controller="recording",
+              plugins=(oracle_plugin(truth, depth=3), rec))
+    llm.generate([PROMPT], params)
+    ctl = rec.controller
+    views = [v for step in ctl.views for v in step]
+    outcomes = [o for r in ctl.reports for o in r.outcomes]
+    assert len(views) == len(outcomes)
+    for before, after, out in zip(views, views[1:], outcomes):
+        # what the controller sees next is what it heard about the step before
+        assert after.last_proposed == out.num_proposed and after.last_accepted == out.num_accepted
+        assert after.num_verify_steps == before.num_verify_steps + 1
+        assert after.draft_tokens_proposed == before.draft_tokens_proposed + out.num_proposed
+        assert after.num_tokens == before.num_tokens + out.num_accepted + 1
+    assert all(b.num_decode == 1 for b in ctl.batches)

@@ -1,0 +1,95 @@
+"""The user API around the engine: generate() checks every prompt before queueing any; stream()
+ends every request with a final delta, failed ones included."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.drafters.base import BaseDrafter
+from specdec.hookspecs import hookimpl
+from specdec.tree import DraftTree
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def nothing_queued(llm: LLM) -> bool:
+    eng = llm.engine
+    pool = eng.kv.pool
+    return (not eng.scheduler.has_work() and eng.requests == {}
+            and pool.num_free == pool.num_pages)
+
+
+@pytest.mark.parametrize("case", ["too-long", "sampled-with-greedy-verifier", "not-params",
+                                  "wrong-count", "empty"])
+def test_one_bad_prompt_or_params_queues_nothing(tiny_llama, case):
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=16, verifier="greedy")
+    prompts, params = [[1, 2, 3], [4, 5, 6]], [GREEDY, GREEDY]
+    needle = "prompt 1"
+    if case == "too-long":
+        prompts[1] = list(range(1, 20))
+    elif case == "sampled-with-greedy-verifier":
+        params[1] = SamplingParams(temperature=0.7, max_tokens=6)
+    elif case == "not-params":
+        params[1], needle = {"temperature": 0}, "sampling_params must be"
+    elif case == "wrong-count":
+        params, needle = [GREEDY] * 3, "list of 2"
+    else:
+        prompts[1], needle = [], "prompt 1: prompt is empty"
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(prompts, params)
+    assert nothing_queued(llm)
+    outs = llm.generate(prompts[:1], GREEDY)  # the engine is still usable
+    assert len(outs[0].token_ids) == 6 and nothing_queued(llm)
+
+
+def test_stream_with_a_bad_prompt_queues_nothing(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=16)
+    with pytest.raises(ValueError, match="prompt 1"):
+        next(llm.stream([[1, 2], list(range(1, 30))], GREEDY))
+    assert nothing_queued(llm)
+
+
+class FailsInPrefill(BaseDrafter):
+    """Raises in on_verified for requests whose prompt starts with 20 once a step commits more
+    than one token (a prefill chunk)."""
+
+    name = "fails_in_prefill"
+
+    def __init__(self, target, **kwargs):
+        pass
+
+    def init_state(self, request_id, prompt_token_ids):
+        return prompt_token_ids[0]
+
+    def propose(self, requests):
+        return [DraftTree.chain([r.token_ids[-1]]) for r in requests]
+
+    def on_verified(self, batch):
+        for r in batch.requests:
+            if r.state == 20 and r.num_committed > 1:
+                raise RuntimeError("cannot index the chunk")
+
+
+class Plugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"fails_in_prefill": FailsInPrefill}
+
+
+def test_stream_yields_a_final_delta_for_a_request_failed_in_a_prefill_chunk(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="fails_in_prefill",
+              plugins=(Plugin(),), controller_args={"budget": 1}, max_num_batched_tokens=8)
+    prompts = [[1, 2, 3], [20] + list(range(30, 50))]  # the second is prefilled in chunks
+    full = LLM(model=str(tiny_llama), dtype="float64").generate(prompts[:1], GREEDY)[0]
+    deltas: dict[str, list] = {}
+    for delta in llm.stream(prompts, GREEDY):
+        deltas.setdefault(delta.request_id, []).append(delta)
+    ok, failed = deltas.values()
+    assert [t for d in ok for t in d.token_ids] == full.token_ids
+    assert ok[-1].finished and ok[-1].finish_reason == "length"
+    assert all(not d.finished for d in ok[:-1])
+    (final,) = failed  # the failure is the request's only (and final) delta
+    assert final.finished and final.finish_reason == "error" and final.token_ids == []
+    assert "on_verified" in final.error and "cannot index the chunk" in final.error
+    assert nothing_queued(llm)

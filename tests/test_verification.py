@@ -1,0 +1,138 @@
+"""The engine's verify stage with plugin verifiers: a verifier that raises, or returns something
+that is not a root path of the tree (or a token outside the vocab), fails only the request
+concerned, naming the plugin; a greedy-only verifier refuses sampled requests when they are
+added."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.drafters.base import BaseDrafter
+from specdec.hookspecs import hookimpl
+from specdec.tree import DraftTree
+from specdec.verifiers.rejection import RejectionVerifier
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+MARK = 13  # requests whose prompt starts with MARK get draft chains [MARK, MARK]
+PROMPTS = [[1, 2, 3], [MARK, 2, 3], [4, 5, 6, 4]]
+
+
+class Marking(BaseDrafter):
+    name = "marking"
+
+    def __init__(self, target, **kwargs):
+        pass
+
+    def propose(self, requests):
+        return [DraftTree.chain(([MARK, MARK] if r.token_ids[0] == MARK
+                                 else [r.token_ids[-1]] * 2)[: r.budget.max_nodes])
+                for r in requests]
+
+
+def marked(batch) -> list[int]:
+    return [b for b, t in enumerate(batch.trees) if t.num_nodes and int(t.tokens[0]) == MARK]
+
+
+class Raising(RejectionVerifier):
+    name = "raising"
+
+    def verify(self, batch):
+        if marked(batch):
+            raise RuntimeError("verifier bug")
+        return super().verify(batch)
+
+
+class OffPath(RejectionVerifier):
+    """For marked requests: accepts node 1 without node 0 (not a root path)."""
+
+    name = "off_path"
+
+    def verify(self, batch):
+        out = super().verify(batch)
+        for b in marked(batch):
+            out.accepted[b] = -1
+            out.accepted[b, 0] = 1
+            out.tokens[b] = -1
+            out.tokens[b, :2] = torch.tensor([MARK, 5])
+            out.num_accepted[b] = 1
+        return out
+
+
+class OutOfVocab(RejectionVerifier):
+    name = "out_of_vocab"
+
+    def verify(self, batch):
+        out = super().verify(batch)
+        for b in marked(batch):
+            out.tokens[b, int(out.num_accepted[b])] = 1000
+        return out
+
+
+class WrongType(RejectionVerifier):
+    name = "wrong_type"
+
+    def verify(self, batch):
+        return super().verify(batch).to_results()
+
+
+class Plugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"marking": Marking}
+
+    @hookimpl
+    def specdec_verifiers(self):
+        return {c.name: c for c in (Raising, OffPath, OutOfVocab, WrongType)}
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama):
+    return LLM(model=str(tiny_llama), dtype="float64").generate(PROMPTS, GREEDY)
+
+
+def run(tiny_llama, verifier: str):
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="marking", verifier=verifier,
+              plugins=(Plugin(),), controller_args={"budget": 2})
+    outs = llm.generate(PROMPTS, GREEDY)
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_pages and not llm.engine.has_unfinished()
+    return outs
+
+
+@pytest.mark.parametrize("verifier, needle", [
+    ("raising", "failed: RuntimeError('verifier bug')"),
+    ("off_path", "returned accepted nodes [1] with tokens [13, 5], which are not a root path"),
+    ("out_of_vocab", "emitted token 1000 outside the vocab [0, 96)"),
+])
+def test_a_bad_verification_fails_only_its_request(tiny_llama, plain, verifier, needle):
+    outs = run(tiny_llama, verifier)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert f"verifier '{verifier}' (plugin 'Plugin')" in outs[1].error and needle in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == [plain[0].token_ids, plain[2].token_ids]
+    assert outs[0].metrics.draft_tokens_proposed > 0
+
+
+def test_a_verifier_returning_the_wrong_type_fails_every_request(tiny_llama):
+    outs = run(tiny_llama, "wrong_type")
+    assert [o.finish_reason for o in outs] == ["error"] * 3
+    assert all("not a VerifyOutput" in o.error for o in outs)
+
+
+def test_greedy_verifier_refuses_sampled_requests_when_added(tiny_llama):
+    llm = LLM(model=str(tiny_llama), dtype="float32", verifier="greedy")
+    eng = llm.engine
+    sampled = SamplingParams(temperature=0.8, max_tokens=4)
+    with pytest.raises(ValueError, match="verifier 'greedy'.*greedy requests only.*0.8"):
+        eng.add_request([1, 2, 3], sampled)
+    with pytest.raises(ValueError, match="prompt 1: verifier 'greedy'"):
+        llm.generate([[1, 2], [3, 4]], [GREEDY, sampled])
+    assert not eng.has_unfinished() and eng.requests == {}
+    out = llm.generate([[1, 2, 3]], GREEDY)[0]  # greedy requests still run
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
+
+
+def test_unknown_verifier_is_a_value_error(tiny_llama):
+    with pytest.raises(ValueError, match="unknown verifier 'nope'; registered: greedy, rejection"):
+        LLM(model=str(tiny_llama), verifier="nope")

@@ -1,0 +1,120 @@
+"""`specdec train eagle3` end to end on a tiny model: self-distillation, training, export,
+evaluation; the trained head drafts well on its own prompts; resume equals an uninterrupted run;
+bad input is refused clearly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from cli.cli_helpers import WORDS, make_tokenizer_model
+from safetensors.torch import load_file, save_file
+
+from specdec import LLM, SamplingParams
+from specdec.models.eagle3_io import read_eagle3_config
+from specdec.training.config import TrainConfig
+from specdec.training.trainer import train
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    """The CLI tests' tiny chat model with its LM head scaled up: peaked next-token
+    distributions, so that there is something definite to learn."""
+    folder = make_tokenizer_model(tmp_path_factory.mktemp("target"))
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 6.0
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    rows = [{"turns": [" ".join(rng.choice(WORDS) for _ in range(5))]} for _ in range(24)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _config(target, data, out, **kw) -> TrainConfig:
+    base = dict(target=target, data=[str(data)], out=str(out), regenerate=True,
+                regen_max_tokens=24, aux_layer_ids=[1, 1, 1], draft_vocab_size=24,
+                max_length=64, ttt_steps=3, batch_size=4, learning_rate=3e-3, warmup_ratio=0.0,
+                max_grad_norm=1.0, holdout=4, eval_max_tokens=24, eval_budget=6,
+                checkpoint_every=50)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_train_lowers_loss_and_drafts_well(chat_target, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    report = train(_config(chat_target, prompts_file, out, epochs=40))
+    drafter = out / "drafter"
+    raw = read_eagle3_config(drafter)
+    assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 24
+    assert (drafter / "eval.json").exists() and (out / "regenerated.jsonl").exists()
+    assert load_file(drafter / "model.safetensors")["fc.weight"].dtype == torch.bfloat16
+    assert report["greedy_match_rate"] == 1.0
+    # on its own training prompts the drafter predicts the target well
+    rows = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    prompts = [[m for m in r["messages"] if m["role"] == "user"][:1] for r in rows[:8]]
+    llm = LLM(model=chat_target, drafter="eagle3", drafter_args={"path": str(drafter)},
+              controller_args={"budget": 6})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    taus = [o.metrics.tau for o in outs if o.metrics.tau is not None]
+    assert sum(taus) / len(taus) > 1.5, taus
+    train_metrics = json.loads((drafter / "config.json").read_text())["specdec"]["train"]
+    assert train_metrics["steps"] == 40 * 5
+    # the soft cross-entropy cannot go below the teacher's entropy: a clear drop, and the
+    # first TTT step's argmax agrees with the target's most of the time
+    assert train_metrics["loss"] < train_metrics["first_loss"] - 0.3
+    assert train_metrics["top1_0"] > 0.5
+
+
+def test_resume_equals_uninterrupted(chat_target, prompts_file, tmp_path, monkeypatch):
+    def config(out, **kw):
+        return _config(chat_target, prompts_file, out, max_steps=6, checkpoint_every=3,
+                       holdout=0, **kw)
+
+    train(config(tmp_path / "full"))
+    import specdec.training.trainer as trainer
+
+    real, calls = trainer._train_step, []
+
+    def crash_at_step_4(*args):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt("the machine went away")
+        return real(*args)
+
+    monkeypatch.setattr(trainer, "_train_step", crash_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        train(config(tmp_path / "cut"))
+    assert not (tmp_path / "cut" / "drafter").exists()
+    monkeypatch.setattr(trainer, "_train_step", real)
+    train(config(tmp_path / "cut", resume=True))
+    a = load_file(tmp_path / "full" / "drafter" / "model.safetensors")
+    b = load_file(tmp_path / "cut" / "drafter" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_bad_input(chat_target, prompts_file, tmp_path):
+    out = tmp_path / "exists"
+    out.mkdir()
+    (out / "x").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not empty.*--resume"):
+        train(_config(chat_target, prompts_file, out))
+    with pytest.raises(ValueError, match="no assistant answer.*--regenerate"):
+        train(_config(chat_target, prompts_file, tmp_path / "new", regenerate=False))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"foo": 1}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl"):
+        train(_config(chat_target, bad, tmp_path / "new2"))
+    with pytest.raises(ValueError, match="nothing to resume"):
+        train(_config(chat_target, prompts_file, tmp_path / "none", resume=True))
+    with pytest.raises(ValueError, match="unknown training settings"):
+        TrainConfig.from_sources(None, {"data": ["x"], "out": "y", "learning_rat": 1})
