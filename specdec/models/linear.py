@@ -47,7 +47,7 @@ WEIGHT_LEFT_MAX_ROWS = 8
 # timing rotates over weight copies filling this much memory, so that the weights come from DRAM
 # as in a real step (30 layers' weights evict each other) and not from a warm last-level cache
 COLD_POOL_BYTES = 64 << 20
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 
 def vecdot(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -66,8 +66,11 @@ def weight_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rows, out_features = x.shape[0], weight.shape[0]
     blocks = weight.view(splits, out_features // splits, weight.shape[1])
     out = torch.bmm(blocks, x.t().unsqueeze(0).expand(splits, -1, -1))
+    # the product comes out [out, T]: return it row-major, so that the transpose copy is paid
+    # (and timed) here rather than by whichever op reads it next
     out = out.reshape(out_features, rows).t()
-    return out if bias is None else out + bias
+    out = out.contiguous() if bias is None else out + bias
+    return out
 
 
 def rows_left(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -106,7 +109,7 @@ def candidates(rows: int, out_features: int, in_features: int) -> dict[str, Cand
 
 
 def bucket_of(rows: int) -> int:
-    """Smallest bucket >= rows (1 -> 1, 3 -> 4, 9 -> 16); rows must be in 1..64."""
+    """Smallest bucket >= rows (1 -> 1, 3 -> 4, 9 -> 16); rows must be in 1..BUCKETS[-1]."""
     assert 1 <= rows <= BUCKETS[-1], rows
     return 1 << (rows - 1).bit_length()
 
