@@ -238,15 +238,32 @@ def _row_tree(levels: list[_Level], rows: list[tuple[int, int]]) -> DraftTree:
                      torch.tensor(parents, dtype=torch.int64))
 
 
+# drafters shipped in the package (drafters/shipped/), by the model alias they were trained for
+SHIPPED = {"smollm2-135m-instruct": "eagle3-smollm2-135m-instruct-general"}
+
+
+def shipped_drafter(target: TargetInfo) -> Path | None:
+    """The shipped EAGLE-3 drafter for the target, when it is a model alias that has one."""
+    from specdec.models.aliases import cache_dir
+
+    here = Path(target.model_path).resolve()
+    for alias, name in SHIPPED.items():
+        folder = Path(__file__).parent / "shipped" / name
+        if here == (cache_dir() / "models" / alias).resolve() and folder.is_dir():
+            return folder
+    return None
+
+
 def load_head(path: str | None, target: TargetInfo) -> Eagle3Head:
-    """The head at ``path`` (EAGLE-3 format), checked against the target."""
+    """The head at ``path`` (EAGLE-3 format), or the one shipped for the target, checked
+    against the target."""
     from specdec.models.eagle3_io import load_eagle3
 
-    if path is None:
+    folder = Path(path).expanduser() if path is not None else shipped_drafter(target)
+    if folder is None:
         raise ValueError("eagle3 needs drafter_args.path: a folder in the EAGLE-3 format "
                          "(config.json + model.safetensors), e.g. one made by `specdec train "
-                         "eagle3`")
-    folder = Path(path).expanduser()
+                         f"eagle3`; none is shipped for {target.model_path}")
     head = load_eagle3(folder, target.model_config, target.model.embed, target.hf_config)
     head.requires_grad_(False)
     return head

@@ -145,7 +145,8 @@ class DraftStage:
         outcomes = _isolate(self.drafter.on_verified, batch, lambda out, n: None)
         for rec, outcome in zip(live, outcomes):
             if isinstance(outcome, str):
-                self._fail(rec.seq, f"drafter {self.name} failed in on_verified: {outcome}")
+                detail = outcome.removeprefix("failed: ")
+                self._fail(rec.seq, f"drafter {self.name} failed in on_verified: {detail}")
 
     def _verified_batch(self, records: list[StepRequest], hidden) -> VerifiedBatch:
         reqs, rows, start = [], [], 0
