@@ -180,3 +180,30 @@ def test_bad_args(target4):
     for bad in ({"depth": 0}, {"topk": "2"}, {}):
         with pytest.raises(ValueError, match="eagle3"):
             LLM(model=str(folder), dtype="float64", drafter="eagle3", drafter_args=bad)
+
+
+def test_sampled_tokens_follow_the_target(tmp_path):
+    """Sampled decoding with eagle3 trees (deterministic drafts, the q = 1 rule): tokens 2 and 3
+    follow the target's exact joint distribution (chi-square over a 16-token vocabulary)."""
+    from collections import Counter
+
+    from test_spec_sampling import N_SAMPLES, PARAMS, PROMPT, V, chi_square_pvalue, exact_joint
+
+    folder = make_tiny_model(tmp_path / "v16", seed=1, vocab_size=V, eos_token_id=V - 1,
+                             hidden_size=32)
+    model, cfg, hf = load_model(folder, torch.float64, "cpu", 64)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, 12, (1, 1, 1)), model.embed, hf)
+    head.reset_parameters(0.5)
+    head.set_vocab(torch.arange(12))
+    llm = LLM(model=str(folder), dtype="float64", drafter="eagle3",
+              drafter_args={"head": head, "depth": 2, "topk": 2},
+              controller_args={"budget": 3}, max_num_seqs=512, max_num_batched_tokens=4096)
+    outs = llm.generate([PROMPT] * N_SAMPLES,
+                        [SamplingParams(**PARAMS, seed=s) for s in range(N_SAMPLES)])
+    assert sum(sum(o.metrics.accepted_by_depth) for o in outs) > 100  # drafts really decide
+    grid = torch.zeros(V, V, dtype=torch.float64)
+    for (a, b), c in Counter(tuple(o.token_ids[1:3]) for o in outs).items():
+        grid[a, b] = c
+    exact = exact_joint(folder, PROMPT).sum(dim=0)
+    assert chi_square_pvalue(grid.flatten(), exact.flatten()) > 1e-3
