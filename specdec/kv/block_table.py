@@ -131,31 +131,9 @@ class KVCacheManager:
         return flat[start - first * ps:end - first * ps]
 
 
-def num_pages_for_budget(memory_bytes: int, num_layers: int, page_size: int,
-                         num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """How many pages fit in ``memory_bytes`` across all layers' K and V.
-
-    One page costs ``num_layers * 2 * page_size * num_kv_heads * head_dim * itemsize`` bytes.
-    Example: 2 layers, page 16, 2 heads of 64, bfloat16 -> 16384 B/page; 1 MiB -> 64 pages.
-    """
-    for name, v in (("num_layers", num_layers), ("page_size", page_size),
-                    ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    bytes_per_page = num_layers * 2 * page_size * num_kv_heads * head_dim * dtype.itemsize
-    num_pages = memory_bytes // bytes_per_page
-    if num_pages < 1:
-        raise ValueError(
-            f"KV memory budget of {memory_bytes} bytes holds no page; one page needs "
-            f"{bytes_per_page} bytes ({num_layers} layers x K,V x {page_size} slots x "
-            f"{num_kv_heads} heads x {head_dim} x {dtype.itemsize} B)"
-        )
-    return num_pages
-
-
 def _check_slots(n: int) -> None:
     if not isinstance(n, int) or n < 0:
         raise ValueError(f"number of slots must be an int >= 0, got {n!r}")
 
 
-__all__ = ["BlockTable", "KVCacheManager", "OutOfPagesError", "num_pages_for_budget"]
+__all__ = ["BlockTable", "KVCacheManager", "OutOfPagesError"]

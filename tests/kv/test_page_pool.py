@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specdec.kv.block_table import BlockTable, KVCacheManager, num_pages_for_budget
+from specdec.kv.block_table import BlockTable, KVCacheManager
 from specdec.kv.page_pool import OutOfPagesError, PagePool
 
 # ---------------------------------------------------------------- unit tests
@@ -127,20 +127,6 @@ def test_make_writable_is_atomic_when_out_of_pages():
     with pytest.raises(OutOfPagesError):
         mgr.make_writable(b, 0)  # needs 3 fresh pages, 1 free
     assert b.pages == a.pages and all(mgr.pool.refcount(p) == 2 for p in a.pages)
-
-
-def test_num_pages_for_budget():
-    # 2 layers * K,V * 16 slots * 2 heads * 64 dims * 2 bytes = 16384 bytes per page
-    assert num_pages_for_budget(1 << 20, 2, 16, 2, 64, torch.bfloat16) == 64
-    assert num_pages_for_budget(16384 * 3 + 5, 2, 16, 2, 64, torch.float16) == 3
-    assert num_pages_for_budget(1 << 20, 2, 16, 2, 64, torch.float32) == 32
-    with pytest.raises(ValueError, match="16384 bytes"):
-        num_pages_for_budget(16383, 2, 16, 2, 64, torch.bfloat16)
-    with pytest.raises(ValueError, match="page_size"):
-        num_pages_for_budget(1 << 20, 2, 0, 2, 64, torch.bfloat16)
-
-
-# ---------------------------------------------------------------- state machine
 
 
 def _ceil_div(a: int, b: int) -> int:
