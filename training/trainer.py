@@ -64,6 +64,8 @@ def train(config: TrainConfig) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    if config.report_to == "wandb":
+        _require("wandb", "--report-to wandb")
     out = _prepare_out(Path(config.out), config.resume)
     accelerator = Accelerator(log_with=None if config.report_to == "none" else config.report_to,
                               project_dir=str(out))
@@ -84,6 +86,13 @@ def train(config: TrainConfig) -> dict:
         path.write_text(json.dumps(report, indent=2) + "\n")
     accelerator.end_training()
     return report
+
+
+def _require(module: str, why: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ValueError(f"{why} needs the {module!r} package: pip install 'specdec[train]'")
 
 
 def _prepare_out(out: Path, resume: bool) -> Path:

@@ -116,5 +116,10 @@ def test_bad_input(chat_target, prompts_file, tmp_path):
         train(_config(chat_target, bad, tmp_path / "new2"))
     with pytest.raises(ValueError, match="nothing to resume"):
         train(_config(chat_target, prompts_file, tmp_path / "none", resume=True))
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(ValueError, match="needs the 'wandb' package"):
+            train(_config(chat_target, prompts_file, tmp_path / "w", report_to="wandb"))
     with pytest.raises(ValueError, match="unknown training settings"):
         TrainConfig.from_sources(None, {"data": ["x"], "out": "y", "learning_rat": 1})
