@@ -24,7 +24,9 @@ class StepRequest:
     seq: Sequence
     num_new_tokens: int  # tokens fed from seq.token_ids[computed_before:]
     budget: DraftBudget = NO_DRAFT  # draft nodes it may use (clipped; its slots are reserved)
-    asked: DraftBudget | None = None  # the controller's ask (None: not at the frontier)
+    # the budget asked this step after the engine's max_model_len / max_tokens clipping (None: no
+    # draft asked); the controller's own, unclipped ask reaches it as RequestOutcome.asked
+    asked: DraftBudget | None = None
     tree: DraftTree | None = None  # the drafter's proposal (None: no draft)
     no_kv: bool = False  # the drafter had no KV for this request
     row_start: int = 0  # first row of the request in the packed batch

@@ -12,6 +12,7 @@ import statistics
 import time
 
 from specdec.bench import EngineSystem, match_rates, speculation_summary
+from specdec.models.tokenizer import chat_token_ids
 
 
 def evaluate(target: str, prompts: list[list[dict]], drafter: str, drafter_args: dict, *,
@@ -25,8 +26,6 @@ def evaluate(target: str, prompts: list[list[dict]], drafter: str, drafter_args:
     spec = EngineSystem(LLM(model=target, dtype=dtype, drafter=drafter, drafter_args=drafter_args,
                             controller_args={"budget": budget}), max_tokens)
     tok = spec.llm.tokenizer
-    from specdec.models.tokenizer import chat_token_ids
-
     ids = [chat_token_ids(tok, p) for p in prompts]
     spec.run(ids[:1])  # warm-up: kernels, caches
     plain.run(ids[:1])
