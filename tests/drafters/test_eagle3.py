@@ -182,9 +182,11 @@ def test_bad_args(target4):
             LLM(model=str(folder), dtype="float64", drafter="eagle3", drafter_args=bad)
 
 
-def test_sampled_tokens_follow_the_target(tmp_path):
-    """Sampled decoding with eagle3 trees (deterministic drafts, the q = 1 rule): tokens 2 and 3
-    follow the target's exact joint distribution (chi-square over a 16-token vocabulary)."""
+@pytest.mark.parametrize("drafter", ["eagle3", "eagle3+draft_model"])
+def test_sampled_tokens_follow_the_target(tmp_path, drafter):
+    """Sampled decoding with eagle3 trees (deterministic drafts, the q = 1 rule), alone and merged
+    with a sampled draft model's chains (their draft probabilities dropped by the merge): tokens 2
+    and 3 follow the target's exact joint distribution (chi-square over a 16-token vocabulary)."""
     from collections import Counter
 
     from test_spec_sampling import N_SAMPLES, PARAMS, PROMPT, V, chi_square_pvalue, exact_joint
@@ -196,9 +198,11 @@ def test_sampled_tokens_follow_the_target(tmp_path):
     head = Eagle3Head(Eagle3Config.for_target(cfg, 12, (1, 1, 1)), model.embed, hf)
     head.reset_parameters(0.5)
     head.set_vocab(torch.arange(12))
-    llm = LLM(model=str(folder), dtype="float64", drafter="eagle3",
-              drafter_args={"head": head, "depth": 2, "topk": 2},
-              controller_args={"budget": 3}, max_num_seqs=512, max_num_batched_tokens=4096)
+    eagle = {"head": head, "depth": 2, "topk": 2}
+    args = eagle if drafter == "eagle3" else {
+        "eagle3": eagle, "draft_model": {"early_exit_layers": 1, "max_depth": 2}}
+    llm = LLM(model=str(folder), dtype="float64", drafter=drafter, drafter_args=args,
+              controller_args={"budget": 4}, max_num_seqs=512, max_num_batched_tokens=4096)
     outs = llm.generate([PROMPT] * N_SAMPLES,
                         [SamplingParams(**PARAMS, seed=s) for s in range(N_SAMPLES)])
     assert sum(sum(o.metrics.accepted_by_depth) for o in outs) > 100  # drafts really decide
