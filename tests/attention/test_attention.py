@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from specdec.attention.metadata import build_metadata
-from specdec.attention.torch_backend import TorchAttentionBackend
+from specdec.attention import torch_backend
+from specdec.attention.torch_backend import TorchAttentionBackend, _groups
 from specdec.kv.cache import KVCache
 from specdec.models.loader import load_model
 from specdec.tree import DraftTree, verify_mask
@@ -137,8 +138,12 @@ BATCHES = {
 }
 
 
+@pytest.mark.parametrize("call_cells", [512, 0], ids=["grouped", "one_call_each"])
 @pytest.mark.parametrize("name", sorted(BATCHES))
-def test_batch_equals_each_request_alone(name):
+def test_batch_equals_each_request_alone(name, call_cells, monkeypatch):
+    # call_cells 0: padding costs more than a call, so requests of different shapes go to
+    # separate SDPA calls (the multi-group path); 512: these small batches stay one call
+    monkeypatch.setattr(torch_backend, "CALL_CELLS", call_cells)
     reqs = BATCHES[name](torch.Generator().manual_seed(0))
     pages = [p for r in reqs for p in r.table]
     assert len(pages) == len(set(pages)), "test requests must not share pages"
@@ -153,6 +158,17 @@ def test_batch_equals_each_request_alone(name):
     used = torch.zeros(NUM_PAGES, dtype=torch.bool)
     used[pages] = True
     assert not batch_cache[~used].any(), "the run wrote outside the requests' pages"
+
+
+def test_groups_partition_requests_by_shape():
+    # equal shapes: one call; a long prompt beside short decodes gets its own call
+    assert _groups([1] * 8, [300] * 8) == [list(range(8))]
+    parts = _groups([1, 1, 1, 1, 1], [40, 2000, 50, 45, 60])
+    assert parts == [[0, 2, 3, 4], [1]]
+    parts = _groups([1, 512, 1, 9], [400, 512, 410, 420])
+    assert sorted(b for p in parts for b in p) == [0, 1, 2, 3]
+    assert [1] in parts, "a prefill chunk is not padded together with decode rows"
+    assert all(p == sorted(p) for p in parts)
 
 
 def _ancestors_or_self(parents: list[int], i: int) -> list[int]:
