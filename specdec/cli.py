@@ -135,6 +135,10 @@ def _train_parser(sub) -> None:
     p.add_argument("--max-steps", type=_int_at_least(1), default=None)
     p.add_argument("--limit", type=_int_at_least(1), default=None,
                    help="use this many conversations of the data (seeded sample)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this drafter's weights and vocabulary (fine-tune it)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
+                   help="accelerate's mixed precision (bf16: CPUs with bf16 units, GPUs)")
     p.set_defaults(func=cmd_train)
 
 
@@ -289,7 +293,7 @@ def cmd_train(args) -> int:
 
     flags = {k: getattr(args, k) for k in ("kind", "target", "data", "out", "regenerate",
                                            "resume", "eval_files", "report_to", "max_steps",
-                                           "limit")}
+                                           "limit", "init_from", "mixed_precision")}
     config = TrainConfig.from_sources(args.config, flags)
     report = train(config)
     tau, speed = report.get("tau"), report.get("speedup_vs_plain")

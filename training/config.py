@@ -27,6 +27,7 @@ class TrainConfig:
     limit: int | None = None  # conversations sampled from the data (None: all)
     holdout: int = 16  # conversations kept out of training for the end-of-run evaluation
     max_length: int = 512
+    max_turn_tokens: int | None = None  # shorten longer user/system turns (keep head and tail)
     draft_vocab_size: int = 16000
     aux_layer_ids: list[int] | None = None  # default: (2, L // 2, L - 3), vLLM's convention
     ttt_steps: int = 7
@@ -41,6 +42,8 @@ class TrainConfig:
     checkpoint_every: int = 200  # optimizer steps between accelerate checkpoints
     seed: int = 0
     dtype: str = "float32"  # training dtype of the head and the target features
+    mixed_precision: str = "no"  # accelerate's: "no", "bf16" (CPUs with bf16 units, GPUs), "fp16"
+    init_from: str | None = None  # start from this drafter folder's weights and vocabulary
     save_dtype: str = "bfloat16"  # dtype of the exported checkpoint
     report_to: str = "none"  # "none" or "wandb" (offline unless configured)
     eval_max_tokens: int = 128
@@ -57,7 +60,7 @@ class TrainConfig:
                      "ttt_steps", "epochs", "batch_size", "checkpoint_every", "eval_max_tokens",
                      "eval_budget"):
             _int_at_least(name, getattr(self, name), 1)
-        for name in ("limit", "max_steps"):
+        for name in ("limit", "max_steps", "max_turn_tokens"):
             if getattr(self, name) is not None:
                 _int_at_least(name, getattr(self, name), 1)
         _int_at_least("holdout", self.holdout, 0)
@@ -67,6 +70,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
         if not 0 <= self.warmup_ratio < 1 or not 0 < self.ttt_decay <= 1:
             raise ValueError("warmup_ratio must be in [0, 1) and ttt_decay in (0, 1]")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError("mixed_precision must be 'no', 'bf16' or 'fp16', got "
+                             f"{self.mixed_precision!r}")
         if self.report_to not in ("none", "wandb"):
             raise ValueError(f"report_to must be 'none' or 'wandb', got {self.report_to!r}")
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:

@@ -298,6 +298,28 @@ def _mask_spans(offsets: list[tuple[int, int]], ids: list[int], spans: list[tupl
     return mask
 
 
+def shorten_turns(conv: Conversation, tokenizer, max_turn_tokens: int) -> Conversation:
+    """The conversation with each user/system turn longer than ``max_turn_tokens`` tokens cut to
+    its first and last ``max_turn_tokens // 2`` tokens, joined by ``"\n...\n"``.
+
+    Long pasted prompts (ShareGPT: a tenth are over 500 tokens) would otherwise fill
+    ``max_length`` and push the assistant's answer, the part a drafter learns from, out of the
+    window. The target's features and labels are computed on the shortened text, so teacher and
+    student still see the same conversation."""
+    if conv.plain or max_turn_tokens < 2:
+        return conv
+    half = max_turn_tokens // 2
+    out = []
+    for m in conv.messages:
+        if m["role"] != "assistant":
+            ids = tokenizer(m["content"], add_special_tokens=False)["input_ids"]
+            if len(ids) > max_turn_tokens:
+                text = (tokenizer.decode(ids[:half]) + "\n...\n" + tokenizer.decode(ids[-half:]))
+                m = {**m, "content": text}
+        out.append(m)
+    return Conversation(out, conv.source, conv.index, conv.plain)
+
+
 def tokenize(conv: Conversation, tokenizer, max_length: int) -> TokenizedExample:
     """Token ids of the conversation rendered by the tokenizer's chat template, and a loss mask
     True exactly on the assistant's tokens (content + end-of-turn token; not role headers, not
@@ -335,13 +357,17 @@ def _tokenize_chat(conv: Conversation, tokenizer) -> tuple[list[int], list[bool]
     return ids, _mask_spans(list(enc["offset_mapping"]), ids, spans, _special_ids(tokenizer))
 
 
-def tokenize_all(convs: Iterable[Conversation], tokenizer, max_length: int):
+def tokenize_all(convs: Iterable[Conversation], tokenizer, max_length: int,
+                 max_turn_tokens: int | None = None):
     """A `datasets.Dataset` with columns input_ids (int64 lists) and loss_mask (bool lists);
-    examples whose loss mask is empty after truncation are dropped, counted and logged."""
+    examples whose loss mask is empty after truncation are dropped, counted and logged.
+    ``max_turn_tokens``: shorten long prompt turns first (`shorten_turns`)."""
     from datasets import Dataset, Features, Sequence, Value
 
     rows, dropped = [], 0
     for conv in convs:
+        if max_turn_tokens is not None:
+            conv = shorten_turns(conv, tokenizer, max_turn_tokens)
         ex = tokenize(conv, tokenizer, max_length)
         if not bool(ex.loss_mask.any()):
             dropped += 1

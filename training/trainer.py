@@ -67,8 +67,9 @@ def train(config: TrainConfig) -> dict:
     if config.report_to == "wandb":
         _require("wandb", "--report-to wandb")
     out = _prepare_out(Path(config.out), config.resume)
+    _fresh_accelerator_state()
     accelerator = Accelerator(log_with=None if config.report_to == "none" else config.report_to,
-                              project_dir=str(out))
+                              project_dir=str(out), mixed_precision=config.mixed_precision)
     set_seed(config.seed)
     folder = resolve_model_path(config.target)
     dtype = getattr(torch, config.dtype)
@@ -77,7 +78,7 @@ def train(config: TrainConfig) -> dict:
     train_convs, held_out = _split(load_conversations([Path(f) for f in config.data],
                                                       config.limit, config.seed), config)
     train_convs = _answers(train_convs, config, out)
-    dataset = tokenize_all(train_convs, tokenizer, config.max_length)
+    dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
     head = _new_head(config, cfg, model, hf, dataset, out)
     metrics = _fit(accelerator, config, model, head, dataset, out)
     drafter = _export(head, hf, config, out, metrics)
@@ -86,6 +87,15 @@ def train(config: TrainConfig) -> dict:
         path.write_text(json.dumps(report, indent=2) + "\n")
     accelerator.end_training()
     return report
+
+
+def _fresh_accelerator_state() -> None:
+    """accelerate keeps one process-wide state and refuses a second Accelerator with other
+    settings (mixed precision); a Python caller may train several drafters in one process, so
+    each run starts from a fresh state (accelerate's own tests reset it the same way)."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def _require(module: str, why: str) -> None:
@@ -131,7 +141,11 @@ def _answers(convs: list[Conversation], config: TrainConfig, out: Path) -> list[
 
 
 def _new_head(config: TrainConfig, cfg, model, hf, dataset, out: Path) -> Eagle3Head:
-    """A fresh head with the draft vocabulary of the data (saved, so a resumed run keeps it)."""
+    """A fresh head with the draft vocabulary of the data (saved, so a resumed run keeps it),
+    or, with ``init_from``, that drafter's weights and vocabulary (fine-tuning, e.g. a domain
+    drafter that starts from the general one)."""
+    if config.init_from is not None:
+        return _head_from(Path(config.init_from), cfg, model, hf, dataset)
     vocab_file = out / "vocab.pt"
     size = min(config.draft_vocab_size, cfg.vocab_size)
     if vocab_file.exists():
@@ -146,6 +160,18 @@ def _new_head(config: TrainConfig, cfg, model, hf, dataset, out: Path) -> Eagle3
     head = Eagle3Head(Eagle3Config.for_target(cfg, size, aux), model.embed, hf, trainable=True)
     head.reset_parameters()
     head.set_vocab(used)
+    return head
+
+
+def _head_from(folder: Path, cfg, model, hf, dataset) -> Eagle3Head:
+    from specdec.models.eagle3_io import load_eagle3, vocab_ids
+
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"init_from: {folder} is not a drafter folder (no config.json)")
+    head = load_eagle3(folder, cfg, model.embed, hf, trainable=True)
+    used = vocab_ids(head.d2t, head.t2d)
+    log.info("starting from %s; its %d-token draft vocabulary covers %.1f%% of the trained "
+             "tokens", folder, used.numel(), 100 * coverage(used, dataset))
     return head
 
 
@@ -192,8 +218,9 @@ def _fit(accelerator, config: TrainConfig, model, head: Eagle3Head, dataset, out
 def _train_step(accelerator, config, model, head, batch, optimizer, scheduler) -> dict:
     ids, valid, loss_mask = batch
     raw = accelerator.unwrap_model(head)
-    tb = target_batch(model, raw, ids, valid)
-    res = ttt_loss(raw, ids, valid, loss_mask, tb, config.ttt_steps, config.ttt_decay)
+    with accelerator.autocast():  # mixed_precision: the target's features and the head's steps
+        tb = target_batch(model, raw, ids, valid)
+        res = ttt_loss(raw, ids, valid, loss_mask, tb, config.ttt_steps, config.ttt_decay)
     accelerator.backward(res.loss)
     accelerator.clip_grad_norm_(head.parameters(), config.max_grad_norm)
     optimizer.step()
@@ -206,13 +233,30 @@ def _train_step(accelerator, config, model, head, batch, optimizer, scheduler) -
     return metrics
 
 
+GROUP_BATCHES = 16  # batches whose examples are sorted by length together (less padding)
+
+
 def _batches(dataset, config: TrainConfig, epoch: int, skip: int, device):
     """Padded batches in a seeded order per epoch (so a resumed run sees the same batches)."""
-    order = list(range(len(dataset)))
-    random.Random(config.seed * 1000 + epoch).shuffle(order)
-    for start in range(skip * config.batch_size, len(order), config.batch_size):
-        rows = [dataset[i] for i in order[start:start + config.batch_size]]
-        yield _pad(rows, device)
+    for batch in epoch_batches([len(x) for x in dataset["input_ids"]], config.batch_size,
+                               config.seed * 1000 + epoch)[skip:]:
+        yield _pad([dataset[i] for i in batch], device)
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
+    """One epoch's batches of example indices: a seeded shuffle, then within each window of
+    GROUP_BATCHES batches the examples sorted by length (so a batch pads little), then the
+    batches shuffled. Every example exactly once; the same seed gives the same batches."""
+    rng = random.Random(seed)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = batch_size * GROUP_BATCHES
+    batches = []
+    for start in range(0, len(order), window):
+        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
+        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def _pad(rows: list[dict], device):

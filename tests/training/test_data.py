@@ -17,6 +17,7 @@ from specdec.training.data import (
     load_file,
     prompts_of,
     tokenize,
+    shorten_turns,
     tokenize_all,
 )
 
@@ -224,6 +225,19 @@ def test_tokenize_all_drops_examples_without_loss(tok, caplog):
     assert ds[0]["input_ids"] == tokenize(conv(CHAT), tok, 12).input_ids.tolist()
     with pytest.raises(ValueError, match="max_length=12"):
         tokenize_all([conv(long_prompt)], tok, max_length=12)
+
+
+def test_shorten_turns_keeps_answers_and_the_prompt_ends(tok):
+    words = " ".join(f"w{i}" for i in range(30))
+    long_prompt = [{"role": "user", "content": words}, {"role": "assistant", "content": words}]
+    ds = tokenize_all([conv(long_prompt)], tok, max_length=200, max_turn_tokens=6)
+    short = shorten_turns(conv(long_prompt), tok, 6)
+    assert short.messages[1] == long_prompt[1], "assistant turns are never shortened"
+    user = short.messages[0]["content"]
+    assert user.startswith(tok.decode(tok(words, add_special_tokens=False)["input_ids"][:3]))
+    assert "\n...\n" in user and len(tok(user)["input_ids"]) < 12
+    assert ds[0]["input_ids"] == tokenize(short, tok, 200).input_ids.tolist()
+    assert shorten_turns(conv(CHAT), tok, 6).messages == CHAT, "short turns are left alone"
 
 
 @pytest.mark.slow

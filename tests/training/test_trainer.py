@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from specdec import LLM, SamplingParams
 from specdec.models.eagle3_io import read_eagle3_config
 from specdec.training.config import TrainConfig
-from specdec.training.trainer import train
+from specdec.training.trainer import epoch_batches, train
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +71,39 @@ def test_train_lowers_loss_and_drafts_well(chat_target, prompts_file, tmp_path):
     # first TTT step's argmax agrees with the target's most of the time
     assert train_metrics["loss"] < train_metrics["first_loss"] - 0.3
     assert train_metrics["top1_0"] > 0.5
+
+
+def test_init_from_fine_tunes_a_drafter_and_keeps_its_vocabulary(chat_target, prompts_file,
+                                                                 tmp_path):
+    first = tmp_path / "first"
+    train(_config(chat_target, prompts_file, first, max_steps=3, holdout=0))
+    second = tmp_path / "second"
+    train(_config(chat_target, prompts_file, second, max_steps=1, holdout=0, learning_rate=1e-9,
+                  draft_vocab_size=12, init_from=str(first / "drafter"),
+                  mixed_precision="bf16"))
+    a = load_file(first / "drafter" / "model.safetensors")
+    b = load_file(second / "drafter" / "model.safetensors")
+    assert torch.equal(a["d2t"], b["d2t"]) and torch.equal(a["t2d"], b["t2d"])
+    # one step at a negligible learning rate: the weights are the first run's (bf16 export)
+    torch.testing.assert_close(a["fc.weight"].float(), b["fc.weight"].float(), atol=1e-2,
+                               rtol=0)
+    with pytest.raises(ValueError, match="not a drafter folder"):
+        train(_config(chat_target, prompts_file, tmp_path / "x", init_from=str(tmp_path)))
+
+
+def test_epoch_batches_group_lengths_and_cover_every_example():
+    rng = random.Random(1)
+    lengths = [rng.randint(10, 400) for _ in range(300)]
+    batches = epoch_batches(lengths, 8, seed=3)
+    assert batches == epoch_batches(lengths, 8, seed=3)
+    assert sorted(i for b in batches for i in b) == list(range(300))
+    assert len(batches) == -(-300 // 8)
+    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
+    shuffled = list(range(300))
+    random.Random(3).shuffle(shuffled)
+    plain = sum(len(shuffled[i:i + 8]) * max(lengths[j] for j in shuffled[i:i + 8])
+                for i in range(0, 300, 8))
+    assert padded < 0.8 * plain, (padded, plain)
 
 
 def test_resume_equals_uninterrupted(chat_target, prompts_file, tmp_path, monkeypatch):
