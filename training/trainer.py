@@ -219,7 +219,7 @@ def _train_step(accelerator, config, model, head, batch, optimizer, scheduler) -
     ids, valid, loss_mask = batch
     raw = accelerator.unwrap_model(head)
     with accelerator.autocast():  # mixed_precision: the target's features and the head's steps
-        tb = target_batch(model, raw, ids, valid)
+        tb = target_batch(model, raw, ids, valid, loss_mask)
         res = ttt_loss(raw, ids, valid, loss_mask, tb, config.ttt_steps, config.ttt_decay)
     accelerator.backward(res.loss)
     accelerator.clip_grad_norm_(head.parameters(), config.max_grad_norm)
