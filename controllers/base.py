@@ -5,12 +5,26 @@ Each step the engine first schedules the batch (decode rows, prefill chunks), th
 ``budgets(requests, batch)`` for the requests at their decode frontier, knowing the step's
 composition; after the step it calls ``observe(report)`` with the step's costs and, per
 request, the budget asked, the nodes proposed and the nodes accepted, kept apart.
+
+Two optional methods:
+
+* ``setup(context)`` once, after the engine is built: a ``ControllerContext`` that can measure
+  the target's forward time by rows on this machine (``step_costs()``, cached).
+* ``prune(requests, trees, batch)`` after drafting: per tree, the node indices to verify
+  (ascending, closed under parents; None keeps the whole tree). The second phase of a two-phase
+  controller: the drafted trees carry per-node confidences the budget could not know. Pruning is
+  invisible to drafters (their ``on_verified`` gets node indices of the tree they proposed).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from specdec.costs import StepCosts
+    from specdec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -77,6 +91,8 @@ class RequestOutcome:
     num_proposed: int  # nodes the drafter proposed (<= the clipped budget)
     num_accepted: int  # nodes accepted
     no_kv: bool = False  # the drafter had no KV for the request and drafted nothing
+    tree: DraftTree | None = None  # the tree verified (after pruning); None: no draft
+    accepted: tuple[int, ...] = ()  # its accepted nodes (a root path, in depth order)
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,17 @@ class StepReport:
     num_decode: int
     num_prefill_tokens: int
     outcomes: tuple[RequestOutcome, ...]  # one per request that was asked for a budget
+
+
+@dataclass
+class ControllerContext:
+    """What the engine offers a controller's optional ``setup``."""
+
+    step_costs: Callable[[], StepCosts]  # the target's forward seconds by rows (profiled, cached)
+    device: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    extra: dict = field(default_factory=dict)
 
 
 @runtime_checkable

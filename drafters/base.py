@@ -119,8 +119,10 @@ class VerifiedRequest:
     token_ids: TokenView  # the request's tokens now (prompt + generated)
     num_computed: int  # tokens whose KV is in the target cache now
     num_committed: int  # how many of them this step added
-    num_proposed: int  # draft nodes verified this step (0: no draft, or a prefill chunk)
-    accepted: list[int]  # accepted node indices (a root path, in depth order)
+    num_proposed: int  # draft nodes proposed this step (0: no draft, or a prefill chunk)
+    # accepted node indices (a root path, in depth order) of the tree the drafter proposed; a
+    # controller may have verified only part of it (pruning), never anything else
+    accepted: list[int]
     hidden_start: int  # first row of this request in VerifiedBatch.hidden
 
     @property

@@ -24,6 +24,9 @@ def specdec_verifiers() -> dict:
 
 @hookimpl
 def specdec_controllers() -> dict:
+    from specdec.controllers.adaptive import AdaptiveController
+    from specdec.controllers.goodput import GoodputController
     from specdec.controllers.static import StaticController
 
-    return {"static": StaticController}
+    return {"static": StaticController, "goodput": GoodputController,
+            "adaptive": AdaptiveController}

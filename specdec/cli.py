@@ -68,7 +68,8 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="registered drafter name (default: none)")
     p.add_argument("--drafter-args", type=_json_object, default={}, metavar="JSON")
-    p.add_argument("--controller", default="static", help="registered controller name")
+    p.add_argument("--controller", default=None,
+                   help="registered controller name (default: goodput with a drafter, else static)")
     p.add_argument("--budget", type=_int_at_least(0), default=None,
                    help="draft budget per request per step (sets controller_args budget)")
     p.add_argument("--controller-args", type=_json_object, default={}, metavar="JSON")

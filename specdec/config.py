@@ -35,11 +35,17 @@ class EngineConfig:
     linear_kernels: str = "tuned"
     drafter: str | None = None
     drafter_args: dict[str, Any] = field(default_factory=dict)
-    controller: str = "static"
+    controller: str | None = None  # None: "goodput" with a drafter, "static" without
     controller_args: dict[str, Any] = field(default_factory=dict)
     # unseeded sampled requests draw their seeds from an RNG seeded with this (None: from
     # torch's global RNG, so torch.manual_seed applies)
     seed: int | None = None
+
+    @property
+    def controller_name(self) -> str:
+        if self.controller is not None:
+            return self.controller
+        return "goodput" if self.drafter is not None else "static"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -46,6 +46,7 @@ class DraftStage:
         self.errors: list[str] = []  # failures that could not fail a request (release at finish)
         # this step's budgets as the controller asked for them (before clipping), by request id
         self.asked: dict[str, DraftBudget] = {}
+        self.batch: BatchComposition | None = None  # this step's composition (for pruning)
 
     @staticmethod
     def plugins(pm, config, target: TargetInfo) -> tuple:
@@ -56,7 +57,7 @@ class DraftStage:
         elif config.drafter is not None:
             drafter = plugins.create(pm, "specdec_drafters", "drafter", config.drafter, target,
                                      **config.drafter_args)
-        controller = plugins.create(pm, "specdec_controllers", "controller", config.controller,
+        controller = plugins.create(pm, "specdec_controllers", "controller", config.controller_name,
                                     **config.controller_args)
         return drafter, controller
 
@@ -81,6 +82,7 @@ class DraftStage:
                 f"controller {self.controller.name!r} must return {len(frontier)} DraftBudget "
                 f"values (one per request), got {wanted!r}")
         self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
+        self.batch = batch
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
         return [b.clip(min(self.max_model_len - s.num_tokens,
                            s.params.max_tokens - s.num_output_tokens - 1))
@@ -101,9 +103,32 @@ class DraftStage:
                     self._fail(rec.seq, f"drafter {self.name} {error}")
                     failed.append(rec.seq)
                     continue
-                rec.tree, rec.no_kv = outcome, req.no_kv
-                self.kv.shrink(rec.seq.block_table, rec.computed_before + 1 + outcome.num_nodes)
+                rec.tree, rec.no_kv, rec.num_proposed = outcome, req.no_kv, outcome.num_nodes
+            self._prune([r for r in jobs if r.tree is not None and r.tree.num_nodes])
+            for rec in jobs:
+                if rec.tree is not None:
+                    self.kv.shrink(rec.seq.block_table, rec.computed_before + 1 + rec.num_nodes)
         return failed
+
+    def _prune(self, records: list[StepRequest]) -> None:
+        """The controller's second phase (optional ``prune``): verify only the nodes it keeps."""
+        prune = getattr(self.controller, "prune", None)
+        if prune is None or not records or self.batch is None:
+            return
+        kept = prune([_view(r.seq) for r in records], [r.tree for r in records], self.batch)
+        if not isinstance(kept, (list, tuple)) or len(kept) != len(records):
+            raise plugins.PluginError(f"controller {self.controller.name!r}: prune must return "
+                                      f"one entry per tree ({len(records)}), got {kept!r}")
+        for rec, keep in zip(records, kept):
+            if keep is None:
+                continue
+            try:
+                rec.tree = rec.tree.select(keep)
+            except (ValueError, TypeError) as e:
+                raise plugins.PluginError(
+                    f"controller {self.controller.name!r}: prune returned {keep!r} for a tree "
+                    f"of {rec.num_proposed} nodes: {e}") from e
+            rec.kept = [int(i) for i in keep]
 
     def _ensure_states(self, records: list[StepRequest]) -> list[Sequence]:
         """Per-request drafter state from a request's first step on (and after preemption)."""
@@ -154,9 +179,12 @@ class DraftStage:
             seq = rec.seq
             accepted = rec.result.accepted if rec.result is not None else []
             committed = rec.num_new_tokens + len(accepted)
+            # the drafter hears of the tree it proposed, whatever the controller pruned
+            own = list(accepted) if rec.kept is None else [rec.kept[a] for a in accepted]
             reqs.append(VerifiedRequest(seq.request_id, seq.drafter_state, TokenView(seq.token_ids),
-                                        seq.num_computed, committed, rec.num_nodes,
-                                        list(accepted), start))
+                                        seq.num_computed, committed,
+                                        rec.num_proposed if rec.tree is not None else 0,
+                                        own, start))
             start += committed
             fed = range(rec.row_start, rec.row_start + rec.num_new_tokens)
             rows.extend([*fed, *(rec.row_start + rec.num_new_tokens + a for a in accepted)])
@@ -187,7 +215,10 @@ class DraftStage:
             return
         asked, self.asked = self.asked, {}
         outcomes = tuple(RequestOutcome(r.seq.request_id, asked.get(r.seq.request_id, r.asked),
-                                        r.num_nodes, r.num_accepted, r.no_kv)
+                                        r.num_proposed if r.tree is not None else 0,
+                                        r.num_accepted, r.no_kv,
+                                        r.tree if r.num_nodes else None,
+                                        tuple(r.result.accepted) if r.result is not None else ())
                          for r in records if r.asked is not None)
         self.controller.observe(StepReport(
             draft_seconds=stats.draft_seconds, forward_seconds=stats.forward_seconds,

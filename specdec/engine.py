@@ -10,6 +10,7 @@ Every request's part in a step is one record (`specdec.step.StepRequest`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
@@ -20,13 +21,15 @@ import torch
 from specdec import plugins
 from specdec.batch import build_forward_batch
 from specdec.config import EngineConfig
+from specdec.controllers.base import ControllerContext
+from specdec.costs import DEFAULT_GRID, StepCosts, profile_forward
 from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
 from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
 from specdec.models.aliases import cache_dir
 from specdec.models.config import model_config_from_hf, resolve_dtype
-from specdec.models.linear import LinearKernels
+from specdec.models.linear import LinearKernels, cache_key
 from specdec.models.loader import load_hf_config, load_model, resolve_model_path
 from specdec.models.tokenizer import load_tokenizer
 from specdec.runner import ModelRunner
@@ -73,6 +76,10 @@ class LLMEngine:
         self.kv = self.runner.kv
         self.drafting = DraftStage(drafter, controller, cfg.vocab_size, self.max_model_len,
                                    self.kv)
+        if drafter is not None and hasattr(controller, "setup"):
+            controller.setup(ControllerContext(self.step_costs, str(self.device),
+                                               config.max_num_seqs,
+                                               config.max_num_batched_tokens))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.stopper = StopChecker(cfg.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, Sequence] = {}
@@ -122,6 +129,25 @@ class LLMEngine:
         for m in models:
             m.matmul = kernels
         return kernels
+
+    def step_costs(self) -> StepCosts:
+        """The target's forward seconds by rows on this machine: profiled once (a few seconds
+        for SmolLM2 on a CPU) and cached per model, dtype, device, torch version and threads."""
+        cfg = self.model_config
+        shape = f"{cfg.num_layers}x{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.vocab_size}"
+        key = (f"{shape} {self.dtype} {self.device} {self.config.attention_backend} "
+               f"{cache_key(self.dtype, torch.get_num_threads())} {self.kernels.key}")
+        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+        path = cache_dir() / "step_costs" / f"{shape}-{digest}.json"
+        costs = StepCosts.load(path)
+        if costs is None:
+            grid = tuple(n for n in DEFAULT_GRID if n <= self.config.max_num_batched_tokens)
+            t0 = time.perf_counter()
+            costs = profile_forward(self.runner, grid)
+            logger.info("step costs profiled in %.1f s: %s", time.perf_counter() - t0,
+                        costs.describe())
+            costs.save(path)
+        return costs
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -212,6 +238,7 @@ class LLMEngine:
         stats = self._stats(records, sched.preempted, failed, (t0, t1, t2, t3))
         self.totals.add(stats)
         self.drafting.observe(records, stats)
+        self._controller_figures(stats)
         self.plugin_errors += plugins.notify_step_end(self.pm, stats) + self.drafting.errors
         self.drafting.errors = []
         emitted = [(r.seq, r.appended) for r in records if r.result is not None]
@@ -254,6 +281,11 @@ class LLMEngine:
             step_seconds=time.perf_counter() - t0, num_preempted=len(preempted),
             failed_requests=[s.request_id for s in dict.fromkeys(failed)],
         )
+
+    def _controller_figures(self, stats: StepStats) -> None:
+        decision = getattr(self.drafting.controller, "decision", None)
+        if self.drafting.drafter is not None and isinstance(decision, dict) and decision:
+            stats.controller = dict(decision)
 
     def _finish(self, seq: Sequence) -> None:
         if seq.finish_reason is None:

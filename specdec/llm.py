@@ -24,7 +24,7 @@ from specdec.sequence import Sequence
 class LLM:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
                  drafter: str | None = None, drafter_args: dict[str, Any] | None = None,
-                 controller: str = "static", controller_args: dict[str, Any] | None = None,
+                 controller: str | None = None, controller_args: dict[str, Any] | None = None,
                  plugins: tuple = (), **engine_args: Any) -> None:
         config = EngineConfig(model=model, dtype=dtype, device=device, drafter=drafter,
                               drafter_args={} if drafter_args is None else drafter_args,

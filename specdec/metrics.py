@@ -27,6 +27,7 @@ class StepStats:
     step_seconds: float
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
+    controller: dict | None = None  # the controller's ``decision`` figures, if it keeps them
 
 
 @dataclass

@@ -27,7 +27,11 @@ class StepRequest:
     # the budget asked this step after the engine's max_model_len / max_tokens clipping (None: no
     # draft asked); the controller's own, unclipped ask reaches it as RequestOutcome.asked
     asked: DraftBudget | None = None
-    tree: DraftTree | None = None  # the drafter's proposal (None: no draft)
+    tree: DraftTree | None = None  # the tree verified: the drafter's proposal, maybe pruned
+    # pruned by the controller: the proposal's node index of each node of ``tree`` (None: the
+    # whole proposal is verified), and the proposal's size
+    kept: list[int] | None = None
+    num_proposed: int = 0
     no_kv: bool = False  # the drafter had no KV for this request
     row_start: int = 0  # first row of the request in the packed batch
     logits_start: int = -1  # first of its 1 + num_nodes logits rows (-1: needs no logits)

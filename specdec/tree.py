@@ -151,6 +151,27 @@ class DraftTree:
             raise ValueError(f"node index must be in [-1, {self.num_nodes - 1}], got {i}")
         return list(self._child_lists[i + 1])
 
+    def select(self, keep: Sequence[int]) -> DraftTree:
+        """The subtree of the nodes ``keep`` (ascending node indices, closed under parents),
+        renumbered in the same order; draft and path probabilities follow their nodes.
+
+        For parents [-1, 0, -1, 2], ``select([0, 2, 3])`` has parents [-1, -1, 1]."""
+        keep = [int(i) for i in keep]
+        new = {old: j for j, old in enumerate(keep)}
+        parents = self._parent_list
+        if keep != sorted(set(keep)) or any(not 0 <= i < self.num_nodes for i in keep):
+            raise ValueError(f"keep must list distinct node indices in ascending order, got {keep}")
+        if any(parents[i] >= 0 and parents[i] not in new for i in keep):
+            raise ValueError(f"keep {keep} drops a parent of a kept node")
+        index = torch.tensor(keep, dtype=torch.int64, device=self.tokens.device)
+        return DraftTree(
+            self.tokens.index_select(0, index),
+            torch.tensor([new[parents[i]] if parents[i] >= 0 else -1 for i in keep],
+                         dtype=torch.int64, device=self.parents.device),
+            None if self.draft_probs is None else self.draft_probs.index_select(0, index),
+            None if self.path_probs is None else self.path_probs.index_select(
+                0, index.to(self.path_probs.device)))
+
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node-index lists, one per leaf, in depth-first (index) order."""
         out: list[list[int]] = []

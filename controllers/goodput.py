@@ -1,0 +1,279 @@
+"""Goodput controller: per-request draft budgets (0 allowed) that maximise the batch's expected
+committed tokens per second, from measured acceptance and a measured cost model.
+
+    expected tokens  = sum over decode requests of (1 + expected accepted nodes)
+    step seconds     = T(rows) + draft(depth) + overhead
+    rows             = prefill tokens + decode requests + draft nodes
+
+* ``T(rows)``: the target's forward time by rows on this machine (``specdec.costs``), profiled at
+  start-up (cached) and refined from every step's measured forward time.
+* ``draft(depth)``: a line ``a + b * depth`` fitted online (exponentially weighted least squares)
+  to the measured draft time against the deepest tree of the step (drafters run one batched
+  forward per depth); 0 while nothing has been drafted.
+* ``overhead``: the rest of a step (scheduling, verification, bookkeeping), averaged online.
+* Acceptance: ``controllers/acceptance.py`` — by depth per request (shrunk towards the drafter's),
+  and, where trees carry per-node draft probabilities, calibrated from them.
+
+Two phases, each the rule DSpark uses to pick a verification length: admit candidates in order of
+expected gain and keep the prefix with the highest expected tokens per second.
+
+1. ``budgets``: candidates are chain nodes (request r's d-th node gains P(depth d accepted));
+   admitting one adds a row, and deepening the step adds draft time. A request whose nodes do not
+   pay gets ``DraftBudget(0)``: plain decoding. Its budget is ``DraftBudget(k * width, k)`` — the
+   depth that paid, with room for ``width`` alternatives per level, which the second phase prunes.
+2. ``prune``: candidates are the drafted nodes, each with its estimated chance of being on the
+   accepted path; admissible once its parent is (and, for sampled trees, its earlier siblings:
+   the rejection walk needs them). Draft time is spent by then, so only rows count.
+
+Every decision and the figures behind it are in ``decision`` (shown in the step stats and the
+bench report): estimated acceptance, expected tokens, predicted and measured step time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+from specdec.controllers.acceptance import ConfidenceCalibration, DepthAcceptance
+from specdec.controllers.base import (
+    NO_DRAFT,
+    BatchComposition,
+    ControllerContext,
+    DraftBudget,
+    RequestView,
+    StepReport,
+)
+from specdec.costs import StepCosts
+
+
+class _Line:
+    """y = a + b * x, exponentially weighted least squares (x >= 0)."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.s = [0.0] * 5  # sum w, sum w x, sum w y, sum w x x, sum w x y
+
+    def add(self, x: float, y: float) -> None:
+        s = [v * self.decay for v in self.s]
+        self.s = [s[0] + 1, s[1] + x, s[2] + y, s[3] + x * x, s[4] + x * y]
+
+    def __call__(self, x: float) -> float:
+        n, sx, sy, sxx, sxy = self.s
+        if n < 1e-9:
+            return 0.0
+        var = sxx - sx * sx / n
+        if var < 1e-9 * max(n, 1.0):  # one x value seen: proportional through its mean
+            mean_x = sx / n
+            return max(sy / n * (x / mean_x if mean_x > 0 else 1.0), 0.0)
+        b = (sxy - sx * sy / n) / var
+        a = (sy - b * sx) / n
+        return max(a + b * x, 0.0)
+
+
+class GoodputController:
+    """Budgets from expected accepted tokens against measured step cost (see module docstring).
+
+    budget: most draft nodes per request per step; max_depth: deepest tree (None: budget);
+    width: nodes per level a budget allows beyond the paying depth (tree drafters);
+    prune: run the second phase; costs: a ``StepCosts`` to use instead of profiling (tests);
+    prior: the acceptance assumed at depth 1 before anything was verified; explore_every: a
+    request kept at budget 0 that long drafts one level, so its estimate can recover (0: never).
+    """
+
+    name = "goodput"
+
+    def __init__(self, budget: int = 16, max_depth: int | None = None, width: int = 2,
+                 prune: bool = True, costs: StepCosts | None = None, prior: float = 0.6,
+                 explore_every: int = 16) -> None:
+        for key, value, low in (("budget", budget, 1), ("width", width, 1),
+                                ("explore_every", explore_every, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"controller_args.{key} must be an int >= {low}, got {value!r}")
+        if max_depth is not None and (not isinstance(max_depth, int)
+                                      or isinstance(max_depth, bool) or max_depth < 1):
+            raise ValueError(
+                f"controller_args.max_depth must be None or an int >= 1, got {max_depth!r}")
+        if not isinstance(prior, (int, float)) or not 0 < prior < 1:
+            raise ValueError(f"controller_args.prior must be in (0, 1), got {prior!r}")
+        self.budget, self.width, self.prune_trees = budget, width, bool(prune)
+        self.explore_every = explore_every
+        self._idle: dict[str, int] = {}  # steps since a request last drafted
+        self.max_depth = min(max_depth or budget, budget)
+        self.costs = costs
+        self.depth = DepthAcceptance(max_depth=max(self.max_depth, 1), prior=float(prior))
+        self.confidence = ConfidenceCalibration()
+        self.draft = _Line()
+        self.overhead = 0.0
+        self._overhead_n = 0
+        self.decision: dict = {}
+        self._seen: dict[str, int] = {}
+        self._steps = 0
+        self._predicted = 0.0
+
+    # ---- set-up ----------------------------------------------------------------------------
+
+    def setup(self, context: ControllerContext) -> None:
+        if self.costs is None:
+            self.costs = context.step_costs()
+
+    def _forward(self, rows: float) -> float:
+        if self.costs is None:  # not set up (a controller used outside an engine): rows cost alike
+            return 1.0
+        return self.costs.seconds(rows)
+
+    def _step_time(self, rows: int, depth: int) -> float:
+        return self._forward(rows) + (self.draft(depth) if depth else self.draft(0)) + self.overhead
+
+    # ---- phase 1: budgets -------------------------------------------------------------------
+
+    def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
+        self._steps += 1
+        for r in requests:
+            self._seen[r.request_id] = self._steps
+        self._forget_old()
+        base_rows = batch.num_prefill_tokens + len(requests)
+        cap = max(0, batch.max_draft_rows)
+        gains = {i: self.depth.chain_gains(r.request_id, self.max_depth)
+                 for i, r in enumerate(requests)}
+        heap = [(-gains[i][0], i, 0) for i in gains if self.max_depth > 0]
+        heapq.heapify(heap)
+        tokens, rows, depth_now = float(len(requests)), base_rows, 0
+        best = (tokens / self._step_time(rows, 0), 0)  # (goodput, admitted count)
+        order: list[int] = []
+        while heap and len(order) < cap:
+            g, i, d = heapq.heappop(heap)
+            order.append(i)
+            tokens, rows = tokens - g, rows + 1
+            depth_now = max(depth_now, d + 1)
+            rate = tokens / self._step_time(rows, depth_now)
+            if rate > best[0]:
+                best = (rate, len(order))
+            if d + 1 < self.max_depth:
+                heapq.heappush(heap, (-gains[i][d + 1], i, d + 1))
+        depths = [0] * len(requests)
+        for i in order[:best[1]]:
+            depths[i] += 1
+        for i, r in enumerate(requests):  # explore: a request kept at 0 drafts 1 now and then,
+            idle = self._idle.get(r.request_id, 0) + 1 if depths[i] == 0 else 0  # so its
+            if self.explore_every and idle >= self.explore_every:  # acceptance is not frozen
+                depths[i], idle = 1, 0
+            self._idle[r.request_id] = idle
+        out = [NO_DRAFT if k == 0 else DraftBudget(min(self.budget, k * self.width), k)
+               for k in depths]
+        expected = len(requests) + sum(sum(gains[i][:k]) for i, k in enumerate(depths))
+        rows = base_rows + sum(depths)
+        self._predicted = self._step_time(rows, max(depths, default=0))
+        self.decision = {
+            "depths": depths, "expected_tokens": round(expected, 3),
+            "predicted_step_seconds": self._predicted,
+            "acceptance_by_depth": self.depth.summary(min(self.max_depth, 6)),
+        }
+        return out
+
+    # ---- phase 2: prune ---------------------------------------------------------------------
+
+    def prune(self, requests: list[RequestView], trees: list, batch: BatchComposition):
+        """Kept node indices per tree (None: all): admit nodes by estimated acceptance while
+        expected tokens per forward second still rise (the best prefix)."""
+        if not self.prune_trees:
+            return [None] * len(trees)
+        est = [self._node_estimates(r.request_id, t) for r, t in zip(requests, trees)]
+        rows = batch.num_prefill_tokens + batch.num_decode
+        tokens = float(batch.num_decode)
+        heap = []
+        for k, t in enumerate(trees):
+            for i in _admissible_roots(t):
+                heapq.heappush(heap, (-est[k][i], k, i))
+        best, order = (tokens / (self._forward(rows) + self.overhead), 0), []
+        admitted = [set() for _ in trees]
+        while heap:
+            g, k, i = heapq.heappop(heap)
+            order.append((k, i))
+            admitted[k].add(i)
+            tokens, rows = tokens - g, rows + 1
+            rate = tokens / (self._forward(rows) + self.overhead)
+            if rate > best[0]:
+                best = (rate, len(order))
+            for j in _opened(trees[k], i, admitted[k]):
+                heapq.heappush(heap, (-est[k][j], k, j))
+        kept = [[] for _ in trees]
+        for k, i in order[:best[1]]:
+            kept[k].append(i)
+        out = []
+        for k, t in enumerate(trees):
+            out.append(None if len(kept[k]) == t.num_nodes else sorted(kept[k]))
+        self.decision["kept_nodes"] = sum(len(x) for x in kept)
+        self.decision["proposed_nodes"] = sum(t.num_nodes for t in trees)
+        return out
+
+    def _node_estimates(self, request_id: str, tree) -> list[float]:
+        """P(node on the accepted path), non-increasing along every path."""
+        parents = tree.parents.tolist()
+        probs = tree.path_probs.tolist() if tree.path_probs is not None else None
+        est, rank, seen = [], [], {}
+        for i, p in enumerate(parents):
+            rank.append(seen.get(p, 0))
+            seen[p] = rank[-1] + 1
+            depth = _depth(parents, i)
+            if probs is not None:
+                e = self.confidence.probability(probs[i])
+            else:  # no confidences: depth-based, later siblings discounted
+                e = math.prod(self.depth.rate(request_id, d) for d in range(1, depth + 2))
+                e *= 0.5 ** rank[-1]
+            est.append(min(e, est[p]) if p >= 0 else e)
+        return est
+
+    # ---- feedback ---------------------------------------------------------------------------
+
+    def observe(self, report: StepReport) -> None:
+        rows = report.num_prefill_tokens + report.num_verified_rows
+        if self.costs is not None and rows > 0 and report.forward_seconds > 0:
+            self.costs.observe(rows, report.forward_seconds)
+        depth = max((o.tree.max_depth + 1 for o in report.outcomes if o.tree is not None),
+                    default=0)
+        self.draft.add(depth, report.draft_seconds)
+        rest = max(report.step_seconds - report.forward_seconds - report.draft_seconds, 0.0)
+        self._overhead_n = min(self._overhead_n + 1, 50)
+        self.overhead += (rest - self.overhead) / self._overhead_n
+        for o in report.outcomes:
+            if o.tree is not None and o.tree.num_nodes:
+                self.depth.observe(o.request_id, o.tree.max_depth + 1, len(o.accepted))
+                self.confidence.observe(o.tree, list(o.accepted))
+        self.decision["measured_step_seconds"] = report.step_seconds
+        self.decision["predicted_step_seconds"] = self._predicted
+
+    def _forget_old(self, horizon: int = 512) -> None:
+        if self._steps % horizon:
+            return
+        for rid in [r for r, s in self._seen.items() if self._steps - s > horizon]:
+            del self._seen[rid]
+            self._idle.pop(rid, None)
+            self.depth.forget(rid)
+
+
+def _depth(parents: list[int], i: int) -> int:
+    d = 0
+    while parents[i] >= 0:
+        i, d = parents[i], d + 1
+    return d
+
+
+def _admissible_roots(tree) -> list[int]:
+    """Nodes admissible before any is admitted: the root's children (for sampled trees only
+    the first, since siblings are drawn one after another)."""
+    kids = tree.children(-1)
+    return kids[:1] if tree.draft_probs is not None else kids
+
+
+def _opened(tree, i: int, admitted: set[int]) -> list[int]:
+    """Nodes that become admissible when node i is admitted."""
+    kids = tree.children(i)
+    if tree.draft_probs is None:
+        return kids
+    out = kids[:1]
+    parent = int(tree.parents[i])
+    sibs = tree.children(parent)
+    nxt = sibs.index(i) + 1
+    if nxt < len(sibs):
+        out.append(sibs[nxt])
+    return out

@@ -1,0 +1,144 @@
+"""What a step costs: the target forward's time as a function of the rows it runs.
+
+On a GPU a forward of 1 or 16 rows costs about the same (memory-bound); on a CPU, verification
+rows stop being free after a handful (compute-bound: on a 2-core EPYC, 16 rows cost about 3x
+one row). A controller that weighs accepted tokens against step time needs this curve for the
+machine it runs on, so it is measured there:
+
+* ``profile_forward(runner, grid)`` times target forwards of ``n`` rows for each ``n`` of the grid
+  (one request feeding n tokens over a short context: the matmuls, which dominate, see n rows);
+  a second or two for SmolLM2 on a CPU. The engine caches the table per model/device/dtype/threads
+  (``StepCosts.load`` / ``save``).
+* ``StepCosts`` interpolates the table (linear between grid points, the last slope beyond) and
+  is refined online from every step's measured forward time: the two grid points around the
+  step's row count move towards the observed ratio (exponential average), so the curve follows
+  the machine's state (other load, longer contexts) without a new profile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from bisect import bisect_left
+from pathlib import Path
+
+import torch
+
+DEFAULT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+class StepCosts:
+    """Forward seconds by rows: ``seconds(n)``; ``observe(n, seconds)`` refines it."""
+
+    def __init__(self, rows: list[int], seconds: list[float], rate: float = 0.05) -> None:
+        if len(rows) != len(seconds) or not rows:
+            raise ValueError("StepCosts needs one time per grid point")
+        if list(rows) != sorted(set(rows)) or rows[0] < 1:
+            raise ValueError(f"grid rows must be increasing ints >= 1, got {rows}")
+        if not all(s > 0 for s in seconds):
+            raise ValueError(f"forward times must be > 0, got {seconds}")
+        self.rows = [int(r) for r in rows]
+        self.times = [float(s) for s in seconds]
+        self.rate = rate
+        self._monotone()
+
+    def seconds(self, n: float) -> float:
+        """Predicted forward seconds for ``n`` rows (n >= 1)."""
+        rows, times = self.rows, self.times
+        n = max(float(n), 1.0)
+        if len(rows) == 1:
+            return times[0] * n / rows[0]
+        i = min(max(bisect_left(rows, n), 1), len(rows) - 1)
+        r0, r1, t0, t1 = rows[i - 1], rows[i], times[i - 1], times[i]
+        return max(t0 + (t1 - t0) * (n - r0) / (r1 - r0), 1e-9)
+
+    def observe(self, n: int, seconds: float) -> None:
+        """A measured forward of ``n`` rows: move the neighbouring grid points towards it."""
+        if n < 1 or not seconds > 0:
+            return
+        ratio = seconds / self.seconds(n)
+        rows = self.rows
+        i = bisect_left(rows, n)
+        if i < len(rows) and rows[i] == n:
+            near = [(i, 1.0)]
+        elif i == 0:
+            near = [(0, 1.0)]
+        elif i == len(rows):
+            near = [(len(rows) - 1, 1.0)]
+        else:
+            w = (n - rows[i - 1]) / (rows[i] - rows[i - 1])
+            near = [(i - 1, 1 - w), (i, w)]
+        for j, w in near:
+            self.times[j] *= ratio ** (self.rate * w)
+        self._monotone()
+
+    def _monotone(self) -> None:
+        """More rows never cost less: the closest non-decreasing curve (pool-adjacent-violators
+        averaging), so that one noisy point is averaged with its neighbours, not carried up the
+        whole curve."""
+        blocks: list[list[float]] = []  # [sum, count]
+        for t in self.times:
+            blocks.append([t, 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                s, c = blocks.pop()
+                blocks[-1][0] += s
+                blocks[-1][1] += c
+        self.times = [s / c for s, c in blocks for _ in range(int(c))]
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "seconds": self.times}
+
+    def describe(self) -> str:
+        return ", ".join(f"{r}: {1e3 * t:.1f} ms" for r, t in zip(self.rows, self.times))
+
+    @classmethod
+    def load(cls, path: Path) -> StepCosts | None:
+        try:
+            raw = json.loads(Path(path).read_text())
+            return cls(raw["rows"], raw["seconds"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def save(self, path: Path) -> None:
+        """Written to a temporary file and renamed: a torn write never looks like a table."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.to_dict()) + "\n")
+        os.replace(tmp, path)
+
+
+def profile_forward(runner, grid: tuple[int, ...], context: int = 64, repeats: int = 3,
+                    min_seconds: float = 0.03, vocab_size: int | None = None) -> StepCosts:
+    """Time ``runner``'s forward of n new rows (over ``context`` cached slots) for n in ``grid``:
+    after a warm-up, at least ``repeats`` runs and ``min_seconds`` per point (at most 25 runs),
+    keeping the fastest (interference only ever adds time). Needs free KV pages for
+    context + max(grid) slots; they are returned afterwards. Logits are computed for every row,
+    as verification does.
+    """
+    from specdec.kv.block_table import BlockTable
+
+    kv = runner.kv
+    grid = tuple(sorted(set(int(n) for n in grid)))
+    table = BlockTable()
+    total = context + grid[-1]
+    if not kv.try_reserve(table, total):
+        raise ValueError(f"profiling needs {total} free KV slots")
+    vocab = vocab_size or runner.cfg.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    try:
+        for n in grid:
+            ids = torch.randint(vocab, (n,), generator=gen).tolist()
+            batch = runner.pack([ids], [context], [table], logits="all")
+            runner.forward(batch)  # warm-up (kernel choice, allocator)
+            runs: list[float] = []
+            while len(runs) < repeats or (sum(runs) < min_seconds and len(runs) < 25):
+                t0 = time.perf_counter()
+                runner.forward(batch)
+                runs.append(time.perf_counter() - t0)
+            times.append(min(runs))
+    finally:
+        kv.release(table)
+    return StepCosts(list(grid), times)

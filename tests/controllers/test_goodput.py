@@ -1,0 +1,188 @@
+"""The goodput controller's decisions on synthetic acceptance and cost curves, its pruning against
+a brute-force optimum, its cost-model fit, and the adaptive baseline's schedule."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specdec.controllers.adaptive import AdaptiveController
+from specdec.controllers.base import (
+    NO_DRAFT,
+    BatchComposition,
+    DraftBudget,
+    RequestOutcome,
+    RequestView,
+    StepReport,
+)
+from specdec.controllers.goodput import GoodputController, _Line
+from specdec.costs import StepCosts
+from specdec.tree import DraftTree
+
+
+def views(n: int) -> list[RequestView]:
+    return [RequestView(f"r{i}", 50, 10, 5, 0, (), 0, 0) for i in range(n)]
+
+
+def batch(decode: int, prefill: int = 0, rows: int = 512) -> BatchComposition:
+    return BatchComposition(decode, 1 if prefill else 0, prefill, 0, rows)
+
+
+def linear_costs(fixed: float, per_row: float, top: int = 512) -> StepCosts:
+    grid = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512][: 1 + [1, 2, 4, 8, 16, 32, 64, 128, 256,
+                                                             512].index(top)]
+    return StepCosts(grid, [fixed + per_row * n for n in grid])
+
+
+def test_no_draft_when_verification_costs_more_than_it_returns():
+    # every row costs as much as a whole step, acceptance 0.3: drafting loses
+    c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=4)
+    assert c.budgets(views(4), batch(4)) == [NO_DRAFT] * 4
+    assert c.decision["depths"] == [0, 0, 0, 0]
+    c.budgets(views(4), batch(4))
+    c.budgets(views(4), batch(4))
+    # every 4th step at 0 a request explores one level, so its estimate can recover
+    assert c.budgets(views(4), batch(4)) == [DraftBudget(2, 1)] * 4
+    assert c.budgets(views(4), batch(4)) == [NO_DRAFT] * 4
+
+
+def test_deep_trees_when_acceptance_is_high_and_rows_are_nearly_free():
+    c = GoodputController(budget=16, max_depth=8, costs=linear_costs(1.0, 1e-4), prior=0.95)
+    budgets = c.budgets(views(2), batch(2))
+    assert budgets == [DraftBudget(16, 8)] * 2
+    assert c.decision["expected_tokens"] > 2 + 2 * 5
+
+
+def test_batch_size_turns_speculation_down():
+    """Same acceptance, a cost curve flat up to 8 rows and steep after (a GPU's shape): a
+    small batch drafts deep, a large one less, per request."""
+    grid = [1, 8, 16, 64, 256]
+    costs = StepCosts(grid, [1.0, 1.0, 1.8, 6.0, 24.0])
+    small = GoodputController(costs=costs, prior=0.7).budgets(views(1), batch(1))
+    large = GoodputController(costs=StepCosts(grid, [1.0, 1.0, 1.8, 6.0, 24.0]),
+                              prior=0.7).budgets(views(32), batch(32))
+    assert small[0].max_depth >= 5
+    assert max(b.depth_limit for b in large) <= 1
+
+
+def test_budget_respects_the_rows_left():
+    c = GoodputController(costs=linear_costs(1.0, 1e-4), prior=0.95)
+    budgets = c.budgets(views(3), batch(3, rows=4))
+    assert sum(b.depth_limit for b in budgets) == 4
+
+
+def _best_subtree(tree: DraftTree, est: list[float], base_rows: int, tokens: float, costs,
+                  overhead: float) -> float:
+    """Brute force: the best goodput over every parent-closed node set."""
+    n, parents = tree.num_nodes, tree.parents.tolist()
+    best = tokens / (costs.seconds(base_rows) + overhead)
+    for r in range(1, n + 1):
+        for keep in itertools.combinations(range(n), r):
+            s = set(keep)
+            if any(parents[i] >= 0 and parents[i] not in s for i in keep):
+                continue
+            g = (tokens + sum(est[i] for i in keep)) / (costs.seconds(base_rows + r) + overhead)
+            best = max(best, g)
+    return best
+
+
+@pytest.mark.parametrize("fixed,per_row", [(1, 0.01), (1, 0.1), (1, 0.3), (1, 1.0), (0, 1.0)])
+def test_prune_keeps_exactly_the_nodes_that_pay(fixed, per_row):
+    probs = torch.tensor([0.9, 0.05, 0.8, 0.6, 0.02, 0.4, 0.3])
+    tree = DraftTree(torch.arange(7), torch.tensor([-1, -1, 0, 2, 2, 3, 5]), path_probs=probs)
+    costs = linear_costs(fixed, per_row)
+    c = GoodputController(costs=costs)
+    (kept,) = c.prune(views(1), [tree], batch(1))
+    kept = list(range(7)) if kept is None else kept
+    est = c._node_estimates("r0", tree)
+    assert est == pytest.approx(probs.tolist(), abs=1e-6)  # no evidence: the drafter's numbers
+    got = (1 + sum(est[i] for i in kept)) / costs.seconds(1 + len(kept))
+    assert got == pytest.approx(_best_subtree(tree, est, 1, 1.0, costs, 0.0), rel=1e-9)
+    # what it keeps is a valid subtree, the most probable nodes first
+    tree.select(kept)
+    if fixed == 0:  # a row costs a whole step: no node returns that
+        assert kept == []
+    if per_row == 0.01:  # nearly free rows: all but the 2 % node
+        assert kept == [0, 1, 2, 3, 5, 6]
+
+
+def test_prune_keeps_earlier_siblings_of_sampled_drafts():
+    q = torch.full((3, 8), 1 / 8)
+    probs = torch.tensor([0.2, 0.9, 0.8])  # the later sibling looks better
+    tree = DraftTree(torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 1]), q, probs)
+    c = GoodputController(costs=linear_costs(1.0, 0.05))
+    (kept,) = c.prune(views(1), [tree], batch(1))
+    assert kept is None or 0 in kept, "node 1 kept without its earlier sibling 0"
+
+
+def test_acceptance_is_learned_per_depth_and_calibrated():
+    c = GoodputController(costs=linear_costs(1.0, 0.01), prior=0.5)
+    chain = DraftTree.chain([1, 2, 3, 4], None)
+    chain.path_probs = torch.tensor([0.5, 0.25, 0.12, 0.06])
+    for _ in range(200):  # depth 1 and 2 always accepted, 3 never
+        c.observe(_report([RequestOutcome("r0", DraftBudget(4), 4, 2, False, chain, (0, 1))]))
+    assert c.depth.rate("r0", 1) > 0.95 and c.depth.rate("r0", 3) < 0.1
+    assert c.confidence.probability(0.5) > 0.9 and c.confidence.probability(0.12) < 0.1
+    # a new request starts from the drafter's history
+    assert c.depth.rate("new", 1) > 0.9
+
+
+def _report(outcomes, rows=5, forward=0.01, draft=0.002, step=0.013) -> StepReport:
+    return StepReport(draft, forward, 0.001, step, rows, len(outcomes), 0, tuple(outcomes))
+
+
+def test_cost_model_follows_measured_times():
+    costs = StepCosts([1, 4, 16], [1.0, 1.2, 2.0])
+    truth = StepCosts([1, 4, 16], [2.0, 2.4, 4.0])  # the machine got twice as slow
+    for _ in range(200):
+        for n in (1, 3, 4, 9, 16):
+            costs.observe(n, truth.seconds(n))
+    for n in (1, 2, 4, 8, 16, 24):
+        assert costs.seconds(n) == pytest.approx(truth.seconds(n), rel=0.05)
+
+
+def test_step_costs_interpolate_extrapolate_and_persist(tmp_path):
+    costs = StepCosts([1, 4, 8], [1.0, 2.5, 3.0])
+    assert costs.seconds(1) == 1.0 and costs.seconds(2) == pytest.approx(1.5)
+    assert costs.seconds(12) == pytest.approx(3.5)  # the last slope beyond the grid
+    # never cheaper with more rows; one noisy point is averaged, not carried up the curve
+    assert StepCosts([1, 2], [2.0, 1.0]).times == [1.5, 1.5]
+    assert StepCosts([1, 2, 4, 8], [1.0, 3.0, 1.0, 4.0]).times == [1.0, 2.0, 2.0, 4.0]
+    path = tmp_path / "c.json"
+    costs.save(path)
+    assert StepCosts.load(path).to_dict() == costs.to_dict()
+    path.write_text('{"rows": [1, 2')  # torn
+    assert StepCosts.load(path) is None
+    with pytest.raises(ValueError, match="increasing"):
+        StepCosts([2, 1], [1.0, 1.0])
+
+
+def test_draft_cost_line_fit():
+    line = _Line()
+    for _ in range(50):
+        for d in (0, 2, 4, 6):
+            line.add(d, 0.001 + 0.003 * d)
+    assert line(5) == pytest.approx(0.016, rel=1e-3) and line(0) == pytest.approx(0.001, rel=1e-2)
+
+
+def test_bad_arguments_are_value_errors():
+    for kw in ({"budget": 0}, {"width": 0}, {"max_depth": 0}, {"prior": 1.5}):
+        with pytest.raises(ValueError, match="controller_args"):
+            GoodputController(**kw)
+
+
+def test_adaptive_grows_on_full_acceptance_and_shrinks_on_rejection():
+    c = AdaptiveController(start=4, budget=8)
+    assert c.budgets(views(1), batch(1)) == [DraftBudget(4)]
+    chain = DraftTree.chain([1, 2, 3, 4])
+    c.observe(_report([RequestOutcome("r0", DraftBudget(4), 4, 4, False, chain, (0, 1, 2, 3))]))
+    assert c.budgets(views(1), batch(1)) == [DraftBudget(6)]
+    c.observe(_report([RequestOutcome("r0", DraftBudget(6), 6, 1, False,
+                                      DraftTree.chain([1] * 6), (0,))]))
+    assert c.budgets(views(1), batch(1)) == [DraftBudget(5)]
+    for _ in range(10):
+        c.observe(_report([RequestOutcome("r0", DraftBudget(5), 5, 0, False,
+                                          DraftTree.chain([1] * 5), ())]))
+    assert c.budgets(views(1), batch(1)) == [DraftBudget(1)]
