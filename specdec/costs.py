@@ -10,9 +10,10 @@ machine it runs on, so it is measured there:
   a second or two for SmolLM2 on a CPU. The engine caches the table per model/device/dtype/threads
   (``StepCosts.load`` / ``save``).
 * ``StepCosts`` interpolates the table (linear between grid points, the last slope beyond) and
-  is refined online from every step's measured forward time: the two grid points around the
-  step's row count move towards the observed ratio (exponential average), so the curve follows
-  the machine's state (other load, longer contexts) without a new profile.
+  is refined online from every step's measured forward time: a scale on the whole curve moves
+  towards the observed ratio (exponential average), and more slowly the two grid points around
+  the step's row count, so the curve follows the machine's state (other load, longer contexts)
+  without a new profile and without losing its profiled shape.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ DEFAULT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 class StepCosts:
     """Forward seconds by rows: ``seconds(n)``; ``observe(n, seconds)`` refines it."""
 
-    def __init__(self, rows: list[int], seconds: list[float], rate: float = 0.05) -> None:
+    def __init__(self, rows: list[int], seconds: list[float], rate: float = 0.05,
+                 local_rate: float = 0.02) -> None:
         if len(rows) != len(seconds) or not rows:
             raise ValueError("StepCosts needs one time per grid point")
         if list(rows) != sorted(set(rows)) or rows[0] < 1:
@@ -40,11 +42,15 @@ class StepCosts:
             raise ValueError(f"forward times must be > 0, got {seconds}")
         self.rows = [int(r) for r in rows]
         self.times = [float(s) for s in seconds]
-        self.rate = rate
+        self.rate, self.local_rate = rate, local_rate
+        self.scale = 1.0  # the whole curve's correction, learned online
         self._monotone()
 
     def seconds(self, n: float) -> float:
         """Predicted forward seconds for ``n`` rows (n >= 1)."""
+        return self.scale * self._curve(n)
+
+    def _curve(self, n: float) -> float:
         rows, times = self.rows, self.times
         n = max(float(n), 1.0)
         if len(rows) == 1:
@@ -54,9 +60,13 @@ class StepCosts:
         return max(t0 + (t1 - t0) * (n - r0) / (r1 - r0), 1e-9)
 
     def observe(self, n: int, seconds: float) -> None:
-        """A measured forward of ``n`` rows: move the neighbouring grid points towards it."""
+        """A measured forward of ``n`` rows: the whole curve's scale moves towards it (``rate``,
+        so the shape stays the profiled one when the machine gets busier or the contexts longer)
+        and, more slowly (``local_rate``), the grid points around ``n``."""
         if n < 1 or not seconds > 0:
             return
+        ratio = seconds / self.seconds(n)
+        self.scale *= ratio ** self.rate
         ratio = seconds / self.seconds(n)
         rows = self.rows
         i = bisect_left(rows, n)
@@ -70,7 +80,7 @@ class StepCosts:
             w = (n - rows[i - 1]) / (rows[i] - rows[i - 1])
             near = [(i - 1, 1 - w), (i, w)]
         for j, w in near:
-            self.times[j] *= ratio ** (self.rate * w)
+            self.times[j] *= ratio ** (self.local_rate * w)
         self._monotone()
 
     def _monotone(self) -> None:
@@ -87,7 +97,7 @@ class StepCosts:
         self.times = [s / c for s, c in blocks for _ in range(int(c))]
 
     def to_dict(self) -> dict:
-        return {"rows": self.rows, "seconds": self.times}
+        return {"rows": self.rows, "seconds": [self.scale * t for t in self.times]}
 
     def describe(self) -> str:
         return ", ".join(f"{r}: {1e3 * t:.1f} ms" for r, t in zip(self.rows, self.times))

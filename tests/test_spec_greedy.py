@@ -190,3 +190,72 @@ def test_smollm2_greedy_identical_with_tau_above_1_2(smollm2_dir):
           f"{[round(o.metrics.tau, 2) for o in got]}), wall spec/plain {ratio:.2f} "
           f"(seconds spec {times['spec']}, plain {times['plain']})")
     assert tau > 1.2
+
+
+# the goodput controller with a cost curve under which pruning bites: every verified row costs
+# a fifth of a step, so only likely nodes are kept
+def _steep():
+    from specdec.costs import StepCosts
+
+    return StepCosts([1, 2, 4, 8, 16, 32, 64], [1.0 + 0.2 * n for n in (1, 2, 4, 8, 16, 32, 64)],
+                     rate=0.0, local_rate=0.0)  # fixed: not refined from measured times
+
+
+CONTROLLERS = {
+    "static": ("static", {"budget": 8}),
+    "goodput": ("goodput", {"budget": 8}),
+    "goodput_pruning": ("goodput", {"budget": 8, "costs": None}),
+    "adaptive": ("adaptive", {"budget": 8}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CONTROLLERS))
+def test_greedy_identical_under_every_controller(plain, tiny_llama, name):
+    controller, args = CONTROLLERS[name]
+    args = {**args, "costs": _steep()} if "costs" in args else args
+    spec = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
+               drafter_args={"max_matches": 4, "max_depth": 8, "min_ngram": 1},
+               controller=controller, controller_args=args)
+    assert_lossless(plain, spec, PROMPTS, _params(len(PROMPTS)))
+
+
+def test_pruned_trees_stay_lossless_and_drafters_hear_their_own_indices(tiny_llama, monkeypatch):
+    """Pruning verifies part of a proposal; the drafter's on_verified still names nodes of the
+    tree it proposed (their tokens are the committed ones)."""
+    plain = LLM(model=str(tiny_llama), dtype="float64")
+    spec = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
+               drafter_args={"max_matches": 4, "max_depth": 8, "min_ngram": 1},
+               controller="goodput", controller_args={"budget": 8, "costs": _steep()})
+    drafter = spec.engine.drafting.drafter
+    proposed, heard, pruned_steps = {}, [], []
+    stage_prune = spec.engine.drafting._prune
+
+    def recording_prune(records):
+        stage_prune(records)
+        pruned_steps.extend(r for r in records if r.kept is not None)
+
+    monkeypatch.setattr(spec.engine.drafting, "_prune", recording_prune)
+    propose, on_verified = drafter.propose, drafter.on_verified
+
+    def recording_propose(requests):
+        trees = propose(requests)
+        for r, t in zip(requests, trees):
+            proposed[r.request_id] = t
+        return trees
+
+    def recording_on_verified(batch):
+        for r in batch.requests:
+            if r.num_proposed:
+                tree = proposed[r.request_id]
+                assert r.num_proposed == tree.num_nodes
+                toks = [int(tree.tokens[a]) for a in r.accepted]
+                end = r.num_computed
+                assert list(r.token_ids[end - len(toks):end]) == toks
+                heard.append(len(r.accepted))
+        return on_verified(batch)
+
+    monkeypatch.setattr(drafter, "propose", recording_propose)
+    monkeypatch.setattr(drafter, "on_verified", recording_on_verified)
+    outs = assert_lossless(plain, spec, PROMPTS, _params(len(PROMPTS)))
+    assert sum(heard) > 0, "no accepted node was heard of"
+    assert pruned_steps, "the cost curve was meant to make pruning bite"
