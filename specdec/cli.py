@@ -112,6 +112,17 @@ def _bench_parser(sub) -> None:
                    help="also run later turns, feeding back the engine's own answers")
     p.add_argument("--repeats", type=_int_at_least(1), default=3)
     p.add_argument("--warmup", type=_int_at_least(0), default=2)
+    sweep = p.add_argument_group("sweeps (several systems and batch sizes in one run)")
+    sweep.add_argument("--batch-sizes", default=None, metavar="1,2,4,...",
+                       help="run every system at each batch size (a sweep)")
+    sweep.add_argument("--controllers", default=None, metavar="NAME[:BUDGET],...",
+                       help="one speculative system per entry, e.g. static:0,static:4,goodput")
+    sweep.add_argument("--slo-tpot-ms", type=float, default=None,
+                       help="goodput: tokens/s of the requests whose TPOT meets this")
+    sweep.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="plots of the sweep (throughput, acceptance by depth, TPOT)")
+    sweep.add_argument("--quick", action="store_true",
+                       help="smoke run: 4 prompts, 16 new tokens, 1 repeat, 1 warm-up")
     _add_model_args(p)
     _add_spec_args(p)
     p.set_defaults(func=cmd_bench)
@@ -308,9 +319,18 @@ def cmd_train(args) -> int:
 
 def cmd_bench(args) -> int:
     from specdec.bench import run_bench
+    from specdec.bench_sweep import run_sweep
 
-    report = run_bench(args)
-    print_report(report)
+    if args.quick:
+        args.num_prompts = min(args.num_prompts or 4, 4)
+        args.max_new_tokens, args.repeats, args.warmup = min(args.max_new_tokens, 16), 1, 1
+    if args.batch_sizes or args.controllers or args.plot:
+        args.batch_sizes = args.batch_sizes or str(args.batch_size)
+        report = run_sweep(args)
+        print_sweep(report)
+    else:
+        report = run_bench(args)
+        print_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report written to {args.json}", file=sys.stderr)
@@ -378,6 +398,17 @@ def print_report(report: dict) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
+
+
+def print_sweep(report: dict) -> None:
+    header = ("system", "batch", "tok/s", "vs plain", "vs HF", "tau", "TPOT p50 ms",
+              "mean depth")
+    rows = [(r["system"], str(r["batch_size"]), _fmt(r["tokens_per_s"]),
+             _fmt(r["speedup_vs_plain"], ".3f"), _fmt(r["speedup_vs_hf"], ".3f"),
+             _fmt(r.get("tau"), ".2f"), _fmt((r.get("tpot_ms") or {}).get("p50"), ".1f"),
+             _fmt((r.get("controller") or {}).get("mean_depth"), ".2f"))
+            for r in report["runs"]]
+    _print_plain("specdec bench sweep", header, rows)
 
 
 def _print_plain(title: str, header: tuple, rows: list[tuple]) -> None:

@@ -287,8 +287,10 @@ def _save_checkpoint(accelerator, out: Path, step: int) -> None:
 def _load_latest(accelerator, out: Path) -> None:
     steps = sorted((int(p.name.split("_")[1]), p) for p in (out / "checkpoints").glob("step_*")
                    if p.name.split("_")[1].isdigit())
-    if not steps:
-        raise ValueError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+    if not steps:  # stopped before the first checkpoint (e.g. while regenerating): from step 0
+        log.info("--resume: no checkpoint in %s yet; training starts from step 0",
+                 out / "checkpoints")
+        return
     accelerator.load_state(str(steps[-1][1]))
 
 
