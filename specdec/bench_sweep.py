@@ -2,7 +2,8 @@
 one run, on the same prompts, interleaved batch by batch (DESIGN.md's performance method).
 
 Systems: the plain engine (always: the reference at every batch size), one speculative engine
-per ``--controllers`` entry (``name[:budget]``, each with the run's ``--drafter``), and with
+per ``--controllers`` entry (``name[:budget]``) and drafter (``--drafter``, or each of
+``--drafters a,b``: systems are then named ``drafter/controller``), and with
 ``--baseline hf|hf-pld`` HF ``generate`` at batch 1 (HF runs one prompt at a time). Each batch
 size runs every prompt through every system; ``--repeats`` passes, medians reported.
 
@@ -110,27 +111,51 @@ def make_sweep_systems(args, batch_sizes: list[int]) -> list[SweepSystem]:
                   linear_kernels=getattr(args, "linear_kernels", "tuned"))
     controllers = parse_controllers(args.controllers) if args.controllers else [
         (args.controller, None)]
-    if not args.drafter:
-        raise ValueError("--controllers compares speculative systems: give --drafter")
+    drafters = _drafters(args)
     systems = [SweepSystem("plain", EngineSystem(LLM(**common), args.max_new_tokens),
                            batch_sizes=batch_sizes)]
-    for name, budget in controllers:
-        cargs = dict(args.controller_args)
-        if budget is not None:
-            cargs["budget"] = budget
-        recorder = StepRecorder()
-        llm = LLM(drafter=args.drafter, drafter_args=args.drafter_args, controller=name,
-                  controller_args=cargs, verifier=getattr(args, "verifier", "rejection"),
-                  plugins=(recorder,), **common)
-        label = llm.engine.config.controller_name + (f":{budget}" if budget is not None else "")
-        systems.append(SweepSystem(label, EngineSystem(llm, args.max_new_tokens), recorder,
-                                   batch_sizes))
+    for drafter, dargs in drafters:
+        for name, budget in controllers:
+            cargs = dict(args.controller_args)
+            if budget is not None:
+                cargs["budget"] = budget
+            recorder = StepRecorder()
+            llm = LLM(drafter=drafter, drafter_args=dargs, controller=name,
+                      controller_args=cargs, verifier=getattr(args, "verifier", "rejection"),
+                      plugins=(recorder,), **common)
+            label = llm.engine.config.controller_name + (
+                f":{budget}" if budget is not None else "")
+            if len(drafters) > 1:
+                label = f"{drafter}/{label}"
+            systems.append(SweepSystem(label, EngineSystem(llm, args.max_new_tokens), recorder,
+                                       batch_sizes))
     if args.baseline in ("hf", "hf-pld") and 1 in batch_sizes:
         eos = systems[0].runner.llm.engine.model_config.eos_token_ids
         hf = HFSystem(resolve_model_path(args.model), args.dtype, args.device,
                       args.max_new_tokens, eos, pld=args.baseline == "hf-pld")
         systems.append(SweepSystem(args.baseline, hf, batch_sizes=[1]))
     return systems
+
+
+def _drafters(args) -> list[tuple[str, dict]]:
+    """(name, drafter_args) per speculative drafter: ``--drafter`` with ``--drafter-args``, or
+    ``--drafters a,b`` with ``--drafter-args`` keyed by name (``{"eagle3": {...}}``)."""
+    names = getattr(args, "drafters", None)
+    if not names:
+        if not args.drafter:
+            raise ValueError("--controllers compares speculative systems: give --drafter "
+                             "(or --drafters a,b)")
+        return [(args.drafter, args.drafter_args)]
+    if args.drafter:
+        raise ValueError("give --drafter or --drafters, not both")
+    names = [n.strip() for n in names.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"--drafters: distinct names like eagle3,ngram, got {args.drafters!r}")
+    unknown = set(args.drafter_args) - set(names)
+    if unknown:
+        raise ValueError(f"--drafter-args with --drafters is keyed by drafter name; "
+                         f"{sorted(unknown)} is not among {names}")
+    return [(n, args.drafter_args.get(n, {})) for n in names]
 
 
 def run_sweep(args) -> dict:

@@ -117,6 +117,8 @@ def _bench_parser(sub) -> None:
                        help="run every system at each batch size (a sweep)")
     sweep.add_argument("--controllers", default=None, metavar="NAME[:BUDGET],...",
                        help="one speculative system per entry, e.g. static:0,static:4,goodput")
+    sweep.add_argument("--drafters", default=None, metavar="NAME,...",
+                       help="compare several drafters (--drafter-args keyed by name)")
     sweep.add_argument("--slo-tpot-ms", type=float, default=None,
                        help="goodput: tokens/s of the requests whose TPOT meets this")
     sweep.add_argument("--plot", default=None, metavar="FILE.png",
@@ -227,7 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _merge_budget(parser, args)
     if args.command == "generate":
         _check_sampling(parser, args)
-    if args.drafter_args and args.drafter is None:
+    if args.drafter_args and args.drafter is None and not getattr(args, "drafters", None):
         parser.error("argument --drafter-args: given without --drafter")
     if str(args.device).startswith("cuda"):
         import torch
@@ -324,7 +326,7 @@ def cmd_bench(args) -> int:
     if args.quick:
         args.num_prompts = min(args.num_prompts or 4, 4)
         args.max_new_tokens, args.repeats, args.warmup = min(args.max_new_tokens, 16), 1, 1
-    if args.batch_sizes or args.controllers or args.plot:
+    if args.batch_sizes or args.controllers or args.plot or args.drafters:
         args.batch_sizes = args.batch_sizes or str(args.batch_size)
         report = run_sweep(args)
         print_sweep(report)

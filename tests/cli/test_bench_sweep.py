@@ -47,6 +47,18 @@ def test_quick_sweep_writes_runs_and_plots(tmp_path, chat_model, dataset, capsys
     assert "specdec bench sweep" in capsys.readouterr().out
 
 
+def test_sweep_compares_drafters(tmp_path, chat_model, dataset):
+    out = tmp_path / "d.json"
+    argv = ["bench", "--dataset", dataset, "--model", chat_model, "--dtype", "float64",
+            "--quick", "--drafters", "ngram,draft_model", "--controllers", "goodput",
+            "--drafter-args", '{"draft_model": {"early_exit_layers": 1}}', "--baseline", "none",
+            "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["systems"] == ["plain", "ngram/goodput", "draft_model/goodput"]
+    assert all(r["greedy_match_rate_vs_plain"] == 1.0 for r in report["runs"])
+
+
 def test_sweep_argument_errors(chat_model, dataset, capsys):
     assert parse_controllers("static:0,goodput") == [("static", 0), ("goodput", None)]
     assert parse_batch_sizes("8,1,2") == [1, 2, 8]
