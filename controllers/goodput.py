@@ -122,7 +122,7 @@ class GoodputController:
         return self.costs.seconds(rows)
 
     def _step_time(self, rows: int, depth: int) -> float:
-        return self._forward(rows) + (self.draft(depth) if depth else self.draft(0)) + self.overhead
+        return self._forward(rows) + self.draft(depth) + self.overhead
 
     # ---- phase 1: budgets -------------------------------------------------------------------
 

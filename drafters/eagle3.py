@@ -57,9 +57,10 @@ class Eagle3Drafter(BaseDrafter):
     name = "eagle3"
 
     def __init__(self, target: TargetInfo, path: str | None = None, depth: int = 6,
-                 topk: int = 4, head: Eagle3Head | None = None) -> None:
+                 topk: int = 4, head: Eagle3Head | None = None, variant: str = "general") -> None:
         """``path``: an EAGLE-3 checkpoint folder; or ``head``: an Eagle3Head object (e.g. one
-        being trained, evaluated without saving it)."""
+        being trained, evaluated without saving it); neither: the drafter shipped for the
+        target (``variant`` "general" or "code" for SmolLM2-135M-Instruct)."""
         for arg, value, low in (("depth", depth, 1), ("topk", topk, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"eagle3 drafter_args.{arg} must be an int >= {low}, got {value!r}")
@@ -68,7 +69,7 @@ class Eagle3Drafter(BaseDrafter):
             head.config.check_target(target.model_config)
             self.head = head
         else:
-            self.head = load_head(path, target)
+            self.head = load_head(path, target, variant)
         self.hidden_layers = self.head.config.capture_layers
         self.runner = target.new_runner(self.head, name="eagle3")
 
@@ -239,27 +240,34 @@ def _row_tree(levels: list[_Level], rows: list[tuple[int, int]]) -> DraftTree:
 
 
 # drafters shipped in the package (drafters/shipped/), by the model alias they were trained for
-SHIPPED = {"smollm2-135m-instruct": "eagle3-smollm2-135m-instruct-general"}
+# and their variant (drafter_args.variant)
+SHIPPED = {"smollm2-135m-instruct": {"general": "eagle3-smollm2-135m-instruct-general",
+                                     "code": "eagle3-smollm2-135m-instruct-code"}}
 
 
-def shipped_drafter(target: TargetInfo) -> Path | None:
-    """The shipped EAGLE-3 drafter for the target, when it is a model alias that has one."""
+def shipped_drafter(target: TargetInfo, variant: str = "general") -> Path | None:
+    """The shipped EAGLE-3 drafter of that variant for the target, when it is a model alias
+    that has one."""
     from specdec.models.aliases import cache_dir
 
     here = Path(target.model_path).resolve()
-    for alias, name in SHIPPED.items():
-        folder = Path(__file__).parent / "shipped" / name
-        if here == (cache_dir() / "models" / alias).resolve() and folder.is_dir():
-            return folder
+    for alias, variants in SHIPPED.items():
+        if here != (cache_dir() / "models" / alias).resolve():
+            continue
+        if variant not in variants:
+            raise ValueError(f"eagle3 drafter_args.variant must be one of {sorted(variants)} "
+                             f"for {alias}, got {variant!r}")
+        folder = Path(__file__).parent / "shipped" / variants[variant]
+        return folder if folder.is_dir() else None
     return None
 
 
-def load_head(path: str | None, target: TargetInfo) -> Eagle3Head:
+def load_head(path: str | None, target: TargetInfo, variant: str = "general") -> Eagle3Head:
     """The head at ``path`` (EAGLE-3 format), or the one shipped for the target, checked
     against the target."""
     from specdec.models.eagle3_io import load_eagle3
 
-    folder = Path(path).expanduser() if path is not None else shipped_drafter(target)
+    folder = Path(path).expanduser() if path is not None else shipped_drafter(target, variant)
     if folder is None:
         raise ValueError("eagle3 needs drafter_args.path: a folder in the EAGLE-3 format "
                          "(config.json + model.safetensors), e.g. one made by `specdec train "

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The numbers of docs/benchmarks.md "Learned drafters and the goodput controller": one process
+# per run, every system of a run on the same prompts, interleaved (specdec bench's method).
+#
+#   bash docs/bench/drafters_and_controllers.sh           # ~25 min on 2 cores
+#
+# 1. MT-Bench, batch 1: the shipped general EAGLE-3 drafter and ngram (goodput controller),
+#    the plain engine and HF generate.
+# 2. HumanEval, batch 1: the general and the code drafter (two runs, each with plain beside it).
+# 3. The controller sweep: eagle3 at batch sizes 1-32, static budgets 0/2/4/8/16 vs goodput.
+set -euo pipefail
+D=${DATA:-../shared/data/eval}
+OUT=${OUT:-docs/bench/drafters}
+N=${N:-16}
+TOK=${TOK:-128}
+BIN=${BIN:-.venv/bin/specdec}
+mkdir -p "$OUT"
+common=(--num-prompts "$N" --max-new-tokens "$TOK" --repeats 1 --warmup 1)
+"$BIN" bench --dataset "$D/mt_bench.jsonl" "${common[@]}" --batch-sizes 1 \
+  --drafters eagle3,ngram --controllers goodput --baseline hf \
+  --json "$OUT/mtbench_b1.json" > "$OUT/mtbench_b1.log" 2>&1
+for variant in general code; do
+  "$BIN" bench --dataset "$D/humaneval.jsonl.gz" "${common[@]}" --drafter eagle3 \
+    --drafter-args "{\"variant\": \"$variant\"}" --baseline plain \
+    --json "$OUT/humaneval_eagle3_$variant.json" > "$OUT/humaneval_eagle3_$variant.log" 2>&1
+done
+"$BIN" bench --dataset "$D/mt_bench.jsonl" --num-prompts "${SWEEP_N:-32}" \
+  --max-new-tokens "${SWEEP_TOK:-48}" --repeats 1 --warmup 1 --drafter eagle3 \
+  --batch-sizes "${SWEEP_BS:-1,4,16,32}" --controllers static:0,static:2,static:4,static:8,static:16,goodput \
+  --json "$OUT/sweep_eagle3.json" --plot "$OUT/sweep_eagle3.png" > "$OUT/sweep_eagle3.log" 2>&1
