@@ -229,7 +229,8 @@ class GoodputController:
         rows = report.num_prefill_tokens + report.num_verified_rows
         if self.costs is not None and rows > 0 and report.forward_seconds > 0:
             self.costs.observe(rows, report.forward_seconds)
-        depth = max((o.tree.max_depth + 1 for o in report.outcomes if o.tree is not None),
+        # the depth drafted (what the draft time paid for), not the pruned tree's
+        depth = max((o.asked.depth_limit for o in report.outcomes if o.num_proposed),
                     default=0)
         self.draft.add(depth, report.draft_seconds)
         rest = max(report.step_seconds - report.forward_seconds - report.draft_seconds, 0.0)

@@ -65,8 +65,9 @@ def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
 
 
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default=None, help="registered drafter name (default: none)")
+def _add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
+                   drafter_help: str = "registered drafter name (default: none)") -> None:
+    p.add_argument("--drafter", default=drafter, help=drafter_help)
     p.add_argument("--drafter-args", type=_json_object, default={}, metavar="JSON")
     p.add_argument("--controller", default=None,
                    help="registered controller name (default: goodput with a drafter, else static)")
@@ -82,7 +83,8 @@ def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream one completion to stdout")
     p.add_argument("prompt", type=_prompt_text, help="the user message (or raw text with --no-chat)")
     _add_model_args(p)
-    _add_spec_args(p)
+    _add_spec_args(p, "auto", "registered drafter name, or none; default auto: the drafter "
+                              "shipped for the model (eagle3 for the default model), else none")
     p.add_argument("--max-tokens", type=_int_at_least(1), default=256)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); below 1e-5 also decodes greedily")
@@ -220,6 +222,18 @@ def _check_sampling(parser, args) -> None:
         parser.error(f"arguments {', '.join(f for f, _ in SAMPLING_FLAGS)}: {e}")
 
 
+def _generate_drafter(args) -> str | None:
+    """generate's --drafter: "auto" (the default) is the drafter shipped for the model (eagle3
+    for the default model), else none; "none" is plain decoding."""
+    if args.drafter == "none":
+        return None
+    if args.drafter != "auto":
+        return args.drafter
+    from specdec.drafters.eagle3 import SHIPPED
+
+    return "eagle3" if args.model in SHIPPED else None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and validate; exits (SystemExit 2) with a message naming the bad argument."""
     parser = build_parser()
@@ -229,6 +243,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     _merge_budget(parser, args)
     if args.command == "generate":
         _check_sampling(parser, args)
+        args.drafter = _generate_drafter(args)
     if args.drafter_args and args.drafter is None and not getattr(args, "drafters", None):
         parser.error("argument --drafter-args: given without --drafter")
     if str(args.device).startswith("cuda"):

@@ -38,3 +38,13 @@ def test_generate_bad_args(chat_model, capsys):
     assert "--max-tokens" in capsys.readouterr().err
     assert main(["generate", "hi", "--model", chat_model, "--top-p", "2"]) == 2  # parse time
     assert "argument --top-p: top_p" in capsys.readouterr().err
+
+
+def test_generate_drafter_auto_and_none():
+    from specdec.cli import parse_args
+
+    # auto: eagle3 for the default model (it ships one), none for a model without one
+    assert parse_args(["generate", "hi"]).drafter == "eagle3"
+    assert parse_args(["generate", "hi", "--drafter", "none"]).drafter is None
+    assert parse_args(["generate", "hi", "--drafter", "ngram"]).drafter == "ngram"
+    assert parse_args(["bench", "--dataset", __file__]).drafter is None
