@@ -270,8 +270,11 @@ def best_static(runs: list[dict]) -> list[dict]:
 
 def plot_runs(runs: list[dict], path) -> None:
     """Three panels: tokens/s vs batch size, acceptance by depth (smallest batch), TPOT."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib "
+                         "(or specdec[dev])") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

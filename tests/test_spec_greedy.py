@@ -256,6 +256,6 @@ def test_pruned_trees_stay_lossless_and_drafters_hear_their_own_indices(tiny_lla
 
     monkeypatch.setattr(drafter, "propose", recording_propose)
     monkeypatch.setattr(drafter, "on_verified", recording_on_verified)
-    outs = assert_lossless(plain, spec, PROMPTS, _params(len(PROMPTS)))
+    assert_lossless(plain, spec, PROMPTS, _params(len(PROMPTS)))
     assert sum(heard) > 0, "no accepted node was heard of"
     assert pruned_steps, "the cost curve was meant to make pruning bite"

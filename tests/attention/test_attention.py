@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from specdec.attention.metadata import build_metadata
 from specdec.attention import torch_backend
+from specdec.attention.metadata import build_metadata
 from specdec.attention.torch_backend import TorchAttentionBackend, _groups
 from specdec.kv.cache import KVCache
 from specdec.models.loader import load_model

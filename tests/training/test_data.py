@@ -16,8 +16,8 @@ from specdec.training.data import (
     load_conversations,
     load_file,
     prompts_of,
-    tokenize,
     shorten_turns,
+    tokenize,
     tokenize_all,
 )
 
