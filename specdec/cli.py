@@ -84,7 +84,8 @@ def _generate_parser(sub) -> None:
     p.add_argument("prompt", type=_prompt_text, help="the user message (or raw text with --no-chat)")
     _add_model_args(p)
     _add_spec_args(p, "auto", "registered drafter name, or none; default auto: the drafter "
-                              "shipped for the model (eagle3 for the default model), else none")
+                              "measured fastest for the model (ngram for the default model on "
+                              "CPU), else none")
     p.add_argument("--max-tokens", type=_int_at_least(1), default=256)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); below 1e-5 also decodes greedily")
@@ -222,16 +223,20 @@ def _check_sampling(parser, args) -> None:
         parser.error(f"arguments {', '.join(f for f, _ in SAMPLING_FLAGS)}: {e}")
 
 
+# generate's --drafter auto: the drafter measured fastest for a model (docs/benchmarks.md,
+# "Learned drafters and the goodput controller": on a 2-core CPU, ngram with the goodput
+# controller 1.22x plain on MT-Bench, the shipped eagle3 drafter 1.03x)
+BEST_DRAFTER = {"smollm2-135m-instruct": "ngram"}
+
+
 def _generate_drafter(args) -> str | None:
-    """generate's --drafter: "auto" (the default) is the drafter shipped for the model (eagle3
-    for the default model), else none; "none" is plain decoding."""
+    """generate's --drafter: "auto" (the default) is the drafter measured fastest for the model
+    (BEST_DRAFTER), else none; "none" is plain decoding."""
     if args.drafter == "none":
         return None
     if args.drafter != "auto":
         return args.drafter
-    from specdec.drafters.eagle3 import SHIPPED
-
-    return "eagle3" if args.model in SHIPPED else None
+    return BEST_DRAFTER.get(args.model)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -43,8 +43,9 @@ def test_generate_bad_args(chat_model, capsys):
 def test_generate_drafter_auto_and_none():
     from specdec.cli import parse_args
 
-    # auto: eagle3 for the default model (it ships one), none for a model without one
-    assert parse_args(["generate", "hi"]).drafter == "eagle3"
+    # auto: the drafter measured fastest for the default model, none for other models
+    assert parse_args(["generate", "hi"]).drafter == "ngram"
+    assert parse_args(["generate", "hi", "--model", "some/other"]).drafter is None
     assert parse_args(["generate", "hi", "--drafter", "none"]).drafter is None
     assert parse_args(["generate", "hi", "--drafter", "ngram"]).drafter == "ngram"
     assert parse_args(["bench", "--dataset", __file__]).drafter is None
