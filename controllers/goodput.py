@@ -237,8 +237,14 @@ class GoodputController:
         self._overhead_n = min(self._overhead_n + 1, 50)
         self.overhead += (rest - self.overhead) / self._overhead_n
         for o in report.outcomes:
+            if o.num_proposed:
+                # what asking for this depth yielded, pruning included: a depth counts as tried
+                # when it was drafted, not only when it was verified (otherwise the estimate
+                # would see just the nodes pruning kept, and budgets would keep paying for
+                # drafts that pruning then drops)
+                drafted = min(o.asked.depth_limit, self.max_depth)
+                self.depth.observe(o.request_id, drafted, len(o.accepted))
             if o.tree is not None and o.tree.num_nodes:
-                self.depth.observe(o.request_id, o.tree.max_depth + 1, len(o.accepted))
                 self.confidence.observe(o.tree, list(o.accepted))
         self.decision["measured_step_seconds"] = report.step_seconds
         self.decision["predicted_step_seconds"] = self._predicted

@@ -186,3 +186,13 @@ def test_adaptive_grows_on_full_acceptance_and_shrinks_on_rejection():
         c.observe(_report([RequestOutcome("r0", DraftBudget(5), 5, 0, False,
                                           DraftTree.chain([1] * 5), ())]))
     assert c.budgets(views(1), batch(1)) == [DraftBudget(1)]
+
+
+def test_drafts_that_pruning_drops_count_against_drafting():
+    """Phase 1 learns what asking for a depth yields after pruning: drafts whose nodes were all
+    pruned count as unaccepted, so budgets stop paying for drafts nobody verifies."""
+    c = GoodputController(costs=linear_costs(1.0, 0.01), prior=0.6, explore_every=0)
+    for _ in range(100):
+        c.observe(_report([RequestOutcome("r0", DraftBudget(4, 2), 4, 0, False, None, ())]))
+    assert c.depth.rate("r0", 1) < 0.1
+    assert c.budgets(views(1)[:1], batch(1)) == [NO_DRAFT]
