@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import zlib
 
 from specdec.controllers.acceptance import ConfidenceCalibration, DepthAcceptance
 from specdec.controllers.base import (
@@ -77,7 +78,8 @@ class GoodputController:
     width: nodes per level a budget allows beyond the paying depth (tree drafters);
     prune: run the second phase; costs: a ``StepCosts`` to use instead of profiling (tests);
     prior: the acceptance assumed at depth 1 before anything was verified; explore_every: a
-    request kept at budget 0 that long drafts one level, so its estimate can recover (0: never).
+    request kept at budget 0 drafts one level every explore_every x batch-size steps, so its
+    estimate can recover (0: never).
     """
 
     name = "goodput"
@@ -153,11 +155,19 @@ class GoodputController:
         depths = [0] * len(requests)
         for i in order[:best[1]]:
             depths[i] += 1
-        for i, r in enumerate(requests):  # explore: a request kept at 0 drafts 1 now and then,
-            idle = self._idle.get(r.request_id, 0) + 1 if depths[i] == 0 else 0  # so its
-            if self.explore_every and idle >= self.explore_every:  # acceptance is not frozen
+        # explore: a request kept at 0 drafts one level now and then, so that its estimate is
+        # not frozen; about one request in ``explore_every`` steps across the batch (a large
+        # batch explores each request less often), staggered by request so that requests that
+        # started together do not all explore in the same step
+        interval = self.explore_every * max(1, len(requests))
+        for i, r in enumerate(requests):
+            rid = r.request_id
+            if rid not in self._idle:
+                self._idle[rid] = -(zlib.crc32(rid.encode()) % max(interval, 1))
+            idle = self._idle[rid] + 1 if depths[i] == 0 else 0
+            if self.explore_every and idle >= interval:
                 depths[i], idle = 1, 0
-            self._idle[r.request_id] = idle
+            self._idle[rid] = idle
         out = [NO_DRAFT if k == 0 else DraftBudget(min(self.budget, k * self.width), k)
                for k in depths]
         expected = len(requests) + sum(sum(gains[i][:k]) for i, k in enumerate(depths))

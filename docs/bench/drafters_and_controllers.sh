@@ -2,12 +2,13 @@
 # The numbers of docs/benchmarks.md "Learned drafters and the goodput controller": one process
 # per run, every system of a run on the same prompts, interleaved (specdec bench's method).
 #
-#   bash docs/bench/drafters_and_controllers.sh           # ~25 min on 2 cores
+#   N=12 TOK=96 bash docs/bench/drafters_and_controllers.sh    # ~30 min on 2 cores
 #
 # 1. MT-Bench, batch 1: the shipped general EAGLE-3 drafter and ngram (goodput controller),
 #    the plain engine and HF generate.
 # 2. HumanEval, batch 1: the general and the code drafter (two runs, each with plain beside it).
-# 3. The controller sweep: eagle3 at batch sizes 1-32, static budgets 0/2/4/8/16 vs goodput.
+# 3. The controller sweeps: eagle3 and ngram at batch sizes 1, 8, 24, static budgets
+#    0/2/4/8/16 vs goodput, HF at batch 1.
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
 OUT=${OUT:-docs/bench/drafters}
@@ -24,7 +25,10 @@ for variant in general code; do
     --drafter-args "{\"variant\": \"$variant\"}" --baseline plain \
     --json "$OUT/humaneval_eagle3_$variant.json" > "$OUT/humaneval_eagle3_$variant.log" 2>&1
 done
-"$BIN" bench --dataset "$D/mt_bench.jsonl" --num-prompts "${SWEEP_N:-32}" \
-  --max-new-tokens "${SWEEP_TOK:-48}" --repeats 1 --warmup 1 --drafter eagle3 \
-  --batch-sizes "${SWEEP_BS:-1,4,16,32}" --controllers static:0,static:2,static:4,static:8,static:16,goodput \
-  --json "$OUT/sweep_eagle3.json" --plot "$OUT/sweep_eagle3.png" > "$OUT/sweep_eagle3.log" 2>&1
+for drafter in eagle3 ngram; do
+  "$BIN" bench --dataset "$D/mt_bench.jsonl" --num-prompts "${SWEEP_N:-24}" \
+    --max-new-tokens "${SWEEP_TOK:-32}" --repeats 1 --warmup 1 --drafter "$drafter" \
+    --batch-sizes "${SWEEP_BS:-1,8,24}" \
+    --controllers static:0,static:2,static:4,static:8,static:16,goodput \
+    --json "$OUT/sweep_$drafter.json" --plot "$OUT/sweep_$drafter.png" > "$OUT/sweep_$drafter.log" 2>&1
+done

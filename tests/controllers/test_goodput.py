@@ -40,12 +40,13 @@ def test_no_draft_when_verification_costs_more_than_it_returns():
     # every row costs as much as a whole step, acceptance 0.3: drafting loses
     c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=4)
     assert c.budgets(views(4), batch(4)) == [NO_DRAFT] * 4
-    assert c.decision["depths"] == [0, 0, 0, 0]
-    c.budgets(views(4), batch(4))
-    c.budgets(views(4), batch(4))
-    # every 4th step at 0 a request explores one level, so its estimate can recover
-    assert c.budgets(views(4), batch(4)) == [DraftBudget(2, 1)] * 4
-    assert c.budgets(views(4), batch(4)) == [NO_DRAFT] * 4
+    assert c.decision["depths"][:4] == [0, 0, 0, 0]
+    # now and then a request explores one level, so its estimate can recover: each request once
+    # per 4 x 4 steps, not all in the same step
+    explored = [[b != NO_DRAFT for b in c.budgets(views(4), batch(4))] for _ in range(64)]
+    per_request = [sum(step[i] for step in explored) for i in range(4)]
+    assert all(3 <= n <= 5 for n in per_request), per_request
+    assert max(sum(step) for step in explored) <= 2
 
 
 def test_deep_trees_when_acceptance_is_high_and_rows_are_nearly_free():
