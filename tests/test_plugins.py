@@ -119,7 +119,7 @@ class BrokenObserver:
 
 def test_failing_plugin_fails_only_its_request(tiny_llama):
     recorder = StepRecorder()
-    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="flaky",
+    llm = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="flaky",
               plugins=(FlakyPlugin(), recorder), controller_args={"budget": 2})
     plain = LLM(model=str(tiny_llama), dtype="float64").generate(PROMPTS, GREEDY)
     outs = llm.generate(PROMPTS, GREEDY)
@@ -179,7 +179,7 @@ class FailsLaterPlugin:
 
 
 def test_drafter_failing_in_init_or_on_verified(tiny_llama):
-    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="fails_later",
+    llm = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="fails_later",
               plugins=(FailsLaterPlugin(),), controller_args={"budget": 1})
     plain = LLM(model=str(tiny_llama), dtype="float64").generate(PROMPTS[:1], GREEDY)
     outs = llm.generate([PROMPTS[0], [11, 1, 2], [12, 1, 2]], GREEDY)

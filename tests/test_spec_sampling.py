@@ -79,7 +79,7 @@ def test_speculative_sampling_follows_target(small_vocab_models, drafter):
     target, draft = small_vocab_models
     args = {"draft_model": {"model": str(draft)},
             "ngram": {"max_matches": 3, "min_ngram": 1}}.get(drafter, {})
-    llm = LLM(model=str(target), dtype="float64", drafter=drafter, drafter_args=args,
+    llm = LLM(model=str(target), dtype="float64", controller="static", drafter=drafter, drafter_args=args,
               controller_args={"budget": 3}, max_num_seqs=512, max_num_batched_tokens=4096)
     grid, proposed, accepted = sample_tokens(llm)
     exact = exact_joint(target, PROMPT).sum(dim=0)  # marginal of (x2, x3)
@@ -95,7 +95,7 @@ def test_seeded_speculative_sampling_is_independent_of_the_batch(small_vocab_mod
     """A seeded request samples the same tokens alone and beside requests whose draft trees have
     other sizes (its verifier randomness is its own, drawn for its own tree)."""
     target, _ = small_vocab_models
-    llm = LLM(model=str(target), dtype="float64", drafter="ngram",
+    llm = LLM(model=str(target), dtype="float64", controller="static", drafter="ngram",
               drafter_args={"max_matches": 3, "min_ngram": 1}, controller_args={"budget": 4})
     params = SamplingParams(temperature=0.9, seed=11, max_tokens=24, ignore_eos=True)
     others = [SamplingParams(temperature=0.9, seed=s, max_tokens=24, ignore_eos=True)

@@ -92,7 +92,7 @@ def sampled_grid(folder) -> tuple[torch.Tensor, int]:
         def specdec_drafters(self):
             return {"fixed": lambda target: FixedTree(target, top3)}
 
-    llm = LLM(model=str(folder), dtype="float64", drafter="fixed", plugins=(Plugin(),),
+    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter="fixed", plugins=(Plugin(),),
               controller_args={"budget": 3}, max_num_seqs=512, max_num_batched_tokens=4096)
     outs = llm.generate([PROMPT] * N, [SamplingParams(**PARAMS, seed=s) for s in range(N)])
     grid = torch.zeros(V, V, dtype=torch.float64)
@@ -143,7 +143,7 @@ def test_kv_move_is_needed_for_greedy_equality(tiny_llama, monkeypatch, move):
     monkeypatch.setattr(KVManager, "move", spy)
     outputs = []
     for prompt, truth in zip(prompts, expected):  # the oracle knows one continuation each
-        spec = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
+        spec = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="oracle",
                    plugins=(oracle_plugin(prompt + truth),), controller_args={"budget": 4})
         outputs.append(spec.generate([prompt], params)[0].token_ids)
     assert moves, "the oracle's accepted nodes must have needed moving"

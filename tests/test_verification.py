@@ -93,7 +93,7 @@ def plain(tiny_llama):
 
 
 def run(tiny_llama, verifier: str):
-    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="marking", verifier=verifier,
+    llm = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="marking", verifier=verifier,
               plugins=(Plugin(),), controller_args={"budget": 2})
     outs = llm.generate(PROMPTS, GREEDY)
     pool = llm.engine.kv.pool

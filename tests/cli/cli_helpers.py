@@ -74,7 +74,7 @@ class RepeatDrafter(BaseDrafter):
         pass
 
     def propose(self, requests):
-        return [DraftTree.chain([r.token_ids[-1]] * r.budget.max_nodes) for r in requests]
+        return [DraftTree.chain([r.token_ids[-1]] * r.budget.depth_limit) for r in requests]
 
 
 @pytest.fixture

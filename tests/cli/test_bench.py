@@ -95,7 +95,7 @@ def test_bench_with_drafter(tmp_path, chat_model, dataset, repeat_drafter):
 
 def test_bench_ngram_with_extra_baseline(tmp_path, chat_model, dataset):
     report = run_bench(tmp_path, chat_model, dataset, "--baseline", "hf", "--drafter", "ngram",
-                       "--budget", "4", "--extra-baseline", "hf-pld")
+                       "--controller", "static", "--budget", "4", "--extra-baseline", "hf-pld")
     check_speculative(report)
     extra = report["extra_baseline"]
     assert extra["name"] == "hf-pld" and extra["tokens_per_s"] > 0

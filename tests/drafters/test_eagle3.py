@@ -41,7 +41,7 @@ def random_head(model, cfg, hf, draft_vocab: int = 64, seed: int = 0) -> Eagle3H
 
 
 def _greedy(folder, prompts, **kw) -> list:
-    llm = LLM(model=str(folder), dtype="float64", **kw)
+    llm = LLM(model=str(folder), dtype="float64", **{"controller": "static", **kw})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert [o.error for o in outs] == [None] * len(prompts)
     return outs
@@ -201,7 +201,7 @@ def test_sampled_tokens_follow_the_target(tmp_path, drafter):
     eagle = {"head": head, "depth": 2, "topk": 2}
     args = eagle if drafter == "eagle3" else {
         "eagle3": eagle, "draft_model": {"early_exit_layers": 1, "max_depth": 2}}
-    llm = LLM(model=str(folder), dtype="float64", drafter=drafter, drafter_args=args,
+    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter=drafter, drafter_args=args,
               controller_args={"budget": 4}, max_num_seqs=512, max_num_batched_tokens=4096)
     outs = llm.generate([PROMPT] * N_SAMPLES,
                         [SamplingParams(**PARAMS, seed=s) for s in range(N_SAMPLES)])
