@@ -107,3 +107,24 @@ def test_seeded_speculative_sampling_is_independent_of_the_batch(small_vocab_mod
     assert alone.metrics.draft_tokens_proposed > 0
     proposed = [o.metrics.draft_tokens_proposed for o in mixed]
     assert len(set(proposed)) > 1, "the neighbours' trees must differ in size"
+
+
+def test_sampling_under_goodput_with_pruning_follows_target(small_vocab_models):
+    """The goodput controller's pruning on sampled drafts (draft_model chains carry their draft
+    distributions): what is verified is a parent- and earlier-sibling-closed part of each draft,
+    and the sampled tokens still follow the target exactly."""
+    from specdec.costs import StepCosts
+
+    target, draft = small_vocab_models
+    grid_rows = [1, 2, 4, 8, 16, 64, 512]
+    costs = StepCosts(grid_rows, [1.0 + 1e-4 * n for n in grid_rows], rate=0.0, local_rate=0.0)
+    llm = LLM(model=str(target), dtype="float64", drafter="draft_model",
+              drafter_args={"model": str(draft)}, controller="goodput",
+              controller_args={"budget": 3, "costs": costs}, max_num_seqs=512,
+              max_num_batched_tokens=4096)
+    grid, proposed, accepted = sample_tokens(llm)
+    exact = exact_joint(target, PROMPT).sum(dim=0)
+    assert chi_square_pvalue(grid.flatten(), exact.flatten()) > 1e-3
+    assert proposed > N_SAMPLES // 6 and accepted > 30, (proposed, accepted)
+    wrong = exact_joint(draft, PROMPT).sum(dim=0)
+    assert chi_square_pvalue(grid.flatten(), wrong.flatten()) < 1e-6
