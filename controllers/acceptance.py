@@ -33,11 +33,13 @@ class DepthAcceptance:
         self.hits = [0.0] * max_depth  # drafter-wide, depth d at index d - 1
         self.trials = [0.0] * max_depth
         self.requests: dict[str, tuple[list[float], list[float]]] = {}
+        self._rates: list[float] | None = None  # global_rate by depth, until the next observe
 
     def observe(self, request_id: str, depth: int, accepted: int) -> None:
         """A tree reaching ``depth`` was verified and ``accepted`` nodes (a path) were kept."""
         if depth <= 0:
             return
+        self._rates = None
         own = self.requests.setdefault(request_id, ([0.0] * self.max_depth,
                                                      [0.0] * self.max_depth))
         for hits, trials in ((self.hits, self.trials), own):
@@ -54,10 +56,13 @@ class DepthAcceptance:
     def global_rate(self, d: int) -> float:
         """a(d) for the drafter: its counts, leaning on the previous depth's rate (or the
         prior at depth 1) while they are few."""
-        d = min(d, self.max_depth)
-        prior = self.prior if d == 1 else self.global_rate(d - 1)
-        h, t = self.hits[d - 1], self.trials[d - 1]
-        return (h + self.prior_weight * prior) / (t + self.prior_weight)
+        if self._rates is None:  # once per observation, not per request and depth
+            rates, prior = [], self.prior
+            for h, t in zip(self.hits, self.trials):
+                prior = (h + self.prior_weight * prior) / (t + self.prior_weight)
+                rates.append(prior)
+            self._rates = rates
+        return self._rates[min(d, self.max_depth) - 1]
 
     def rate(self, request_id: str, d: int) -> float:
         """a(d) for one request: its counts shrunk towards the drafter's rate."""

@@ -219,12 +219,13 @@ class GoodputController:
     def _node_estimates(self, request_id: str, tree) -> list[float]:
         """P(node on the accepted path), non-increasing along every path."""
         parents = tree.parents.tolist()
+        depths = tree.depths.tolist()
         probs = tree.path_probs.tolist() if tree.path_probs is not None else None
         est, rank, seen = [], [], {}
         for i, p in enumerate(parents):
             rank.append(seen.get(p, 0))
             seen[p] = rank[-1] + 1
-            depth = _depth(parents, i)
+            depth = depths[i]
             if probs is not None:
                 e = self.confidence.probability(probs[i])
             else:  # no confidences: depth-based, later siblings discounted
@@ -266,13 +267,6 @@ class GoodputController:
             del self._seen[rid]
             self._idle.pop(rid, None)
             self.depth.forget(rid)
-
-
-def _depth(parents: list[int], i: int) -> int:
-    d = 0
-    while parents[i] >= 0:
-        i, d = parents[i], d + 1
-    return d
 
 
 def _admissible_roots(tree) -> list[int]:

@@ -164,9 +164,9 @@ def run_sweep(args) -> dict:
     systems = make_sweep_systems(args, batch_sizes)
     tok = systems[0].runner.llm.tokenizer
     items = first_turn_items(questions, tok)
-    for s in systems:  # warm-up, untimed
+    for s in systems:  # warm-up, untimed: one prompt per system
         if args.warmup:
-            s.runner.run([it.prompt_ids for it in items[:max(1, args.warmup)]][:1])
+            s.runner.run([items[0].prompt_ids])
     tallies: dict[tuple[str, int], Tally] = {}
     steps_before: dict[tuple[str, int], int] = {}
     recorded: dict[tuple[str, int], StepRecorder] = {}
