@@ -239,35 +239,14 @@ def _row_tree(levels: list[_Level], rows: list[tuple[int, int]]) -> DraftTree:
                      torch.tensor(parents, dtype=torch.int64))
 
 
-# drafters shipped in the package (drafters/shipped/), by the model alias they were trained for
-# and their variant (drafter_args.variant)
-SHIPPED = {"smollm2-135m-instruct": {"general": "eagle3-smollm2-135m-instruct-general",
-                                     "code": "eagle3-smollm2-135m-instruct-code"}}
-
-
-def shipped_drafter(target: TargetInfo, variant: str = "general") -> Path | None:
-    """The shipped EAGLE-3 drafter of that variant for the target, when it is a model alias
-    that has one."""
-    from specdec.models.aliases import cache_dir
-
-    here = Path(target.model_path).resolve()
-    for alias, variants in SHIPPED.items():
-        if here != (cache_dir() / "models" / alias).resolve():
-            continue
-        if variant not in variants:
-            raise ValueError(f"eagle3 drafter_args.variant must be one of {sorted(variants)} "
-                             f"for {alias}, got {variant!r}")
-        folder = Path(__file__).parent / "shipped" / variants[variant]
-        return folder if folder.is_dir() else None
-    return None
-
-
 def load_head(path: str | None, target: TargetInfo, variant: str = "general") -> Eagle3Head:
     """The head at ``path`` (EAGLE-3 format), or the one shipped for the target, checked
     against the target."""
+    from specdec.drafters.catalog import shipped_folder
     from specdec.models.eagle3_io import load_eagle3
 
-    folder = Path(path).expanduser() if path is not None else shipped_drafter(target, variant)
+    folder = (Path(path).expanduser() if path is not None
+              else shipped_folder("eagle3", target.model_path, variant))
     if folder is None:
         raise ValueError("eagle3 needs drafter_args.path: a folder in the EAGLE-3 format "
                          "(config.json + model.safetensors), e.g. one made by `specdec train "

@@ -7,11 +7,14 @@ from specdec.hookspecs import hookimpl
 
 @hookimpl
 def specdec_drafters() -> dict:
+    from specdec.drafters.block_diffusion import BlockDiffusionDrafter
     from specdec.drafters.draft_model import DraftModelDrafter
     from specdec.drafters.eagle3 import Eagle3Drafter
+    from specdec.drafters.mtp import MTPDrafter
     from specdec.drafters.ngram import NgramDrafter
 
-    return {"ngram": NgramDrafter, "draft_model": DraftModelDrafter, "eagle3": Eagle3Drafter}
+    return {"ngram": NgramDrafter, "draft_model": DraftModelDrafter, "eagle3": Eagle3Drafter,
+            "mtp": MTPDrafter, "block_diffusion": BlockDiffusionDrafter}
 
 
 @hookimpl

@@ -135,7 +135,7 @@ def _bench_parser(sub) -> None:
 
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a drafter for a target model on your prompts")
-    p.add_argument("kind", choices=["eagle3"], help="drafter kind")
+    p.add_argument("kind", choices=["eagle3", "mtp", "block_diffusion"], help="drafter kind")
     p.add_argument("--target", default=None, help=f"target model (default {DEFAULT_MODEL})")
     p.add_argument("--data", nargs="+", type=_existing_file, default=None, metavar="FILE",
                    help="json/jsonl: ShareGPT, Alpaca, MT-Bench turns, GSM8K or plain text")

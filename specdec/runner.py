@@ -35,6 +35,8 @@ class ForwardBatch:
     metadata: AttentionMetadata  # per request: its rows, pages and mask
     logits_indices: torch.Tensor  # [R] int64: rows of the batch whose logits are returned
     features: torch.Tensor | None = None  # [T, hidden] per-row input features (EAGLE heads)
+    # [T] bool: rows whose features are context (block-diffusion drafters); None: no such rows
+    context_rows: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -87,6 +89,8 @@ class ModelRunner:
         with torch.inference_mode():
             self.backend.plan(batch.metadata)
             extra = {} if batch.features is None else {"features": batch.features}
+            if batch.context_rows is not None:
+                extra["context_rows"] = batch.context_rows
             out = self.model(batch.input_ids, batch.positions, self.backend, self.kv.cache,
                              capture_layers=capture_layers, num_layers=self.num_layers, **extra)
             logits = None
@@ -98,13 +102,15 @@ class ModelRunner:
     def pack(self, feeds: list[list[int]], starts: list[int], tables: list[BlockTable],
              logits: str = "last", positions: list[list[int]] | None = None,
              masks: list[torch.Tensor | None] | None = None,
-             features: torch.Tensor | None = None) -> ForwardBatch:
+             features: torch.Tensor | None = None,
+             context_rows: torch.Tensor | None = None) -> ForwardBatch:
         """A batch where request b feeds ``feeds[b]`` into slots ``starts[b]`` onwards.
 
         Positions default to the slots (``starts[b] + i``); give ``positions`` (and a custom
         ``masks[b]`` of shape [len(feeds[b]), starts[b] + len(feeds[b])]) for tree rows.
         ``logits``: "last" (each request's last row), "all" or "none". ``features``: [T, hidden]
-        per-row inputs for models that take them (EAGLE heads).
+        per-row inputs for models that take them (EAGLE heads); ``context_rows`` [T] bool marks
+        the rows whose features are context (block-diffusion drafters).
         """
         assert logits in ("last", "all", "none"), logits
         lens = [len(f) for f in feeds]
@@ -123,4 +129,4 @@ class ModelRunner:
             rows = torch.zeros(0, **long)
         return ForwardBatch(torch.tensor([t for f in feeds for t in f], **long),
                             torch.tensor([p for ps in positions for p in ps], **long), md, rows,
-                            features)
+                            features, context_rows)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-KINDS = ("eagle3",)
+KINDS = ("eagle3", "mtp", "block_diffusion")
 
 
 @dataclass
@@ -30,8 +30,16 @@ class TrainConfig:
     max_turn_tokens: int | None = None  # shorten longer user/system turns (keep head and tail)
     draft_vocab_size: int = 16000
     aux_layer_ids: list[int] | None = None  # default: (2, L // 2, L - 3), vLLM's convention
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
+    ttt_steps: int = 7  # eagle3: training-time-test steps
+    ttt_decay: float = 0.8  # eagle3: loss weight of TTT step j is ttt_decay^j
+    num_heads: int = 4  # mtp: heads (head i predicts the token i + 2 past the state's)
+    head_decay: float = 0.8  # mtp: loss weight of head i is head_decay^i
+    num_layers: int | None = None  # mtp: residual blocks per head (1); block_diffusion: layers (2)
+    block_size: int = 8  # block_diffusion: [last token, MASK x (B - 1)], B - 1 drafts
+    target_layer_ids: list[int] | None = None  # block_diffusion: target layers fused (outputs)
+    num_anchors: int = 32  # block_diffusion: blocks per training sequence
+    loss_gamma: float = 4.0  # block_diffusion: position k's weight exp(-(k - 1) / gamma)
+    calibration_examples: int = 32  # tokenized sequences kept out of training to calibrate
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; None: epochs over the data
     batch_size: int = 4  # sequences per optimizer step
@@ -58,18 +66,27 @@ class TrainConfig:
             raise ValueError("out: give the output folder (--out DIR)")
         for name in ("regen_max_tokens", "regen_batch_size", "max_length", "draft_vocab_size",
                      "ttt_steps", "epochs", "batch_size", "checkpoint_every", "eval_max_tokens",
-                     "eval_budget"):
+                     "eval_budget", "num_heads", "num_anchors"):
             _int_at_least(name, getattr(self, name), 1)
-        for name in ("limit", "max_steps", "max_turn_tokens"):
+        _int_at_least("block_size", self.block_size, 2)
+        _int_at_least("calibration_examples", self.calibration_examples, 0)
+        for name in ("limit", "max_steps", "max_turn_tokens", "num_layers"):
             if getattr(self, name) is not None:
                 _int_at_least(name, getattr(self, name), 1)
         _int_at_least("holdout", self.holdout, 0)
-        for name in ("learning_rate", "max_grad_norm"):
+        for name in ("learning_rate", "max_grad_norm", "loss_gamma"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
         if not 0 <= self.warmup_ratio < 1 or not 0 < self.ttt_decay <= 1:
             raise ValueError("warmup_ratio must be in [0, 1) and ttt_decay in (0, 1]")
+        if not 0 < self.head_decay <= 1:
+            raise ValueError(f"head_decay must be in (0, 1], got {self.head_decay!r}")
+        if self.target_layer_ids is not None and (
+                not isinstance(self.target_layer_ids, list) or not self.target_layer_ids
+                or not all(isinstance(j, int) and j >= 0 for j in self.target_layer_ids)):
+            raise ValueError("target_layer_ids must list target layer indices >= 0, got "
+                             f"{self.target_layer_ids!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError("mixed_precision must be 'no', 'bf16' or 'fp16', got "
                              f"{self.mixed_precision!r}")

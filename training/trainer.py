@@ -1,15 +1,19 @@
-"""`specdec train eagle3`: prompts in, an EAGLE-3 drafter folder (vLLM / SGLang format) out.
+"""`specdec train eagle3|mtp|block_diffusion`: prompts in, a drafter folder (serving format) out.
 
     data -> [regenerate: the target answers] -> tokenize (chat template, loss on the assistant)
-    -> draft vocabulary -> TTT training (accelerate: devices, checkpoints, resume; wandb logging)
+    -> draft vocabulary -> training with the kind's loss (accelerate: devices, checkpoints,
+    resume; wandb logging) -> calibration on held-out sequences (the kinds that store one)
     -> export (atomic) -> evaluation through the real engine on held-out prompts
+
+The kinds (``training/kinds.py``): eagle3 (TTT, EAGLE-3 format), mtp (Medusa-style heads,
+Medusa format), block_diffusion (DFlash-style block drafter).
 
 Layout of ``out``::
 
     out/regenerated.jsonl     the target's answers (resumable)
     out/vocab.pt              the draft vocabulary (target ids, ascending)
     out/checkpoints/step_N/   accelerate states (model, optimizer, scheduler, RNG, progress)
-    out/drafter/              the EAGLE-3 checkpoint: config.json + model.safetensors
+    out/drafter/              the drafter: config.json + model.safetensors
     out/eval.json             evaluation of out/drafter (also in out/drafter/eval.json)
     out/train_config.json     the settings of the run
 
@@ -29,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.loader import load_model, resolve_model_path
 from specdec.models.tokenizer import load_tokenizer
 from specdec.training.config import TrainConfig
@@ -40,7 +43,7 @@ from specdec.training.data import (
     prompts_of,
     tokenize_all,
 )
-from specdec.training.ttt import target_batch, ttt_loss
+from specdec.training.kinds import Kind, kind
 from specdec.training.vocab import coverage, draft_vocab
 
 log = logging.getLogger(__name__)
@@ -79,9 +82,15 @@ def train(config: TrainConfig) -> dict:
                                                       config.limit, config.seed), config)
     train_convs = _answers(train_convs, config, out)
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
-    head = _new_head(config, cfg, model, hf, dataset, out)
-    metrics = _fit(accelerator, config, model, head, dataset, out)
-    drafter = _export(head, hf, config, out, metrics)
+    dataset, calibration = _calibration_split(dataset, config)
+    k = kind(config.kind)
+    head = _new_head(k, config, cfg, model, hf, dataset, out)
+    metrics = _fit(accelerator, k, config, model, head, dataset, out)
+    raw = accelerator.unwrap_model(head)
+    with torch.no_grad(), accelerator.autocast():
+        calibrated = k.calibrate(config, model, raw, _calibration_batches(calibration, config,
+                                                                           accelerator.device))
+    drafter = _export(k, raw, hf, config, out, metrics, calibrated)
     report = _evaluate(config, drafter, held_out)
     for path in (out / "eval.json", drafter / "eval.json"):
         path.write_text(json.dumps(report, indent=2) + "\n")
@@ -140,12 +149,32 @@ def _answers(convs: list[Conversation], config: TrainConfig, out: Path) -> list[
     return convs
 
 
-def _new_head(config: TrainConfig, cfg, model, hf, dataset, out: Path) -> Eagle3Head:
+def _calibration_split(dataset, config: TrainConfig):
+    """(training rows, calibration rows): the last ``calibration_examples`` tokenized sequences
+    (at most a tenth of them) are kept out of training for the kinds that calibrate."""
+    if config.kind == "eagle3" or config.calibration_examples == 0:
+        return dataset, None
+    n = min(config.calibration_examples, len(dataset) // 10)
+    if n == 0:
+        return dataset, None
+    return dataset.select(range(len(dataset) - n)), dataset.select(range(len(dataset) - n,
+                                                                            len(dataset)))
+
+
+def _calibration_batches(calibration, config: TrainConfig, device):
+    if calibration is None:
+        return
+    rows = list(range(len(calibration)))
+    for start in range(0, len(rows), config.batch_size):
+        yield _pad([calibration[i] for i in rows[start:start + config.batch_size]], device)
+
+
+def _new_head(k: Kind, config: TrainConfig, cfg, model, hf, dataset, out: Path):
     """A fresh head with the draft vocabulary of the data (saved, so a resumed run keeps it),
     or, with ``init_from``, that drafter's weights and vocabulary (fine-tuning, e.g. a domain
     drafter that starts from the general one)."""
     if config.init_from is not None:
-        return _head_from(Path(config.init_from), cfg, model, hf, dataset)
+        return _head_from(k, Path(config.init_from), cfg, model, hf, dataset)
     vocab_file = out / "vocab.pt"
     size = min(config.draft_vocab_size, cfg.vocab_size)
     if vocab_file.exists():
@@ -155,27 +184,21 @@ def _new_head(config: TrainConfig, cfg, model, hf, dataset, out: Path) -> Eagle3
         torch.save(used, vocab_file)
     log.info("draft vocabulary: %d tokens cover %.1f%% of the trained tokens", size,
              100 * coverage(used, dataset))
-    aux = tuple(config.aux_layer_ids) if config.aux_layer_ids else None
     torch.manual_seed(config.seed)
-    head = Eagle3Head(Eagle3Config.for_target(cfg, size, aux), model.embed, hf, trainable=True)
-    head.reset_parameters()
-    head.set_vocab(used)
-    return head
+    return k.build(config, cfg, model, hf, used.to(model.embed.device))
 
 
-def _head_from(folder: Path, cfg, model, hf, dataset) -> Eagle3Head:
-    from specdec.models.eagle3_io import load_eagle3, vocab_ids
-
+def _head_from(k: Kind, folder: Path, cfg, model, hf, dataset):
     if not (folder / "config.json").is_file():
         raise ValueError(f"init_from: {folder} is not a drafter folder (no config.json)")
-    head = load_eagle3(folder, cfg, model.embed, hf, trainable=True)
-    used = vocab_ids(head.d2t, head.t2d)
+    head = k.load(folder, cfg, model, hf)
+    used = k.vocab(head).cpu()
     log.info("starting from %s; its %d-token draft vocabulary covers %.1f%% of the trained "
              "tokens", folder, used.numel(), 100 * coverage(used, dataset))
     return head
 
 
-def _fit(accelerator, config: TrainConfig, model, head: Eagle3Head, dataset, out: Path) -> dict:
+def _fit(accelerator, k: Kind, config: TrainConfig, model, head, dataset, out: Path) -> dict:
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
@@ -194,17 +217,18 @@ def _fit(accelerator, config: TrainConfig, model, head: Eagle3Head, dataset, out
         os.environ.setdefault("WANDB_MODE", "offline")
         accelerator.init_trackers("specdec-train", config=config.to_dict())
     metrics: dict = {}
-    bar = tqdm(total=total, initial=progress.step, desc="train eagle3", unit="step",
+    bar = tqdm(total=total, initial=progress.step, desc=f"train {k.name}", unit="step",
                disable=not accelerator.is_local_main_process)
     while progress.step < total:
         epoch, skip = divmod(progress.step, per_epoch)
         for batch in _batches(dataset, config, epoch, skip, accelerator.device):
-            metrics = {**_train_step(accelerator, config, model, head, batch, optimizer,
+            metrics = {**_train_step(accelerator, k, config, model, head, batch, optimizer,
                                      scheduler), "first_loss": metrics.get("first_loss")}
             metrics["first_loss"] = metrics["first_loss"] or metrics["loss"]
             progress.step += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acceptance_0']:.2f}")
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                            **{k.bar_metric: f"{metrics.get(k.bar_metric, 0.0):.2f}"})
             accelerator.log(metrics, step=progress.step)
             if progress.step % config.checkpoint_every == 0 or progress.step == total:
                 _save_checkpoint(accelerator, out, progress.step)
@@ -215,22 +239,17 @@ def _fit(accelerator, config: TrainConfig, model, head: Eagle3Head, dataset, out
     return metrics
 
 
-def _train_step(accelerator, config, model, head, batch, optimizer, scheduler) -> dict:
+def _train_step(accelerator, k: Kind, config, model, head, batch, optimizer, scheduler) -> dict:
     ids, valid, loss_mask = batch
     raw = accelerator.unwrap_model(head)
     with accelerator.autocast():  # mixed_precision: the target's features and the head's steps
-        tb = target_batch(model, raw, ids, valid, loss_mask)
-        res = ttt_loss(raw, ids, valid, loss_mask, tb, config.ttt_steps, config.ttt_decay)
-    accelerator.backward(res.loss)
+        loss, terms = k.loss(config, model, raw, ids, valid, loss_mask)
+    accelerator.backward(loss)
     accelerator.clip_grad_norm_(head.parameters(), config.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
-    metrics = {"loss": float(res.loss.detach()), "lr": scheduler.get_last_lr()[0]}
-    for j, (acc, top1) in enumerate(zip(res.step_acceptance, res.step_top1)):
-        metrics[f"acceptance_{j}"] = acc
-        metrics[f"top1_{j}"] = top1
-    return metrics
+    return {"loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0], **terms}
 
 
 GROUP_BATCHES = 16  # batches whose examples are sorted by length together (less padding)
@@ -294,12 +313,11 @@ def _load_latest(accelerator, out: Path) -> None:
     accelerator.load_state(str(steps[-1][1]))
 
 
-def _export(head, hf, config: TrainConfig, out: Path, metrics: dict) -> Path:
-    from specdec.models.eagle3_io import save_eagle3
-
+def _export(k: Kind, head, hf, config: TrainConfig, out: Path, metrics: dict,
+            calibrated: dict) -> Path:
     folder = out / "drafter"
-    save_eagle3(head, folder, hf, dtype=getattr(torch, config.save_dtype), overwrite=True,
-                extra={"target": config.target, "train": metrics})
+    k.save(head, folder, hf, getattr(torch, config.save_dtype),
+           {"target": config.target, "train": metrics, **calibrated})
     (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     return folder
 
@@ -308,7 +326,7 @@ def _evaluate(config: TrainConfig, drafter: Path, held_out: list[list[dict]]) ->
     from specdec.training.evaluate import evaluate
 
     prompts = held_out + _eval_prompts(config)
-    return evaluate(config.target, prompts, "eagle3", {"path": str(drafter)},
+    return evaluate(config.target, prompts, config.kind, {"path": str(drafter)},
                     max_tokens=config.eval_max_tokens, budget=config.eval_budget)
 
 

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from specdec.models.eagle3 import Eagle3Head
 from specdec.models.llama import LlamaDecoder
+from specdec.training.target import TargetBatch, at_least_fp32, shift, soft_terms
+from specdec.training.target import target_batch as _target_batch
 from specdec.tree import causal_mask
 
 
@@ -67,40 +69,12 @@ class TTTAttention:
         return out.transpose(1, 2).reshape(b * s, q.shape[-2], q.shape[-1])
 
 
-@dataclass
-class TargetBatch:
-    """What the frozen target gives a batch (computed without grad)."""
-
-    aux: torch.Tensor  # [B, S, 3 * H] the three captured layers' states, low | mid | high
-    teacher: torch.Tensor  # [B, S, Vd] float32 (or 64) probabilities over the draft vocab (renormalised)
-    in_vocab: torch.Tensor  # [B, S] bool: the target's argmax at that row is a draft token
-
-
-@torch.no_grad()
 def target_batch(target: LlamaDecoder, head: Eagle3Head, input_ids: torch.Tensor,
-                 valid: torch.Tensor, loss_mask: torch.Tensor | None = None,
-                 chunk: int = 1024) -> TargetBatch:
-    """Teacher-forced target features and its distribution over the draft vocabulary.
-
-    The teacher at row r is a label only when token r + 1 is trained (``loss_mask``), so the
-    target's LM head (a fifth of its work, at the full vocabulary) runs on those rows only;
-    elsewhere ``teacher`` is 0 and ``in_vocab`` False. Without ``loss_mask``: every valid row."""
-    cap = head.config.capture_layers
-    out = target.forward_dense(input_ids, valid, capture_layers=cap)
-    aux = torch.cat([out.layer_hidden[c] for c in cap], dim=-1)
+                 valid: torch.Tensor, loss_mask: torch.Tensor | None = None) -> TargetBatch:
+    """The target's features and teacher for an EAGLE-3 head (its aux layers, its vocabulary);
+    see ``specdec.training.target.target_batch``."""
     used = head.d2t + torch.arange(head.d2t.numel(), device=head.d2t.device)
-    b, s = input_ids.shape
-    need = _shift(loss_mask & valid, 1, False) if loss_mask is not None else valid
-    rows = need.reshape(-1).nonzero().squeeze(1)
-    flat = out.hidden.reshape(-1, out.hidden.shape[-1]).index_select(0, rows)
-    teacher = torch.zeros(b * s, used.numel(), dtype=_at_least_fp32(out.hidden.dtype),
-                          device=input_ids.device)
-    in_vocab = torch.zeros(b * s, dtype=torch.bool, device=input_ids.device)
-    for part, hidden in zip(rows.split(chunk), flat.split(chunk)):
-        logits = target.compute_logits(hidden)  # full vocabulary, one chunk at a time
-        in_vocab[part] = head.t2d[logits.argmax(-1)]
-        teacher[part] = logits.index_select(-1, used).to(teacher.dtype).softmax(-1)
-    return TargetBatch(aux, teacher.view(b, s, -1), in_vocab.view(b, s))
+    return _target_batch(target, head.config.capture_layers, used, input_ids, valid, loss_mask)
 
 
 @dataclass
@@ -110,9 +84,6 @@ class TTTResult:
     step_acceptance: list[float]  # per TTT step: mean sum(min(p, q)) over counted rows
     step_top1: list[float]  # per TTT step: draft argmax == teacher argmax
     num_rows: list[int]  # counted rows per step
-
-
-METRIC_STRIDE = 4  # acceptance / top-1 are estimated on every 4th counted row (they cost)
 
 
 def ttt_loss(head: Eagle3Head, input_ids: torch.Tensor, valid: torch.Tensor,
@@ -130,14 +101,14 @@ def ttt_loss(head: Eagle3Head, input_ids: torch.Tensor, valid: torch.Tensor,
     total = feat.new_zeros(())
     res = TTTResult(total, [], [], [], [])
     for j in range(steps):
-        ids = _shift(input_ids, 1 + j, 0)
+        ids = shift(input_ids, 1 + j, 0)
         pos = (positions + j).clamp(max=head.rope.cos.shape[0] - 1).reshape(-1)
         y = head(ids.reshape(-1), pos, backend, None, features=feat).hidden
-        keep = (_shift(loss_mask & valid, 2 + j, False) & _shift(tb.in_vocab, 1 + j, False))
+        keep = (shift(loss_mask & valid, 2 + j, False) & shift(tb.in_vocab, 1 + j, False))
         bi, pi = keep.nonzero(as_tuple=True)
         logq = head.compute_logits(y.index_select(0, bi * s + pi))
-        logq = logq.to(_at_least_fp32(logq.dtype)).log_softmax(-1)
-        step_loss, acc, top1 = _step_terms(logq, tb.teacher[bi, pi + 1 + j])
+        logq = logq.to(at_least_fp32(logq.dtype)).log_softmax(-1)
+        step_loss, acc, top1 = soft_terms(logq, tb.teacher[bi, pi + 1 + j])
         total = total + decay**j * step_loss
         res.step_loss.append(float(step_loss.detach()))
         res.step_acceptance.append(acc)
@@ -146,27 +117,3 @@ def ttt_loss(head: Eagle3Head, input_ids: torch.Tensor, valid: torch.Tensor,
         feat = y
     res.loss = total
     return res
-
-
-def _step_terms(logq, p) -> tuple[torch.Tensor, float, float]:
-    """(soft cross-entropy, acceptance estimate, top-1 agreement) of counted rows."""
-    if logq.shape[0] == 0:
-        return logq.sum() * 0.0, 0.0, 0.0
-    loss = -(p * logq).sum(-1).mean()
-    with torch.no_grad():
-        lq, pp = logq[::METRIC_STRIDE], p[::METRIC_STRIDE]
-        acc = float(torch.minimum(pp, lq.exp()).sum(-1).mean())
-        top1 = float((lq.argmax(-1) == pp.argmax(-1)).float().mean())
-    return loss, acc, top1
-
-
-def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _shift(x: torch.Tensor, k: int, fill) -> torch.Tensor:
-    """x [B, S, ...] shifted left by k along S (row p gets row p + k), padded with ``fill``."""
-    out = torch.full_like(x, fill)
-    if k < x.shape[1]:
-        out[:, :x.shape[1] - k] = x[:, k:]
-    return out

@@ -22,29 +22,34 @@ reads as is; SGLang adds 1 when the first id is 1, so ids should start at 2 (the
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import uuid
 import warnings
 from pathlib import Path
 
-import safetensors.torch
 import torch
 
-from specdec.models.config import STATIC_ROPE_TYPES, ModelConfig, rope_parameters
+from specdec.models.checkpoint import (
+    SAVE_DTYPES,
+    check_rope,
+    check_tensors,
+    export_tensors,
+    has_rope,
+    metadata,
+    read_config,
+    rope_config,
+    rope_json,
+    target_num_layers,
+    write_folder,
+)
+from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
 from specdec.models.loader import read_safetensors
-from specdec.models.rope import RotaryEmbedding
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
-SAVE_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Variants of the format that our head does not implement, with the value it does implement.
 UNSUPPORTED_FLAGS = {"norm_before_residual": False, "fc_norm": False, "norm_output": False,
                      "norm_before_fc": False, "attention_bias": False, "mlp_bias": False}
 # Keys some exporters add that the head does not use (it shares the target's embedding).
 IGNORED_KEY_SUFFIXES = ("embed_tokens.weight", "rotary_emb.inv_freq")
-ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_parameters")
 
 
 def tensor_layout(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
@@ -72,36 +77,19 @@ def save_eagle3(head: Eagle3Head, folder: Path, target_hf_config, *,
 
     ``target_hf_config``: the target's HF config, whose RoPE the head was built with (checked)
     and whose name/path is recorded. ``extra``: JSON-serialisable metadata (training metrics…)
-    stored under config.json's "specdec" key. The folder appears complete or not at all: files
-    are written into a hidden sibling that is renamed into place (on error the sibling is
-    removed). An existing ``folder`` raises FileExistsError unless ``overwrite``; then it is
-    moved aside, replaced by the rename, and deleted.
+    stored under config.json's "specdec" key. Atomic (``checkpoint.write_folder``): an existing
+    ``folder`` raises FileExistsError unless ``overwrite``.
     """
-    folder = Path(folder)
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES.values())}, got {dtype}")
-    if folder.exists() and not (overwrite and folder.is_dir()):
-        raise FileExistsError(f"{folder} exists; pass overwrite=True to replace the folder")
-    _check_rope(head, target_hf_config)
-    text = json.dumps(_config_json(head, target_hf_config, dtype, extra), indent=2) + "\n"
-    tensors = _export_tensors(head, dtype)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(f".{folder.name}.tmp-{uuid.uuid4().hex}")
-    tmp.mkdir()
-    try:
-        (tmp / "config.json").write_text(text)
-        safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
-        for f in (tmp / "config.json", tmp / "model.safetensors", tmp):
-            _fsync(f)
-        _publish(tmp, folder, overwrite)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # already renamed away on success
+    check_rope(head.rope, head.config.head_dim, target_hf_config)
+    write_folder(Path(folder), _config_json(head, target_hf_config, dtype, extra),
+                 _export_tensors(head, dtype), overwrite=overwrite)
 
 
 def _config_json(head: Eagle3Head, target_hf_config, dtype: torch.dtype,
                  extra: dict | None) -> dict:
     c = head.config
-    rope = rope_parameters(target_hf_config)
     out = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "num_hidden_layers": 1, "hidden_size": c.hidden_size,
@@ -109,9 +97,7 @@ def _config_json(head: Eagle3Head, target_hf_config, dtype: torch.dtype,
         "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "hidden_act": "silu",
         "attention_bias": False, "rms_norm_eps": c.rms_norm_eps,
         # the legacy spelling: transformers 4 (vLLM, SGLang) reads it, transformers 5 converts it
-        "rope_theta": rope["rope_theta"],
-        "rope_scaling": None if rope.get("rope_type", "default") == "default"
-        else {k: v for k, v in rope.items() if k != "rope_theta"},
+        **rope_json(target_hf_config),
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
         "tie_word_embeddings": False,  # SGLang ties lm_head to the embedding when true
@@ -124,30 +110,8 @@ def _config_json(head: Eagle3Head, target_hf_config, dtype: torch.dtype,
     out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
                            "use_aux_hidden_state": True}
     out["torch_dtype"] = SAVE_DTYPES[dtype]
-    out["specdec"] = _metadata(c, target_hf_config, extra)
+    out["specdec"] = metadata(target_hf_config, c.target_num_layers, extra)
     return out
-
-
-def _metadata(c: Eagle3Config, target_hf_config, extra: dict | None) -> dict:
-    meta = {"target_model": getattr(target_hf_config, "name_or_path", None) or None,
-            "target_num_layers": c.target_num_layers}
-    if extra and "target_num_layers" in extra:
-        raise ValueError("extra must not set 'target_num_layers' (it comes from the head)")
-    meta.update(extra or {})
-    try:
-        json.dumps(meta)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"extra must be JSON-serialisable: {e}") from e
-    return meta
-
-
-def _check_rope(head: Eagle3Head, target_hf_config) -> None:
-    """The RoPE written must be the one the head runs with."""
-    cos = head.rope.cos
-    ref = RotaryEmbedding(target_hf_config, head.config.head_dim, cos.shape[0], cos.dtype, "cpu")
-    if not torch.equal(ref.cos, cos.cpu()):
-        raise ValueError(f"target_hf_config's RoPE ({rope_parameters(target_hf_config)}) is not "
-                         "the one this head was built with")
 
 
 def _export_tensors(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -166,37 +130,8 @@ def _export_tensors(head: Eagle3Head, dtype: torch.dtype) -> dict[str, torch.Ten
         "midlayer.post_attention_layernorm.weight": layer.post_attn_norm,
         "norm.weight": head.norm_weight, "lm_head.weight": head.lm_head,
     }
-    out = {k: t.detach().to("cpu", dtype, copy=True).contiguous() for k, t in floats.items()}
-    out["d2t"] = head.d2t.detach().to("cpu", torch.int64, copy=True)
-    out["t2d"] = head.t2d.detach().to("cpu", torch.bool, copy=True)
-    return out
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, folder: Path, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``folder``. An existing folder (overwrite) is moved aside first and put
-    back if the second rename fails: ``folder`` is the old checkpoint, the new one, or (between
-    the two renames) absent, never a mix. POSIX has no portable rename over a full folder."""
-    if not folder.exists():
-        os.rename(tmp, folder)
-        return
-    if not overwrite:
-        raise FileExistsError(f"{folder} appeared while saving; not replacing it")
-    old = folder.with_name(f".{folder.name}.old-{uuid.uuid4().hex}")
-    os.rename(folder, old)
-    try:
-        os.rename(tmp, folder)
-    except BaseException:
-        os.rename(old, folder)
-        raise
-    shutil.rmtree(old)
+    return export_tensors(floats, dtype, {"d2t": head.d2t.to(torch.int64),
+                                          "t2d": head.t2d.to(torch.bool)})
 
 
 # ----------------------------------------------------------------------------------------- load
@@ -229,9 +164,8 @@ def load_eagle3(folder: Path, target_cfg: ModelConfig, embed: torch.Tensor, targ
         used = vocab_ids(tensors["d2t"], tensors["t2d"])
     except ValueError as e:
         raise ValueError(f"{folder}/*.safetensors: {e}") from e
-    rope_config = (_draft_hf_config(raw, folder) if any(k in raw for k in ROPE_FIELDS)
-                   else target_hf_config)
-    head = Eagle3Head(config, embed, rope_config, trainable)
+    rope = rope_config(raw, folder) if has_rope(raw) else target_hf_config
+    head = Eagle3Head(config, embed, rope, trainable)
     _fill(head, tensors)
     head.set_vocab(used)
     return head
@@ -239,20 +173,7 @@ def load_eagle3(folder: Path, target_cfg: ModelConfig, embed: torch.Tensor, targ
 
 def read_eagle3_config(folder: Path) -> dict:
     """config.json as a dict, checked to be an EAGLE-3 head; ValueError names the file."""
-    path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise ValueError(f"no EAGLE-3 checkpoint in {folder}: {path} is missing") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"could not read {path}: {e}") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
-    archs = raw.get("architectures") or []
-    if not any(a in EAGLE3_ARCHITECTURES for a in archs):
-        raise ValueError(f"{path}: architectures {archs} is not an EAGLE-3 head; expected one "
-                         f"of {list(EAGLE3_ARCHITECTURES)}")
-    return raw
+    return read_config(folder, EAGLE3_ARCHITECTURES, "an EAGLE-3 head")
 
 
 def eagle3_config_from_json(raw: dict, target_cfg: ModelConfig) -> Eagle3Config:
@@ -295,12 +216,7 @@ def _check_supported(raw: dict) -> None:
 
 
 def _target_num_layers(raw: dict, target_cfg: ModelConfig) -> int:
-    """Recorded by specdec; other exporters do not record it, so then the target's own."""
-    meta = raw.get("specdec") or {}
-    try:
-        return int(meta.get("target_num_layers", target_cfg.num_layers))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"specdec.target_num_layers is malformed: {e}") from e
+    return target_num_layers(raw, target_cfg.num_layers)
 
 
 def _aux_layer_ids(raw: dict, target_num_layers: int) -> tuple[int, int, int]:
@@ -322,44 +238,10 @@ def _aux_layer_ids(raw: dict, target_num_layers: int) -> tuple[int, int, int]:
         raise ValueError(f"eagle_aux_hidden_state_layer_ids {ids}: {e}") from e
 
 
-def _draft_hf_config(raw: dict, folder: Path):
-    """A transformers LlamaConfig of the draft layer, for its RoPE (legacy and new spellings)."""
-    from transformers import LlamaConfig
-
-    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
-            "partial_rotary_factor")
-    path = Path(folder) / "config.json"
-    try:
-        hf = LlamaConfig(**{k: raw[k] for k in keys if k in raw})
-    except Exception as e:
-        raise ValueError(f"{path}: bad RoPE settings: {e}") from e
-    rope_type = rope_parameters(hf).get("rope_type", "default")
-    if rope_type not in STATIC_ROPE_TYPES:
-        raise ValueError(f"{path}: unsupported rope_type={rope_type!r}; supported: "
-                         f"{', '.join(STATIC_ROPE_TYPES)}")
-    return hf
-
-
 def _check_tensors(tensors: dict[str, torch.Tensor], config: Eagle3Config, folder: Path) -> None:
     """Every key present with its shape and kind; no key this head would silently drop."""
-    layout = tensor_layout(config)
-    where = f"{folder}/*.safetensors"
-    for name, shape in layout.items():
-        if name not in tensors:
-            raise ValueError(f"{where} lacks tensor {name!r} (expected shape {shape})")
-        t = tensors[name]
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-        kinds = {"d2t": "integer", "t2d": "bool"}
-        kind = ("bool" if t.dtype == torch.bool else "floating" if t.dtype.is_floating_point
-                else "integer")
-        if kind != kinds.get(name, "floating"):
-            raise ValueError(f"{where}: tensor {name} has dtype {t.dtype}, expected "
-                             f"{kinds.get(name, 'floating')} values")
-    extra = [k for k in tensors if k not in layout and not k.endswith(IGNORED_KEY_SUFFIXES)]
-    if extra:
-        raise ValueError(f"{where} has tensors this EAGLE-3 head does not use: {sorted(extra)}")
+    check_tensors(tensors, tensor_layout(config), folder, "this EAGLE-3 head",
+                  {"d2t": "integer", "t2d": "bool"}, IGNORED_KEY_SUFFIXES)
 
 
 def vocab_ids(d2t: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,158 @@
+"""Block-diffusion drafting (DFlash-style): B - 1 drafts from one forward of a small model.
+
+Per request the drafter keeps paged KV (its runner's) holding the context keys/values of the
+committed positions it has fed (``num_cached``), and the fused target features of committed
+tokens not fed yet (``pending``, from ``on_verified``). A step, all requests in one forward:
+
+    rows of request r:  pending context rows (positions num_cached .. N-2; causal, outputs unused)
+                        block rows [token N-1, MASK x (B-1)] at positions N-1 .. N+B-2
+                        (they see every context slot and every block row: non-causal)
+
+Block row k's distribution ranks token N-1+k (tree depth k). The tree is the calibrated rank-path
+shape (``rank_tree``) cut to the budget: a chain of top-1 tokens when the budget is a chain, a
+tree of per-position top-k otherwise. Block rows are scratch: the KV is cut back to the context
+after the forward. Drafts are deterministic (top-k): verified losslessly as for any drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
+from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
+from specdec.kv.block_table import BlockTable
+from specdec.models.block_diffusion import BlockDiffusionModel
+from specdec.tree import DraftTree, block_mask
+
+
+@dataclass
+class BlockState:
+    table: BlockTable = field(default_factory=BlockTable)  # the drafter's KV pages
+    num_cached: int = 0  # positions whose context K/V is in the cache
+    pending: list[torch.Tensor] = field(default_factory=list)  # [n_i, n * H] features to feed
+
+    @property
+    def num_pending(self) -> int:
+        return sum(int(p.shape[0]) for p in self.pending)
+
+
+class BlockDiffusionDrafter(BaseDrafter):
+    name = "block_diffusion"
+
+    def __init__(self, target: TargetInfo, path: str | None = None, topk: int = 4,
+                 model: BlockDiffusionModel | None = None) -> None:
+        """``path``: a block-diffusion folder (e.g. made by `specdec train block_diffusion`);
+        or ``model``; neither: the drafter shipped for the target. ``topk``: ranks per block
+        position considered for trees."""
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            raise ValueError(f"block_diffusion drafter_args.topk must be an int >= 1, got "
+                             f"{topk!r}")
+        self.model = model if model is not None else load_model(path, target)
+        self.model.config.check_target(target.model_config)
+        self.model.requires_grad_(False)
+        c = self.model.config
+        rates = getattr(self.model, "rank_acceptance", None) or default_rates(
+            c.block_size - 1, topk)
+        self.rates = tuple(tuple(row[:topk]) for row in rates)
+        self.topk = min(topk, c.draft_vocab_size)
+        self.hidden_layers = tuple(c.target_layer_ids)
+        self.runner = target.new_runner(self.model, name="block_diffusion")
+
+    def init_state(self, request_id, prompt_token_ids) -> BlockState:
+        return BlockState()
+
+    def release(self, state: BlockState) -> None:
+        self.runner.kv.release(state.table)
+        state.pending.clear()
+        state.num_cached = 0
+
+    def on_verified(self, batch: VerifiedBatch) -> None:
+        for i, r in enumerate(batch.requests):
+            if r.num_committed:
+                hidden = batch.hidden_of(i)
+                r.state.pending.append(torch.cat([hidden[j] for j in self.hidden_layers], -1))
+
+    def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
+        trees = [DraftTree.empty() for _ in requests]
+        live = [j for j, r in enumerate(requests) if self._reserve(r)]
+        if not live:
+            return trees
+        tokens, probs = self._forward([requests[j] for j in live])
+        for row, j in enumerate(live):
+            b = requests[j].budget
+            paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)
+            trees[j] = tree_from_ranks(paths, tokens[row], probs[row])
+        return trees
+
+    def _reserve(self, r: DraftRequest) -> bool:
+        """KV for the context rows and the block; none: no draft this step."""
+        state: BlockState = r.state
+        n = len(r.token_ids)
+        assert state.num_cached + state.num_pending == n - 1, (state.num_cached,
+                                                               state.num_pending, n)
+        if n < 2:
+            return False  # a one-token prompt's first step: no context yet
+        if not self.runner.kv.try_reserve(state.table, n - 1 + self.model.config.block_size):
+            r.mark_no_kv()
+            return False
+        return True
+
+    def _forward(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward for every request: (tokens [R, B-1, k] target ids, probs [R, B-1, k])."""
+        c = self.model.config
+        b = c.block_size
+        feeds, starts, positions, masks, feats, ctx = [], [], [], [], [], []
+        for r in reqs:
+            s: BlockState = r.state
+            n = len(r.token_ids)
+            m = s.num_pending
+            feeds.append([0] * m + [r.token_ids[n - 1]] + [c.mask_id] * (b - 1))
+            starts.append(s.num_cached)
+            positions.append(list(range(s.num_cached, n - 1 + b)))
+            masks.append(block_mask(s.num_cached, m, b))
+            feats.extend(s.pending)
+            ctx += [True] * m + [False] * b
+        dtype = self.model.embed.dtype
+        with torch.inference_mode():
+            context = self.model.fuse(torch.cat(feats).to(dtype)) if feats else None
+        rows = torch.tensor(ctx, device=self.runner.device)
+        features = None
+        if context is not None:
+            features = torch.zeros(len(ctx), c.hidden_size, dtype=dtype, device=rows.device)
+            features[rows] = context
+        batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="none",
+                                 positions=positions, masks=masks, features=features,
+                                 context_rows=rows if context is not None else None)
+        out = self.runner.forward(batch)
+        # block rows 1 .. B-1 of each request (the last B - 1 rows of its feed)
+        ends = torch.tensor([len(f) for f in feeds]).cumsum(0)
+        pick = (ends[:, None] - (b - 1) + torch.arange(b - 1)[None]).reshape(-1)
+        with torch.inference_mode():
+            logits = self.model.compute_logits(out.final_hidden.index_select(
+                0, pick.to(out.final_hidden.device)))
+            top = logits.softmax(-1).topk(self.topk, dim=-1)
+            tokens = self.model.token_map[top.indices].view(len(reqs), b - 1, -1)
+        for r in reqs:
+            s = r.state
+            s.num_cached = len(r.token_ids) - 1
+            s.pending.clear()
+            self.runner.kv.truncate(s.table, s.num_cached)  # the block rows were scratch
+        return tokens, top.values.view(len(reqs), b - 1, -1)
+
+
+def load_model(path: str | None, target: TargetInfo) -> BlockDiffusionModel:
+    """The drafter at ``path``, or the one shipped for the target, checked against it."""
+    from specdec.drafters.catalog import shipped_folder
+    from specdec.models.block_diffusion_io import load_block_diffusion
+
+    folder = (Path(path).expanduser() if path is not None
+              else shipped_folder("block_diffusion", target.model_path))
+    if folder is None:
+        raise ValueError("block_diffusion needs drafter_args.path: a block-diffusion folder "
+                         "(config.json + model.safetensors), e.g. one made by `specdec train "
+                         f"block_diffusion`; none is shipped for {target.model_path}")
+    return load_block_diffusion(folder, target.model_config, target.model.embed,
+                                target.hf_config)

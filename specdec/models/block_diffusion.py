@@ -1,0 +1,193 @@
+"""A DFlash-style block-diffusion drafter: a few decoder layers that fill a whole block at once.
+
+Context: the target's states at ``target_layer_ids`` (layer outputs), fused per position::
+
+    c_j = hidden_norm(fc(cat(h_l1[j], ..., h_ln[j])))        one row per committed position j
+
+Every draft layer projects c_j with its own k/v projections (no query, no residual stream): the
+context keys/values, cached in the drafter's paged KV at position j (RoPE at j). A step feeds the
+block ``[token N-1, MASK, ..., MASK]`` (B rows, positions N-1 .. N+B-2; MASK is a learned
+embedding, input id ``vocab_size``: SmolLM2 has no free token row). Block rows attend to every
+context key (positions < N-1: strictly before the anchor) and to every block row (non-causal);
+the final norm and a reduced-vocabulary LM head give block row k's distribution over token
+N-1+k, k = 1 .. B-1: B - 1 drafts from one forward.
+
+Context rows and block rows run through the same forward (``context_rows`` marks the former):
+a context row's projections read c_j instead of the normed residual stream, and its outputs are
+never used. The same code serves the paged runner (inference) and a dense mask (training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.config import ModelConfig
+from specdec.models.llama import DecoderLayer, ForwardOutput, Matmul, rms_norm
+from specdec.models.rope import RotaryEmbedding
+
+
+def default_target_layer_ids(num_layers: int, n: int = 5) -> tuple[int, ...]:
+    """DFlash's ``build_target_layer_ids``: round(1 + i (L - 4) / (n - 1)) (outputs of those
+    layers); SmolLM2's 30 layers, n 5: (1, 8, 14, 20, 27)."""
+    if n == 1:
+        return (num_layers // 2,)
+    return tuple(round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n))
+
+
+@dataclass(frozen=True)
+class BlockDiffusionConfig:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's (MASK's input id)
+    draft_vocab_size: int
+    target_hidden_size: int
+    target_num_layers: int
+    target_layer_ids: tuple[int, ...]  # outputs of these target layers are fused
+    num_layers: int
+    block_size: int  # B: the last token + B - 1 masks, B - 1 drafts
+    max_position_embeddings: int
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, num_layers: int = 2,
+                   block_size: int = 8,
+                   target_layer_ids: tuple[int, ...] | None = None) -> BlockDiffusionConfig:
+        """Layers shaped like the target's (the usual choice)."""
+        ids = tuple(target_layer_ids or default_target_layer_ids(target.num_layers))
+        return cls(target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
+                   target.intermediate_size, target.rms_norm_eps, target.vocab_size,
+                   draft_vocab_size, target.hidden_size, target.num_layers, ids, num_layers,
+                   block_size, target.max_position_embeddings)
+
+    @property
+    def mask_id(self) -> int:
+        return self.vocab_size
+
+    def layer_config(self) -> ModelConfig:
+        """The draft layers as a ModelConfig (what runners and DecoderLayer read)."""
+        return ModelConfig(
+            model_type="llama", vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=self.num_layers,
+            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, tie_word_embeddings=False, attention_bias=False,
+            qk_norm=False, max_position_embeddings=self.max_position_embeddings,
+            sliding_window=None, eos_token_ids=())
+
+    def check_target(self, target: ModelConfig) -> None:
+        """ValueError naming both values when the drafter was made for another target."""
+        pairs = (("hidden size", self.target_hidden_size, target.hidden_size),
+                 ("vocabulary size", self.vocab_size, target.vocab_size),
+                 ("layer count", self.target_num_layers, target.num_layers))
+        for what, ours, theirs in pairs:
+            if ours != theirs:
+                raise ValueError(f"this block-diffusion drafter was made for a target with "
+                                 f"{what} {ours}, but the target has {what} {theirs}")
+        if not all(0 <= j < target.num_layers for j in self.target_layer_ids):
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} must be in "
+                             f"[0, {target.num_layers - 1}] (outputs of the target's layers)")
+
+
+class BlockDiffusionModel(nn.Module):
+    def __init__(self, config: BlockDiffusionConfig, embed: torch.Tensor, hf_config,
+                 trainable: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.cfg = config.layer_config()
+        h = config.hidden_size
+        kw = dict(dtype=embed.dtype, device=embed.device)
+
+        def param(*shape):
+            return nn.Parameter(torch.zeros(*shape, **kw), requires_grad=trainable)
+
+        n = len(config.target_layer_ids)
+        self.fc = param(h, n * config.target_hidden_size)
+        self.hidden_norm = param(h)
+        self.layers = nn.ModuleList(DecoderLayer(self.cfg, trainable).to(**kw)
+                                    for _ in range(config.num_layers))
+        self.norm_weight = param(h)
+        self.lm_head = param(config.draft_vocab_size, h)
+        self.mask_embedding = param(h)
+        self.register_buffer("token_map", torch.zeros(config.draft_vocab_size, dtype=torch.int64,
+                                                      device=embed.device))
+        self.register_buffer("draft_index", torch.full((config.vocab_size,), -1,
+                                                       dtype=torch.int64, device=embed.device))
+        self.embed_weight = embed.detach()  # the target's, frozen, never saved here
+        self.rope = RotaryEmbedding(hf_config, config.head_dim, config.max_position_embeddings,
+                                    embed.dtype, embed.device)
+        self.matmul: Matmul = F.linear
+
+    @property
+    def embed(self) -> torch.Tensor:  # what runners read for the dtype
+        return self.embed_weight
+
+    def set_vocab(self, used_ids: torch.Tensor) -> None:
+        """``used_ids`` [draft_vocab_size]: ascending target ids."""
+        ids = torch.as_tensor(used_ids, dtype=torch.int64, device=self.token_map.device)
+        assert ids.numel() == self.config.draft_vocab_size and bool((ids[1:] > ids[:-1]).all())
+        self.token_map.copy_(ids)
+        self.draft_index.fill_(-1)
+        self.draft_index[ids] = torch.arange(ids.numel(), device=ids.device)
+
+    def init_from_target(self, target, used_ids: torch.Tensor) -> None:
+        """A new drafter that starts close to the target's top: its layers copied from the
+        target's last ``num_layers`` layers, fc reading the last fused layer as is, the final
+        norm and the draft-vocabulary rows of the LM head the target's, MASK its mean
+        embedding."""
+        self.set_vocab(used_ids)
+        c, h = self.config, self.config.hidden_size
+        with torch.no_grad():
+            for mine, theirs in zip(self.layers, target.layers[-c.num_layers:]):
+                for name, p in mine.named_parameters():
+                    p.copy_(getattr(theirs, name))
+            self.fc.zero_()
+            self.fc[:, -c.target_hidden_size:].copy_(torch.eye(h))
+            self.hidden_norm.copy_(self.layers[0].input_norm)
+            self.norm_weight.copy_(target.final_norm)
+            self.lm_head.copy_(target.head_weight.index_select(0, self.token_map))
+            self.mask_embedding.copy_(self.embed_weight.float().mean(0))
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [T, n * target_hidden] -> context rows c [T, hidden]."""
+        return rms_norm(self.matmul(aux, self.fc, None), self.hidden_norm, self.cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, backend, kv_cache, capture_layers=(),
+                num_layers=None, features: torch.Tensor | None = None,
+                context_rows: torch.Tensor | None = None) -> ForwardOutput:
+        """Rows [T]: block rows (token ids; ``vocab_size`` = MASK) and, where ``context_rows``
+        [T] bool, context rows whose ``features`` [T, hidden] rows are their fused context.
+        Returns the final-normed hidden states (block rows' are the drafts' states)."""
+        eps = self.cfg.rms_norm_eps
+        v = self.config.vocab_size
+        x = F.embedding(input_ids.clamp(max=v - 1), self.embed_weight)
+        x = torch.where((input_ids == v)[:, None], self.mask_embedding.to(x.dtype), x)
+        ctx = None
+        if context_rows is not None and features is not None:
+            ctx = context_rows[:, None]
+            features = features.to(x.dtype)
+        cos, sin = self.rope.lookup(positions)
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.input_norm, eps)
+            if ctx is not None:
+                h = torch.where(ctx, features, h)
+            kv_layer = None if kv_cache is None else kv_cache.layer(i)
+            x = layer.attention(x, cos, sin, backend, kv_layer, self.matmul, h=h)
+            x = layer.mlp(x, self.matmul)
+        return ForwardOutput(rms_norm(x, self.norm_weight, eps))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed [R, hidden] -> [R, draft_vocab_size] float32+ (target id: token_map)."""
+        logits = self.matmul(hidden, self.lm_head, None)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def weight_shapes(self) -> list[tuple[int, int]]:
+        layer = self.layers[0]
+        mats = (self.fc, layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
+                layer.down_weight, self.lm_head)
+        return list(dict.fromkeys(tuple(w.shape) for w in mats))

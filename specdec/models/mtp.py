@@ -1,0 +1,98 @@
+"""Multi-token-prediction heads (Medusa-style) on the target's last hidden state.
+
+Head i maps the target's final-normed hidden state at position p (the row whose LM-head output
+is token p + 1) to a distribution over token p + 2 + i::
+
+    x   = final_norm(h_p)                          the target's own final norm
+    y_i = x + SiLU(W_i,l x) ... (num_layers residual blocks per head, as vLLM's ResidualBlock)
+    logits_i = lm_head(y_i)   over the draft vocabulary; target id = token_map[draft id]
+
+All heads run in one pass from one state (no attention, no KV). ``lm_head`` is one matrix shared
+by the heads (vLLM's ``original_lm_head``), its rows initialised from the target's LM head for
+the draft vocabulary; the blocks start at zero, so an untrained head repeats the target's
+next-token guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    hidden_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    num_heads: int  # head i predicts token p + 2 + i
+    num_layers: int  # residual blocks per head
+    target_num_layers: int
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, num_heads: int = 4,
+                   num_layers: int = 1) -> MTPConfig:
+        return cls(target.hidden_size, target.vocab_size, draft_vocab_size, num_heads,
+                   num_layers, target.num_layers)
+
+    def check_target(self, target: ModelConfig) -> None:
+        """ValueError naming both values when the heads were made for another target."""
+        pairs = (("hidden size", self.hidden_size, target.hidden_size),
+                 ("vocabulary size", self.vocab_size, target.vocab_size),
+                 ("layer count", self.target_num_layers, target.num_layers))
+        for what, ours, theirs in pairs:
+            if ours != theirs:
+                raise ValueError(f"these MTP heads were made for a target with {what} {ours}, "
+                                 f"but the target has {what} {theirs}")
+
+
+class MTPHeads(nn.Module):
+    def __init__(self, config: MTPConfig, dtype: torch.dtype, device=None,
+                 trainable: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        h, n = config.hidden_size, config.num_heads
+        kw = dict(dtype=dtype, device=device)
+        self.blocks = nn.Parameter(torch.zeros(n, config.num_layers, h, h, **kw),
+                                   requires_grad=trainable)
+        self.lm_head = nn.Parameter(torch.zeros(config.draft_vocab_size, h, **kw),
+                                    requires_grad=trainable)
+        # draft id -> target id (vLLM's token_map); index: target id -> draft id, -1 outside
+        self.register_buffer("token_map", torch.zeros(config.draft_vocab_size, dtype=torch.int64,
+                                                      device=device))
+        self.register_buffer("draft_index", torch.full((config.vocab_size,), -1,
+                                                       dtype=torch.int64, device=device))
+
+    def init_from_target(self, head_weight: torch.Tensor, used_ids: torch.Tensor) -> None:
+        """A new head: zero blocks, the target's LM-head rows of the draft vocabulary."""
+        self.set_vocab(used_ids)
+        with torch.no_grad():
+            self.blocks.zero_()
+            self.lm_head.copy_(head_weight.index_select(0, self.token_map).to(self.lm_head))
+
+    def set_vocab(self, used_ids: torch.Tensor) -> None:
+        """``used_ids`` [draft_vocab_size]: ascending target ids."""
+        ids = torch.as_tensor(used_ids, dtype=torch.int64, device=self.token_map.device)
+        assert ids.numel() == self.config.draft_vocab_size and bool((ids[1:] > ids[:-1]).all())
+        self.token_map.copy_(ids)
+        self.draft_index.fill_(-1)
+        self.draft_index[ids] = torch.arange(ids.numel(), device=ids.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] final-normed target states -> [..., num_heads, H]."""
+        return torch.stack([self.head(i, x) for i in range(self.config.num_heads)], dim=-2)
+
+    def head(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Head i's residual blocks: x [..., H] -> [..., H]."""
+        for layer in range(self.config.num_layers):
+            x = x + F.silu(F.linear(x, self.blocks[i, layer]))
+        return x
+
+    def compute_logits(self, y: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., draft_vocab_size], float32 at least."""
+        logits = F.linear(y, self.lm_head)
+        return logits if logits.dtype == torch.float64 else logits.float()

@@ -1,0 +1,141 @@
+"""The drafter kinds `specdec train` builds: one pipeline, a model and a loss per kind.
+
+A kind says how to make a new trainable drafter (from the target and the draft vocabulary), how
+to start from a saved one (``init_from``), its loss on a batch, what to calibrate after training
+(stored with the checkpoint), and how to save it in its serving format. Everything else — data,
+self-distillation, vocabulary, accelerate, checkpoints, wandb, export, evaluation — is the
+trainer's, the same for every kind.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.training.config import TrainConfig
+from specdec.training.target import target_batch
+
+
+class Kind:
+    name = ""
+    # the metric shown beside the loss on the progress bar
+    bar_metric = "acceptance_0"
+
+    def build(self, config: TrainConfig, cfg, target, hf, used: torch.Tensor) -> nn.Module:
+        raise NotImplementedError
+
+    def load(self, folder: Path, cfg, target, hf) -> nn.Module:
+        raise NotImplementedError
+
+    def vocab(self, model: nn.Module) -> torch.Tensor:
+        """The draft vocabulary's target ids, ascending."""
+        return model.token_map
+
+    def loss(self, config: TrainConfig, target, model, ids, valid, loss_mask):
+        """(loss with grad, metrics dict)."""
+        raise NotImplementedError
+
+    def calibrate(self, config: TrainConfig, target, model, batches) -> dict:
+        """Metadata measured on held-out batches after training (saved with the drafter)."""
+        return {}
+
+    def save(self, model, folder: Path, hf, dtype: torch.dtype, extra: dict) -> None:
+        raise NotImplementedError
+
+
+class Eagle3Kind(Kind):
+    name = "eagle3"
+
+    def build(self, config, cfg, target, hf, used):
+        from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+
+        aux = tuple(config.aux_layer_ids) if config.aux_layer_ids else None
+        head = Eagle3Head(Eagle3Config.for_target(cfg, used.numel(), aux), target.embed, hf,
+                          trainable=True)
+        head.reset_parameters()
+        head.set_vocab(used)
+        return head
+
+    def load(self, folder, cfg, target, hf):
+        from specdec.models.eagle3_io import load_eagle3
+
+        return load_eagle3(folder, cfg, target.embed, hf, trainable=True)
+
+    def vocab(self, model):
+        from specdec.models.eagle3_io import vocab_ids
+
+        return vocab_ids(model.d2t.cpu(), model.t2d.cpu())
+
+    def loss(self, config, target, model, ids, valid, loss_mask):
+        from specdec.training.ttt import target_batch as eagle3_batch
+        from specdec.training.ttt import ttt_loss
+
+        tb = eagle3_batch(target, model, ids, valid, loss_mask)
+        res = ttt_loss(model, ids, valid, loss_mask, tb, config.ttt_steps, config.ttt_decay)
+        metrics = {}
+        for j, (acc, top1) in enumerate(zip(res.step_acceptance, res.step_top1)):
+            metrics[f"acceptance_{j}"] = acc
+            metrics[f"top1_{j}"] = top1
+        return res.loss, metrics
+
+    def save(self, model, folder, hf, dtype, extra):
+        from specdec.models.eagle3_io import save_eagle3
+
+        save_eagle3(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
+
+
+class MTPKind(Kind):
+    name = "mtp"
+
+    def build(self, config, cfg, target, hf, used):
+        from specdec.models.mtp import MTPConfig, MTPHeads
+
+        c = MTPConfig.for_target(cfg, used.numel(), config.num_heads, config.num_layers or 1)
+        heads = MTPHeads(c, target.embed.dtype, target.embed.device, trainable=True)
+        heads.init_from_target(target.head_weight, used)
+        return heads
+
+    def load(self, folder, cfg, target, hf):
+        from specdec.models.mtp_io import load_mtp
+
+        return load_mtp(folder, cfg, target.embed.dtype, target.embed.device, trainable=True)
+
+    def loss(self, config, target, model, ids, valid, loss_mask):
+        from specdec.training.mtp_loss import mtp_loss
+
+        tb = target_batch(target, (), model.token_map, ids, valid, loss_mask)
+        return mtp_loss(model, tb, valid, loss_mask, config.head_decay)
+
+    def calibrate(self, config, target, model, batches):
+        from specdec.training.mtp_loss import RANKS, mtp_rank_hits
+
+        n = model.config.num_heads
+        hits, rows = torch.zeros(n, RANKS, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+        for ids, valid, loss_mask in batches:
+            tb = target_batch(target, (), model.token_map, ids, valid, loss_mask, teacher=False)
+            h, r = mtp_rank_hits(model, tb, valid, loss_mask)
+            hits += h
+            rows += r
+        return {"rank_acceptance": rank_table(hits, rows), "calibration_rows": rows.tolist()}
+
+    def save(self, model, folder, hf, dtype, extra):
+        from specdec.models.mtp_io import save_mtp
+
+        save_mtp(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
+
+
+def rank_table(hits: torch.Tensor, rows: torch.Tensor) -> list[list[float]]:
+    """[depth][rank] acceptance rates, rounded; a depth without rows gets zeros."""
+    rates = hits.double() / rows.clamp_min(1).double()[:, None]
+    return [[round(float(v), 4) for v in row] for row in rates]
+
+
+def kind(name: str) -> Kind:
+    """The kind named ``name`` (one of ``training.config.KINDS``)."""
+    if name == "block_diffusion":
+        from specdec.training.block_kind import BlockDiffusionKind
+
+        return BlockDiffusionKind()
+    return {"eagle3": Eagle3Kind, "mtp": MTPKind}[name]()

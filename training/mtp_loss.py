@@ -1,0 +1,56 @@
+"""The MTP (Medusa-style) heads' loss: soft cross-entropy per head, weights decaying with distance.
+
+Row p's head i predicts token p + 2 + i. Its label is the target's distribution at row p + 1 + i
+over the draft vocabulary (renormalised), counted when token p + 2 + i is trained (assistant) and
+the target's greedy token there is in the draft vocabulary. Loss = sum_i decay^i * CE_i.
+
+Calibration (after training, on held-out sequences): for each head and rank r, how often the
+head's rank-r draft is the target's greedy token (unconditionally: the token need not be in the
+draft vocabulary) — the table the drafter's tree shape is built from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.models.mtp import MTPHeads
+from specdec.training.target import TargetBatch, at_least_fp32, rank_hits, shift, soft_terms
+
+RANKS = 8  # ranks calibrated per head (the widest a node's children get)
+
+
+def mtp_loss(heads: MTPHeads, tb: TargetBatch, valid: torch.Tensor, loss_mask: torch.Tensor,
+             decay: float) -> tuple[torch.Tensor, dict]:
+    """(loss with grad, metrics: loss_i, acceptance_i, top1_i per head)."""
+    x = tb.final.to(heads.lm_head.dtype)
+    total = x.new_zeros(())
+    metrics: dict = {}
+    for i in range(heads.config.num_heads):
+        keep = shift(loss_mask & valid, 2 + i, False) & shift(tb.in_vocab, 1 + i, False)
+        bi, pi = keep.nonzero(as_tuple=True)
+        logq = heads.compute_logits(heads.head(i, x[bi, pi]))
+        logq = logq.to(at_least_fp32(logq.dtype)).log_softmax(-1)
+        loss, acc, top1 = soft_terms(logq, tb.teacher[bi, pi + 1 + i])
+        total = total + decay**i * loss
+        metrics.update({f"loss_{i}": float(loss.detach()), f"acceptance_{i}": acc,
+                        f"top1_{i}": top1})
+    return total, metrics
+
+
+@torch.no_grad()
+def mtp_rank_hits(heads: MTPHeads, tb: TargetBatch, valid: torch.Tensor,
+                  loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hits [num_heads, RANKS], rows [num_heads]) of one batch: the target's greedy token at
+    rank r of head i's draft."""
+    n = heads.config.num_heads
+    hits = torch.zeros(n, RANKS, dtype=torch.int64)
+    rows = torch.zeros(n, dtype=torch.int64)
+    x = tb.final.to(heads.lm_head.dtype)
+    for i in range(n):
+        keep = shift(loss_mask & valid, 2 + i, False)
+        bi, pi = keep.nonzero(as_tuple=True)
+        logits = heads.compute_logits(heads.head(i, x[bi, pi]))
+        labels = heads.draft_index[tb.argmax[bi, pi + 1 + i].clamp_min(0)]
+        hits[i] += rank_hits(logits, labels, RANKS).cpu()
+        rows[i] += bi.numel()
+    return hits, rows
