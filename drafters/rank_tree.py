@@ -61,5 +61,5 @@ def tree_from_ranks(paths: tuple[tuple[int, ...], ...], tokens: torch.Tensor,
 
 
 def default_rates(depth: int, ranks: int) -> tuple[tuple[float, ...], ...]:
-    """Rates for an uncalibrated drafter: falling with depth and rank (a chain first)."""
+    """Rates for an uncalibrated drafter: falling with depth and rank."""
     return tuple(tuple(0.6 * 0.8**d / (1 + 2 * r) for r in range(ranks)) for d in range(depth))

@@ -108,3 +108,32 @@ def oracle_plugin(truth: list[int], depth: int = 3, cls=OracleTree):
             return {"oracle": lambda target: cls(target, truth, depth)}
 
     return OraclePlugin()
+
+
+@pytest.fixture(scope="session")
+def chat_target(tmp_path_factory):
+    """The CLI tests' tiny chat model (with a tokenizer) with its LM head scaled up: peaked
+    next-token distributions, so that training has something definite to learn."""
+    from cli.cli_helpers import make_tokenizer_model
+    from safetensors.torch import load_file, save_file
+
+    folder = make_tokenizer_model(tmp_path_factory.mktemp("target"))
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 6.0
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def prompts_file(tmp_path_factory):
+    """24 five-word prompts for training runs (jsonl, MT-Bench style turns)."""
+    import json
+    import random
+
+    from cli.cli_helpers import WORDS
+
+    rng = random.Random(0)
+    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
+    rows = [{"turns": [" ".join(rng.choice(WORDS) for _ in range(5))]} for _ in range(24)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

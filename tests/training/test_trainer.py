@@ -9,33 +9,12 @@ import random
 
 import pytest
 import torch
-from cli.cli_helpers import WORDS, make_tokenizer_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from specdec import LLM, SamplingParams
 from specdec.models.eagle3_io import read_eagle3_config
 from specdec.training.config import TrainConfig
 from specdec.training.trainer import epoch_batches, train
-
-
-@pytest.fixture(scope="module")
-def chat_target(tmp_path_factory):
-    """The CLI tests' tiny chat model with its LM head scaled up: peaked next-token
-    distributions, so that there is something definite to learn."""
-    folder = make_tokenizer_model(tmp_path_factory.mktemp("target"))
-    weights = load_file(folder / "model.safetensors")
-    weights["lm_head.weight"] = weights["lm_head.weight"] * 6.0
-    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    rng = random.Random(0)
-    path = tmp_path_factory.mktemp("data") / "prompts.jsonl"
-    rows = [{"turns": [" ".join(rng.choice(WORDS) for _ in range(5))]} for _ in range(24)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def _config(target, data, out, **kw) -> TrainConfig:
