@@ -170,14 +170,17 @@ def run_sweep(args) -> dict:
     tallies: dict[tuple[str, int], Tally] = {}
     steps_before: dict[tuple[str, int], int] = {}
     recorded: dict[tuple[str, int], StepRecorder] = {}
+    drafting: dict[tuple[str, int], dict] = {}
     total = sum(args.repeats * len(items) for _ in batch_sizes)
     with tqdm(total=total, desc="bench sweep", unit="prompt", file=sys.stderr) as bar:
         for bs in batch_sizes:
             live = [s for s in systems if bs in s.batch_sizes]
+            before = {}
             for s in live:
                 tallies[(s.name, bs)] = Tally(args.repeats)
                 if s.recorder is not None:
                     steps_before[(s.name, bs)] = len(s.recorder.steps)
+                before[s.name] = _engine_totals(s)
             for r in range(args.repeats):
                 for start in range(0, len(items), bs):
                     batch = items[start:start + bs]
@@ -186,11 +189,14 @@ def run_sweep(args) -> dict:
                         tallies[(s.name, bs)].add(r, batch, *s.runner.run(prompts))
                     bar.update(len(batch))
             for s in live:
+                drafting[(s.name, bs)] = _draft_figures(before[s.name], _engine_totals(s))
                 if s.recorder is not None:
                     part = StepRecorder()
                     part.steps = s.recorder.steps[steps_before[(s.name, bs)]:]
                     recorded[(s.name, bs)] = part
     runs = build_runs(systems, tallies, recorded, batch_sizes, args.slo_tpot_ms)
+    for row in runs:
+        row.update(drafting.get((row["system"], row["batch_size"])) or {})
     report = {"runs": runs, "batch_sizes": batch_sizes, "systems": [s.name for s in systems],
               "num_prompts": len(questions), "config": run_config(args),
               "runtime": runtime_info(systems[0].runner.llm.engine)}
@@ -199,6 +205,24 @@ def run_sweep(args) -> dict:
         plot_runs(runs, args.plot)
         report["plot"] = str(args.plot)
     return report
+
+
+def _engine_totals(system) -> tuple[int, float, float] | None:
+    """(steps, draft seconds, step seconds) of an engine system so far; None for HF."""
+    llm = getattr(system.runner, "llm", None)
+    if llm is None:
+        return None
+    t = llm.engine.totals
+    return t.steps, t.draft_seconds, t.step_seconds
+
+
+def _draft_figures(before, after) -> dict | None:
+    """The draft share of step time and draft milliseconds per step between two totals."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    steps, draft, step = (a - b for a, b in zip(after, before))
+    return {"draft_share": draft / step if step > 0 else None,
+            "draft_ms_per_step": 1000 * draft / steps}
 
 
 def build_runs(systems, tallies, recorded, batch_sizes, slo_tpot_ms) -> list[dict]:

@@ -424,11 +424,12 @@ def print_report(report: dict) -> None:
 
 def print_sweep(report: dict) -> None:
     header = ("system", "batch", "tok/s", "vs plain", "vs HF", "tau", "TPOT p50 ms",
-              "mean depth")
+              "mean depth", "draft ms/step", "draft share")
     rows = [(r["system"], str(r["batch_size"]), _fmt(r["tokens_per_s"]),
              _fmt(r["speedup_vs_plain"], ".3f"), _fmt(r["speedup_vs_hf"], ".3f"),
              _fmt(r.get("tau"), ".2f"), _fmt((r.get("tpot_ms") or {}).get("p50"), ".1f"),
-             _fmt((r.get("controller") or {}).get("mean_depth"), ".2f"))
+             _fmt((r.get("controller") or {}).get("mean_depth"), ".2f"),
+             _fmt(r.get("draft_ms_per_step"), ".2f"), _fmt(r.get("draft_share"), ".3f"))
             for r in report["runs"]]
     _print_plain("specdec bench sweep", header, rows)
 

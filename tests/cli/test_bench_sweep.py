@@ -57,6 +57,10 @@ def test_sweep_compares_drafters(tmp_path, chat_model, dataset):
     report = json.loads(out.read_text())
     assert report["systems"] == ["plain", "ngram/goodput", "draft_model/goodput"]
     assert all(r["greedy_match_rate_vs_plain"] == 1.0 for r in report["runs"])
+    # the draft share of step time, per system (the plain engine drafts nothing)
+    plain, ngram, draft = report["runs"]
+    assert plain["draft_ms_per_step"] < draft["draft_ms_per_step"]
+    assert all(0 <= r["draft_share"] < 1 for r in report["runs"])
 
 
 def test_sweep_argument_errors(chat_model, dataset, capsys):
