@@ -16,7 +16,7 @@ class BlockDiffusionKind(Kind):
         from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 
         ids = tuple(config.target_layer_ids) if config.target_layer_ids else None
-        c = BlockDiffusionConfig.for_target(cfg, used.numel(), config.num_layers or 2,
+        c = BlockDiffusionConfig.for_target(cfg, used.numel(), config.num_layers or 1,
                                             config.block_size, ids)
         c.check_target(cfg)
         model = BlockDiffusionModel(c, target.embed, hf, trainable=True)

@@ -34,7 +34,7 @@ class TrainConfig:
     ttt_decay: float = 0.8  # eagle3: loss weight of TTT step j is ttt_decay^j
     num_heads: int = 4  # mtp: heads (head i predicts the token i + 2 past the state's)
     head_decay: float = 0.8  # mtp: loss weight of head i is head_decay^i
-    num_layers: int | None = None  # mtp: residual blocks per head (1); block_diffusion: layers (2)
+    num_layers: int | None = None  # mtp: residual blocks per head (1); block_diffusion: layers (1)
     block_size: int = 8  # block_diffusion: [last token, MASK x (B - 1)], B - 1 drafts
     target_layer_ids: list[int] | None = None  # block_diffusion: target layers fused (outputs)
     num_anchors: int = 32  # block_diffusion: blocks per training sequence

@@ -56,7 +56,7 @@ class BlockDiffusionConfig:
     max_position_embeddings: int
 
     @classmethod
-    def for_target(cls, target: ModelConfig, draft_vocab_size: int, num_layers: int = 2,
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int, num_layers: int = 1,
                    block_size: int = 8,
                    target_layer_ids: tuple[int, ...] | None = None) -> BlockDiffusionConfig:
         """Layers shaped like the target's (the usual choice)."""
