@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.training.kinds import Kind, rank_table
+from specdec.training.kinds import Kind, calibration
 from specdec.training.target import target_batch
 
 
@@ -49,7 +49,7 @@ class BlockDiffusionKind(Kind):
             h, r = block_rank_hits(model, tb, ids, valid, loss_mask, config.num_anchors)
             hits += h
             rows += r
-        return {"rank_acceptance": rank_table(hits, rows), "calibration_rows": rows.tolist()}
+        return calibration(hits, rows)
 
     def save(self, model, folder, hf, dtype, extra):
         from specdec.models.block_diffusion_io import save_block_diffusion

@@ -118,7 +118,7 @@ class MTPKind(Kind):
             h, r = mtp_rank_hits(model, tb, valid, loss_mask)
             hits += h
             rows += r
-        return {"rank_acceptance": rank_table(hits, rows), "calibration_rows": rows.tolist()}
+        return calibration(hits, rows)
 
     def save(self, model, folder, hf, dtype, extra):
         from specdec.models.mtp_io import save_mtp
@@ -126,10 +126,14 @@ class MTPKind(Kind):
         save_mtp(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
 
 
-def rank_table(hits: torch.Tensor, rows: torch.Tensor) -> list[list[float]]:
-    """[depth][rank] acceptance rates, rounded; a depth without rows gets zeros."""
-    rates = hits.double() / rows.clamp_min(1).double()[:, None]
-    return [[round(float(v), 4) for v in row] for row in rates]
+def calibration(hits: torch.Tensor, rows: torch.Tensor) -> dict:
+    """The stored calibration: [depth][rank] acceptance rates (rounded) and the rows they come
+    from; nothing when no depth has rows (the drafter then uses its default shape)."""
+    if not bool((rows > 0).all()):
+        return {}
+    rates = hits.double() / rows.double()[:, None]
+    return {"rank_acceptance": [[round(float(v), 4) for v in row] for row in rates],
+            "calibration_rows": rows.tolist()}
 
 
 def kind(name: str) -> Kind:

@@ -149,3 +149,12 @@ def test_settings_are_checked():
                        ({"num_layers": 0}, "num_layers")):
         with pytest.raises(ValueError, match=words):
             TrainConfig(**base, **bad)
+
+
+def test_calibration_is_stored_only_with_rows_at_every_depth():
+    from specdec.training.kinds import calibration
+
+    hits = torch.tensor([[3, 1], [1, 0]])
+    assert calibration(hits, torch.tensor([4, 2])) == {
+        "rank_acceptance": [[0.75, 0.25], [0.5, 0.0]], "calibration_rows": [4, 2]}
+    assert calibration(hits, torch.tensor([4, 0])) == {}  # the drafter keeps its default shape
