@@ -5,8 +5,9 @@ committed positions it has fed (``num_cached``), and the fused target features o
 tokens not fed yet (``pending``, from ``on_verified``). A step, all requests in one forward:
 
     rows of request r:  pending context rows (positions num_cached .. N-2; causal, outputs unused)
-                        block rows [token N-1, MASK x (B-1)] at positions N-1 .. N+B-2
-                        (they see every context slot and every block row: non-causal)
+                        block rows [token N-1, MASK_1 .. MASK_{B-1}] at positions N-1 .. N+B-2
+                        (they see every context slot and every block row: non-causal), each
+                        with the fused state of position N-2 added to its input
 
 Block row k's distribution ranks token N-1+k (tree depth k). The tree is the calibrated rank-path
 shape (``rank_tree``) cut to the budget: a chain of top-1 tokens when the budget is a chain, a
@@ -33,6 +34,7 @@ class BlockState:
     table: BlockTable = field(default_factory=BlockTable)  # the drafter's KV pages
     num_cached: int = 0  # positions whose context K/V is in the cache
     pending: list[torch.Tensor] = field(default_factory=list)  # [n_i, n * H] features to feed
+    last: torch.Tensor | None = None  # [H] fused state of position num_cached - 1
 
     @property
     def num_pending(self) -> int:
@@ -68,6 +70,7 @@ class BlockDiffusionDrafter(BaseDrafter):
         self.runner.kv.release(state.table)
         state.pending.clear()
         state.num_cached = 0
+        state.last = None
 
     def on_verified(self, batch: VerifiedBatch) -> None:
         for i, r in enumerate(batch.requests):
@@ -104,28 +107,28 @@ class BlockDiffusionDrafter(BaseDrafter):
         """One forward for every request: (tokens [R, B-1, k] target ids, probs [R, B-1, k])."""
         c = self.model.config
         b = c.block_size
+        masks_ids = [c.mask_id(k) for k in range(1, b)]
+        dtype = self.model.embed.dtype
         feeds, starts, positions, masks, feats, ctx = [], [], [], [], [], []
         for r in reqs:
             s: BlockState = r.state
             n = len(r.token_ids)
             m = s.num_pending
-            feeds.append([0] * m + [r.token_ids[n - 1]] + [c.mask_id] * (b - 1))
+            with torch.inference_mode():
+                fused = (self.model.fuse(torch.cat(s.pending).to(dtype)) if m
+                         else s.last.new_zeros(0, c.hidden_size))
+            if m:
+                s.last = fused[-1]
+            feeds.append([0] * m + [r.token_ids[n - 1]] + masks_ids)
             starts.append(s.num_cached)
             positions.append(list(range(s.num_cached, n - 1 + b)))
             masks.append(block_mask(s.num_cached, m, b))
-            feats.extend(s.pending)
+            feats += [fused, s.last.expand(b, -1)]
             ctx += [True] * m + [False] * b
-        dtype = self.model.embed.dtype
-        with torch.inference_mode():
-            context = self.model.fuse(torch.cat(feats).to(dtype)) if feats else None
         rows = torch.tensor(ctx, device=self.runner.device)
-        features = None
-        if context is not None:
-            features = torch.zeros(len(ctx), c.hidden_size, dtype=dtype, device=rows.device)
-            features[rows] = context
         batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="none",
-                                 positions=positions, masks=masks, features=features,
-                                 context_rows=rows if context is not None else None)
+                                 positions=positions, masks=masks, features=torch.cat(feats),
+                                 context_rows=rows)
         out = self.runner.forward(batch)
         # block rows 1 .. B-1 of each request (the last B - 1 rows of its feed)
         ends = torch.tensor([len(f) for f in feeds]).cumsum(0)

@@ -1,9 +1,10 @@
 """The block-diffusion drafter's loss (DFlash's recipe) and its calibration.
 
 Per sequence, ``num_anchors`` random anchor positions t (t >= 1, token t + 1 trained). The block
-of anchor t is ``[token t, MASK x (B-1)]`` at positions t .. t+B-1; its context is the fused
-target features of positions < t (strictly before the anchor, as at inference, where the anchor
-is the last committed token and has no features yet); block row k (1 .. B-1) is labelled with
+of anchor t is ``[token t, MASK_1 .. MASK_{B-1}]`` at positions t .. t+B-1, each row's input
+plus the fused state of position t - 1; its context is the fused target features of positions
+< t (strictly before the anchor, as at inference, where the anchor is the last committed token
+and has no features yet); block row k (1 .. B-1) is labelled with
 the data token t + k (the target's own answer under self-distillation), counted when it is a
 trained token in the draft vocabulary. All anchors of a batch run in one forward with the dense
 mask ``tree.anchor_blocks_mask``. Loss = sum_k exp(-(k-1)/gamma) * CE_k (mean over the counted
@@ -54,14 +55,17 @@ def block_forward(model: BlockDiffusionModel, tb: TargetBatch, input_ids: torch.
     a, k, h = anchors.shape[1], c.block_size, c.hidden_size
     dev = input_ids.device
     ctx = model.fuse(tb.aux.reshape(b * s, -1).to(model.fc.dtype)).view(b, s, h)
-    block_ids = torch.full((b, a, k), c.mask_id, dtype=torch.int64, device=dev)
+    block_ids = torch.tensor([0] + [c.mask_id(j) for j in range(1, k)], device=dev)
+    block_ids = block_ids.repeat(b, a, 1)
     block_ids[:, :, 0] = input_ids.gather(1, anchors)
     ids = torch.cat([torch.zeros(b, s, dtype=torch.int64, device=dev),
                      block_ids.view(b, a * k)], dim=1)
     positions = torch.cat([torch.arange(s, device=dev).expand(b, s),
                            (anchors[:, :, None] + torch.arange(k, device=dev)).view(b, a * k)],
                           dim=1).clamp(max=model.rope.cos.shape[0] - 1)
-    features = torch.cat([ctx, ctx.new_zeros(b, a * k, h)], dim=1)
+    # block rows carry the fused state of the anchor's predecessor (position anchor - 1)
+    last = ctx.gather(1, (anchors - 1).clamp_min(0)[:, :, None].expand(b, a, h))
+    features = torch.cat([ctx, last.repeat_interleave(k, dim=1)], dim=1)
     context_rows = torch.zeros(b, s + a * k, dtype=torch.bool, device=dev)
     context_rows[:, :s] = True
     backend = DenseAttention(anchor_blocks_mask(s, anchors, k))

@@ -2,19 +2,26 @@
 
 Context: the target's states at ``target_layer_ids`` (layer outputs), fused per position::
 
-    c_j = hidden_norm(fc(cat(h_l1[j], ..., h_ln[j])))        one row per committed position j
+    c_j = hidden_norm(fc(cat(h_l1[j], ..., h_ln[j])))        one row per committed position
 
 Every draft layer projects c_j with its own k/v projections (no query, no residual stream): the
 context keys/values, cached in the drafter's paged KV at position j (RoPE at j). A step feeds the
-block ``[token N-1, MASK, ..., MASK]`` (B rows, positions N-1 .. N+B-2; MASK is a learned
-embedding, input id ``vocab_size``: SmolLM2 has no free token row). Block rows attend to every
-context key (positions < N-1: strictly before the anchor) and to every block row (non-causal);
-the final norm and a reduced-vocabulary LM head give block row k's distribution over token
-N-1+k, k = 1 .. B-1: B - 1 drafts from one forward.
+block ``[token N-1, MASK_1, ..., MASK_{B-1}]`` (B rows, positions N-1 .. N+B-2). Block rows attend
+to every context key (positions < N-1: strictly before the anchor) and to every block row
+(non-causal); the final norm and a reduced-vocabulary LM head give block row k's distribution
+over token N-1+k, k = 1 .. B-1: B - 1 drafts from one forward.
+
+Two departures from DFlash, both measured on SmolLM2 (docs/benchmarks.md): MASK_k is a learned
+embedding per block position (SmolLM2 has no free token row; input id ``vocab_size + k - 1``),
+and every block row's input also carries c_{N-2}, the fused state of the last committed row with
+target features (the anchor's predecessor) — the information an EAGLE or MTP head starts from.
+With attention alone, the drafter did not learn to use its context in a CPU budget (top-1 at
+block position 1 stayed at the unigram rate, ~5 %, after 100 steps of 1,000 conversations).
 
 Context rows and block rows run through the same forward (``context_rows`` marks the former):
 a context row's projections read c_j instead of the normed residual stream, and its outputs are
-never used. The same code serves the paged runner (inference) and a dense mask (training).
+never used. ``features`` carries, per row, c_j (context rows) or c_{N-2} (block rows). The same
+code serves the paged runner (inference) and a dense mask (training).
 """
 
 from __future__ import annotations
@@ -66,9 +73,9 @@ class BlockDiffusionConfig:
                    draft_vocab_size, target.hidden_size, target.num_layers, ids, num_layers,
                    block_size, target.max_position_embeddings)
 
-    @property
-    def mask_id(self) -> int:
-        return self.vocab_size
+    def mask_id(self, k: int) -> int:
+        """The input id of MASK_k, block position k (1 .. block_size - 1)."""
+        return self.vocab_size + k - 1
 
     def layer_config(self) -> ModelConfig:
         """The draft layers as a ModelConfig (what runners and DecoderLayer read)."""
@@ -113,7 +120,7 @@ class BlockDiffusionModel(nn.Module):
                                     for _ in range(config.num_layers))
         self.norm_weight = param(h)
         self.lm_head = param(config.draft_vocab_size, h)
-        self.mask_embedding = param(h)
+        self.mask_embedding = param(config.block_size - 1, h)  # MASK_1 .. MASK_{B-1}
         self.register_buffer("token_map", torch.zeros(config.draft_vocab_size, dtype=torch.int64,
                                                       device=embed.device))
         self.register_buffer("draft_index", torch.full((config.vocab_size,), -1,
@@ -138,7 +145,7 @@ class BlockDiffusionModel(nn.Module):
     def init_from_target(self, target, used_ids: torch.Tensor) -> None:
         """A new drafter that starts close to the target's top: its layers copied from the
         target's last ``num_layers`` layers, fc reading the last fused layer as is, the final
-        norm and the draft-vocabulary rows of the LM head the target's, MASK its mean
+        norm and the draft-vocabulary rows of the LM head the target's, every MASK its mean
         embedding."""
         self.set_vocab(used_ids)
         c, h = self.config, self.config.hidden_size
@@ -151,7 +158,8 @@ class BlockDiffusionModel(nn.Module):
             self.hidden_norm.copy_(self.layers[0].input_norm)
             self.norm_weight.copy_(target.final_norm)
             self.lm_head.copy_(target.head_weight.index_select(0, self.token_map))
-            self.mask_embedding.copy_(self.embed_weight.float().mean(0))
+            self.mask_embedding.copy_(self.embed_weight.float().mean(0).expand_as(
+                self.mask_embedding))
 
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [T, n * target_hidden] -> context rows c [T, hidden]."""
@@ -160,17 +168,24 @@ class BlockDiffusionModel(nn.Module):
     def forward(self, input_ids, positions, backend, kv_cache, capture_layers=(),
                 num_layers=None, features: torch.Tensor | None = None,
                 context_rows: torch.Tensor | None = None) -> ForwardOutput:
-        """Rows [T]: block rows (token ids; ``vocab_size`` = MASK) and, where ``context_rows``
-        [T] bool, context rows whose ``features`` [T, hidden] rows are their fused context.
+        """Rows [T]: block rows (token ids; ``vocab_size + k - 1`` = MASK_k) and, where
+        ``context_rows`` [T] bool, context rows. ``features`` [T, hidden]: a context row's
+        fused context c_j, a block row's anchor state c_{N-2} (added to its input).
         Returns the final-normed hidden states (block rows' are the drafts' states)."""
         eps = self.cfg.rms_norm_eps
         v = self.config.vocab_size
         x = F.embedding(input_ids.clamp(max=v - 1), self.embed_weight)
-        x = torch.where((input_ids == v)[:, None], self.mask_embedding.to(x.dtype), x)
+        is_mask = input_ids >= v
+        masks = self.mask_embedding.to(x.dtype).index_select(0, (input_ids - v).clamp_min(0))
+        x = torch.where(is_mask[:, None], masks, x)
         ctx = None
-        if context_rows is not None and features is not None:
-            ctx = context_rows[:, None]
+        if features is not None:
             features = features.to(x.dtype)
+            if context_rows is None:
+                x = x + features
+            else:
+                ctx = context_rows[:, None]
+                x = torch.where(ctx, x, x + features)
         cos, sin = self.rope.lookup(positions)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)

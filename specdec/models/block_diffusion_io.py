@@ -5,17 +5,20 @@
                        intermediate_size, rms_norm_eps), RoPE (rope_theta / rope_scaling),
                        vocab_size (target), draft_vocab_size, block_size, dflash_config
                        {target_layer_ids (outputs of those target layers, DFlash's convention),
-                       mask_token_id null, mask_embedding true}, torch_dtype; our metadata under
+                       mask_token_id null, mask_embedding true (one per block position),
+                       anchor_state true (block rows' inputs carry the last context row's
+                       state)}, torch_dtype; our metadata under
                        "specdec" (target layer count, calibrated rank_acceptance, metrics)
     model.safetensors  fc.weight [H, n Ht]; hidden_norm.weight; layers.{i}.self_attn.{q,k,v,o}
                        _proj.weight; layers.{i}.mlp.{gate,up,down}_proj.weight;
                        layers.{i}.{input,post_attention}_layernorm.weight; norm.weight;
-                       lm_head.weight [Vd, H]; mask_embedding [H]; token_map int64 [Vd]
+                       lm_head.weight [Vd, H]; mask_embedding [B-1, H]; token_map int64 [Vd]
 
 Where it departs from z-lab's DFlash (Qwen3 layers with q/k-norm, MASK as a token row of the
-target's embedding, the target's full LM head): Llama layers without q/k-norm (our targets'), a
-learned MASK embedding (SmolLM2 has no free token row), a reduced-vocabulary head. vLLM's and
-SGLang's DFlash loaders do not read these three; serving it there needs them.
+target's embedding, block rows from embeddings alone, the target's full LM head): Llama layers
+without q/k-norm (our targets'), learned MASK embeddings per block position (SmolLM2 has no free
+token row), the anchor's state in every block row's input, a reduced-vocabulary head (see models/block_diffusion.py for why). vLLM's and SGLang's DFlash
+loaders do not read these; serving it there needs them.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def tensor_layout(c: BlockDiffusionConfig) -> dict[str, tuple[int, ...]]:
                     k["gate"]: (inter, h), k["up"]: (inter, h), k["down"]: (h, inter),
                     k["in"]: (h,), k["post"]: (h,)})
     out.update({"norm.weight": (h,), "lm_head.weight": (c.draft_vocab_size, h),
-                "mask_embedding": (h,), "token_map": (c.draft_vocab_size,)})
+                "mask_embedding": (c.block_size - 1, h), "token_map": (c.draft_vocab_size,)})
     return out
 
 
@@ -96,7 +99,7 @@ def save_block_diffusion(model: BlockDiffusionModel, folder: Path, target_hf_con
         "draft_vocab_size": c.draft_vocab_size, "block_size": c.block_size,
         "tie_word_embeddings": False,
         "dflash_config": {"target_layer_ids": list(c.target_layer_ids), "mask_token_id": None,
-                          "mask_embedding": True},
+                          "mask_embedding": True, "anchor_state": True},
         "torch_dtype": SAVE_DTYPES[dtype],
         "specdec": metadata(target_hf_config, c.target_num_layers, extra),
     }
@@ -147,6 +150,9 @@ def _config_from_json(raw: dict, target_cfg: ModelConfig, where: Path) -> BlockD
         raise ValueError(f"{where}: dflash_config has mask_token_id "
                          f"{dflash.get('mask_token_id')!r}; only a learned mask embedding "
                          "(mask_token_id null, mask_embedding true) is supported")
+    if not dflash.get("anchor_state", False):
+        raise ValueError(f"{where}: dflash_config.anchor_state must be true: block rows without "
+                         "the anchor's state (plain DFlash) are not supported")
     if raw.get("hidden_act", "silu") != "silu" or raw.get("attention_bias", False):
         raise ValueError(f"{where}: only silu layers without attention bias are supported")
     try:

@@ -81,7 +81,8 @@ def test_block_mask_by_hand():
 def _reference_block(model, bd, tokens: list[int]) -> torch.Tensor:
     """Final-normed block states [B, H] for a request with ``tokens`` (N committed), computed
     densely with the mask written out: context rows 0..N-2 see only themselves; block row i
-    (position N-1+i) sees every context row and every block row."""
+    (position N-1+i, input: token N-1 or MASK_i, plus the fused state of position N-2) sees every
+    context row and every block row."""
     n, b = len(tokens), bd.config.block_size
     with torch.no_grad():
         out = model.forward_dense(torch.tensor([tokens[:-1]]),
@@ -93,8 +94,8 @@ def _reference_block(model, bd, tokens: list[int]) -> torch.Tensor:
         for i in range(rows):
             for j in range(rows):
                 mask[i, j] = (i == j) if i < n - 1 else True
-        ids = [0] * (n - 1) + [tokens[-1]] + [bd.config.mask_id] * (b - 1)
-        feats = torch.cat([ctx, ctx.new_zeros(b, ctx.shape[1])])
+        ids = [0] * (n - 1) + [tokens[-1]] + [96 + i for i in range(b - 1)]  # vocab 96
+        feats = torch.cat([ctx, ctx[-1].expand(b, -1)])
         flags = torch.tensor([True] * (n - 1) + [False] * b)
         hidden = bd(torch.tensor(ids), torch.arange(rows), DenseAttention(mask[None]), None,
                     features=feats, context_rows=flags).hidden

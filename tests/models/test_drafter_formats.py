@@ -123,7 +123,7 @@ def test_block_diffusion_round_trip_is_exact(bd, target, tmp_path):
     back = _load("block_diffusion", tmp_path / "b", target)
     for (name, a), (_, b) in zip(bd.named_parameters(), back.named_parameters()):
         assert torch.equal(a, b), name
-    ids = torch.tensor([3, 96, 96, 96])  # the block: a token and three masks
+    ids = torch.tensor([3, 96, 97, 98])  # the block: a token and MASK_1..3
     mask = torch.ones(1, 4, 4, dtype=torch.bool)
     with torch.no_grad():
         a = bd(ids, torch.arange(4), DenseAttention(mask), None).hidden
@@ -188,7 +188,8 @@ DAMAGE = {
         (dict(remove=["config.json"]), ["config.json"]),
     ],
     "block_diffusion": [
-        (dict(tensors=lambda t: t.pop("mask_embedding")), ["mask_embedding", "(32,)"]),
+        (dict(tensors=lambda t: t.pop("mask_embedding")), ["mask_embedding", "(3, 32)"]),
+        (dict(config=lambda c: c["dflash_config"].pop("anchor_state")), ["anchor_state"]),
         (dict(tensors=lambda t: t.update({"fc.weight": torch.zeros(32, 64)})),
          ["fc.weight", "(32, 64)", "(32, 96)"]),
         (dict(tensors=lambda t: t.update({"layers.0.self_attn.q_norm.weight": torch.ones(8)})),
