@@ -1,0 +1,37 @@
+"""The learned drafters shipped for SmolLM2 load by name (no path) and draft losslessly on the
+real model, with drafts accepted; each is within the size the issue allows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.drafters.catalog import SHIPPED
+
+SHIPPED_DIR = Path(__file__).parents[2] / "drafters" / "shipped"
+CHATS = ["Explain what a hash table is in two sentences.",
+         "Write a Python function that returns the square of a number."]
+
+
+@pytest.mark.parametrize("kind", sorted(SHIPPED))
+def test_shipped_folders_exist_and_are_small(kind):
+    for folder in SHIPPED[kind]["smollm2-135m-instruct"].values():
+        files = {p.name: p.stat().st_size for p in (SHIPPED_DIR / folder).iterdir()}
+        assert {"config.json", "model.safetensors"} <= set(files)
+        assert files["model.safetensors"] <= 32 * 2**20
+
+
+@pytest.mark.slow
+def test_shipped_learned_drafters_are_lossless_on_smollm2(smollm2_dir):
+    prompts = [[{"role": "user", "content": c}] for c in CHATS]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in LLM(model=str(smollm2_dir)).generate(prompts, params)]
+    for kind in ("mtp", "block_diffusion", "eagle3"):
+        llm = LLM(model=str(smollm2_dir), drafter=kind, controller="static",
+                  controller_args={"budget": 4})
+        outs = llm.generate(prompts, params)
+        assert [o.token_ids for o in outs] == want, kind
+        accepted = sum(sum(o.metrics.accepted_by_depth) for o in outs)
+        assert accepted > 0, kind
