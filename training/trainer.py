@@ -28,7 +28,7 @@ import math
 import os
 import random
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,15 +51,18 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Progress:
-    """Optimizer steps done; saved with every checkpoint (accelerate custom state)."""
+    """Optimizer steps done and the last step's metrics; saved with every checkpoint
+    (accelerate custom state), so a run resumed after its last step exports them too."""
 
     step: int = 0
+    metrics: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "metrics": self.metrics}
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+        self.metrics = dict(state.get("metrics") or {})
 
 
 def train(config: TrainConfig) -> dict:
@@ -216,7 +219,7 @@ def _fit(accelerator, k: Kind, config: TrainConfig, model, head, dataset, out: P
     if config.report_to != "none":
         os.environ.setdefault("WANDB_MODE", "offline")
         accelerator.init_trackers("specdec-train", config=config.to_dict())
-    metrics: dict = {}
+    metrics = dict(progress.metrics)  # a resumed run keeps its first loss and last metrics
     bar = tqdm(total=total, initial=progress.step, desc=f"train {k.name}", unit="step",
                disable=not accelerator.is_local_main_process)
     while progress.step < total:
@@ -226,6 +229,7 @@ def _fit(accelerator, k: Kind, config: TrainConfig, model, head, dataset, out: P
                                      scheduler), "first_loss": metrics.get("first_loss")}
             metrics["first_loss"] = metrics["first_loss"] or metrics["loss"]
             progress.step += 1
+            progress.metrics = metrics
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['loss']:.3f}",
                             **{k.bar_metric: f"{metrics.get(k.bar_metric, 0.0):.2f}"})

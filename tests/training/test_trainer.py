@@ -112,6 +112,14 @@ def test_resume_equals_uninterrupted(chat_target, prompts_file, tmp_path, monkey
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    # the metrics exported after a resume are the uninterrupted run's (first loss included),
+    # and a run resumed after its last step exports them again
+    def metrics(run):
+        return json.loads((tmp_path / run / "drafter" / "config.json").read_text())["specdec"]["train"]
+
+    assert metrics("cut") == metrics("full") and metrics("full")["first_loss"] is not None
+    train(config(tmp_path / "cut", resume=True))
+    assert metrics("cut") == metrics("full")
 
 
 def test_bad_input(chat_target, prompts_file, tmp_path):
