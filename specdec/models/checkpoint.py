@@ -64,7 +64,7 @@ def read_config(folder: Path, architectures: tuple[str, ...], what: str) -> dict
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError as e:
-        raise ValueError(f"no {what} checkpoint in {folder}: {path} is missing") from e
+        raise ValueError(f"{folder} is not {what}: {path} is missing") from e
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"could not read {path}: {e}") from e
     if not isinstance(raw, dict):
