@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
+from specdec.attention.block_masks import block_mask
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
 from specdec.kv.block_table import BlockTable
 from specdec.models.block_diffusion import BlockDiffusionModel
-from specdec.tree import DraftTree, block_mask
+from specdec.tree import DraftTree
 
 
 @dataclass
@@ -108,22 +109,23 @@ class BlockDiffusionDrafter(BaseDrafter):
         c = self.model.config
         b = c.block_size
         masks_ids = [c.mask_id(k) for k in range(1, b)]
-        dtype = self.model.embed.dtype
+        pending = [p for r in reqs for p in r.state.pending]
+        with torch.inference_mode():  # every request's new context rows, fused at once
+            fused = (self.model.fuse(torch.cat(pending).to(self.model.embed.dtype)).split(
+                [r.state.num_pending for r in reqs]) if pending else [None] * len(reqs))
         feeds, starts, positions, masks, feats, ctx = [], [], [], [], [], []
-        for r in reqs:
+        for r, rows in zip(reqs, fused):
             s: BlockState = r.state
             n = len(r.token_ids)
             m = s.num_pending
-            with torch.inference_mode():
-                fused = (self.model.fuse(torch.cat(s.pending).to(dtype)) if m
-                         else s.last.new_zeros(0, c.hidden_size))
             if m:
-                s.last = fused[-1]
+                s.last = rows[-1]
+                feats.append(rows)
             feeds.append([0] * m + [r.token_ids[n - 1]] + masks_ids)
             starts.append(s.num_cached)
             positions.append(list(range(s.num_cached, n - 1 + b)))
             masks.append(block_mask(s.num_cached, m, b))
-            feats += [fused, s.last.expand(b, -1)]
+            feats.append(s.last.expand(b, -1))
             ctx += [True] * m + [False] * b
         rows = torch.tensor(ctx, device=self.runner.device)
         batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="none",

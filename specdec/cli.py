@@ -322,6 +322,7 @@ def generate_stats(m, seconds: float, speculative: bool) -> str:
 
 
 def cmd_train(args) -> int:
+    from specdec.bench_report import fmt
     from specdec.training.config import TrainConfig
     from specdec.training.trainer import train
 
@@ -331,8 +332,8 @@ def cmd_train(args) -> int:
     config = TrainConfig.from_sources(args.config, flags)
     report = train(config)
     tau, speed = report.get("tau"), report.get("speedup_vs_plain")
-    print(f"drafter: {Path(config.out) / 'drafter'}  tau {_fmt(tau)}  speedup vs plain "
-          f"{_fmt(speed)}x on {report.get('num_prompts')} held-out prompts", file=sys.stderr)
+    print(f"drafter: {Path(config.out) / 'drafter'}  tau {fmt(tau)}  speedup vs plain "
+          f"{fmt(speed)}x on {report.get('num_prompts')} held-out prompts", file=sys.stderr)
     return 0
 
 
@@ -341,6 +342,7 @@ def cmd_train(args) -> int:
 
 def cmd_bench(args) -> int:
     from specdec.bench import run_bench
+    from specdec.bench_report import print_report, print_sweep
     from specdec.bench_sweep import run_sweep
 
     if args.quick:
@@ -357,89 +359,6 @@ def cmd_bench(args) -> int:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report written to {args.json}", file=sys.stderr)
     return 0
-
-
-def _fmt(value, spec: str = ".2f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _summary_rows(r: dict) -> list[tuple[str, str]]:
-    base, plain = r["baseline"] or {}, r["plain"] or {}
-    rows = [("engine tokens/s", _fmt(r["engine"]["tokens_per_s"])),
-            (f"baseline ({base.get('name', 'none')}) tokens/s", _fmt(base.get("tokens_per_s"))),
-            ("plain engine tokens/s", _fmt(plain.get("tokens_per_s"))),
-            ("speedup vs baseline", _fmt(r["speedup_vs_baseline"], ".3f")),
-            ("speedup vs plain", _fmt(r["speedup_vs_plain"], ".3f")),
-            ("greedy match rate", _fmt(r["greedy_match_rate"], ".1%")),
-            ("token match rate", _fmt(r["token_match_rate"], ".1%")),
-            ("tau (tokens / target forward)", _fmt(r["tau"], ".3f")),
-            ("acceptance rate", _fmt(r["acceptance_rate"], ".1%")),
-            ("acceptance by depth", " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"),
-            ("draft share of step time", _fmt(r["draft_ms_share"], ".1%"))]
-    runtime = r.get("runtime")
-    if runtime:
-        picked = sorted(set(runtime["linear_kernels"]["choices"].values()))
-        rows += [("dtype / device", f"{runtime['dtype']} / {runtime['device']}"),
-                 ("linear kernels used", ", ".join(picked) or "linear")]
-    extra = r.get("extra_baseline")
-    if extra:
-        rows += [(f"{extra['name']} tokens/s", _fmt(extra["tokens_per_s"])),
-                 (f"{extra['name']} speedup vs baseline", _fmt(extra["speedup_vs_baseline"], ".3f")),
-                 (f"engine speedup vs {extra['name']}", _fmt(extra["engine_speedup_vs_it"], ".3f"))]
-    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
-        p = r[key]
-        rows.append((f"{key[:-3].upper()} ms p50/p90/p99",
-                     "/".join(_fmt(p[q], ".1f") for q in ("p50", "p90", "p99"))))
-    rows.append(("prompts / requests / new tokens",
-                 f"{r['num_prompts']} / {r['num_requests']} / {r['total_new_tokens']}"))
-    return rows
-
-
-def _category_rows(r: dict) -> list[tuple[str, ...]]:
-    return [(cat, _fmt(c["engine_tokens_per_s"]), _fmt(c["baseline_tokens_per_s"]),
-             _fmt(c["speedup"], ".3f"), _fmt(c["tau"], ".3f"))
-            for cat, c in r["per_category"].items()]
-
-
-def print_report(report: dict) -> None:
-    tables = [("specdec bench", ("metric", "value"), _summary_rows(report)),
-              ("per category", ("category", "engine tok/s", "baseline tok/s", "speedup", "tau"),
-               _category_rows(report))]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        for title, header, rows in tables:
-            _print_plain(title, header, rows)
-        return
-    console = Console()
-    for title, header, rows in tables:
-        table = Table(title=title)
-        for h in header:
-            table.add_column(h)
-        for row in rows:
-            table.add_row(*row)
-        console.print(table)
-
-
-def print_sweep(report: dict) -> None:
-    header = ("system", "batch", "tok/s", "vs plain", "vs HF", "tau", "TPOT p50 ms",
-              "mean depth", "draft ms/step", "draft share")
-    rows = [(r["system"], str(r["batch_size"]), _fmt(r["tokens_per_s"]),
-             _fmt(r["speedup_vs_plain"], ".3f"), _fmt(r["speedup_vs_hf"], ".3f"),
-             _fmt(r.get("tau"), ".2f"), _fmt((r.get("tpot_ms") or {}).get("p50"), ".1f"),
-             _fmt((r.get("controller") or {}).get("mean_depth"), ".2f"),
-             _fmt(r.get("draft_ms_per_step"), ".2f"), _fmt(r.get("draft_share"), ".3f"))
-            for r in report["runs"]]
-    _print_plain("specdec bench sweep", header, rows)
-
-
-def _print_plain(title: str, header: tuple, rows: list[tuple]) -> None:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    print(title)
-    for row in (header, *rows):
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
-    print()
 
 
 if __name__ == "__main__":

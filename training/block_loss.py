@@ -21,10 +21,10 @@ import math
 import torch
 import torch.nn.functional as F
 
+from specdec.attention.block_masks import anchor_blocks_mask
 from specdec.attention.dense import DenseAttention
 from specdec.models.block_diffusion import BlockDiffusionModel
 from specdec.training.target import TargetBatch, rank_hits
-from specdec.tree import anchor_blocks_mask
 
 RANKS = 8  # ranks calibrated per block position
 

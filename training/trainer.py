@@ -85,8 +85,8 @@ def train(config: TrainConfig) -> dict:
                                                       config.limit, config.seed), config)
     train_convs = _answers(train_convs, config, out)
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
-    dataset, calibration = _calibration_split(dataset, config)
     k = kind(config.kind)
+    dataset, calibration = _calibration_split(dataset, config, k)
     head = _new_head(k, config, cfg, model, hf, dataset, out)
     metrics = _fit(accelerator, k, config, model, head, dataset, out)
     raw = accelerator.unwrap_model(head)
@@ -152,10 +152,10 @@ def _answers(convs: list[Conversation], config: TrainConfig, out: Path) -> list[
     return convs
 
 
-def _calibration_split(dataset, config: TrainConfig):
+def _calibration_split(dataset, config: TrainConfig, k: Kind):
     """(training rows, calibration rows): the last ``calibration_examples`` tokenized sequences
     (at most a tenth of them) are kept out of training for the kinds that calibrate."""
-    if config.kind == "eagle3" or config.calibration_examples == 0:
+    if not k.calibrates or config.calibration_examples == 0:
         return dataset, None
     n = min(config.calibration_examples, len(dataset) // 10)
     if n == 0:

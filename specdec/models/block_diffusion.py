@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.models.draft_vocab import TokenMap, check_made_for
 from specdec.models.llama import DecoderLayer, ForwardOutput, Matmul, rms_norm
 from specdec.models.rope import RotaryEmbedding
 
@@ -89,19 +90,14 @@ class BlockDiffusionConfig:
 
     def check_target(self, target: ModelConfig) -> None:
         """ValueError naming both values when the drafter was made for another target."""
-        pairs = (("hidden size", self.target_hidden_size, target.hidden_size),
-                 ("vocabulary size", self.vocab_size, target.vocab_size),
-                 ("layer count", self.target_num_layers, target.num_layers))
-        for what, ours, theirs in pairs:
-            if ours != theirs:
-                raise ValueError(f"this block-diffusion drafter was made for a target with "
-                                 f"{what} {ours}, but the target has {what} {theirs}")
+        check_made_for("this block-diffusion drafter", self.target_hidden_size,
+                       self.vocab_size, self.target_num_layers, target)
         if not all(0 <= j < target.num_layers for j in self.target_layer_ids):
             raise ValueError(f"target_layer_ids {list(self.target_layer_ids)} must be in "
                              f"[0, {target.num_layers - 1}] (outputs of the target's layers)")
 
 
-class BlockDiffusionModel(nn.Module):
+class BlockDiffusionModel(TokenMap):
     def __init__(self, config: BlockDiffusionConfig, embed: torch.Tensor, hf_config,
                  trainable: bool = False) -> None:
         super().__init__()
@@ -121,10 +117,7 @@ class BlockDiffusionModel(nn.Module):
         self.norm_weight = param(h)
         self.lm_head = param(config.draft_vocab_size, h)
         self.mask_embedding = param(config.block_size - 1, h)  # MASK_1 .. MASK_{B-1}
-        self.register_buffer("token_map", torch.zeros(config.draft_vocab_size, dtype=torch.int64,
-                                                      device=embed.device))
-        self.register_buffer("draft_index", torch.full((config.vocab_size,), -1,
-                                                       dtype=torch.int64, device=embed.device))
+        self.register_vocab(config.draft_vocab_size, config.vocab_size, embed.device)
         self.embed_weight = embed.detach()  # the target's, frozen, never saved here
         self.rope = RotaryEmbedding(hf_config, config.head_dim, config.max_position_embeddings,
                                     embed.dtype, embed.device)
@@ -133,14 +126,6 @@ class BlockDiffusionModel(nn.Module):
     @property
     def embed(self) -> torch.Tensor:  # what runners read for the dtype
         return self.embed_weight
-
-    def set_vocab(self, used_ids: torch.Tensor) -> None:
-        """``used_ids`` [draft_vocab_size]: ascending target ids."""
-        ids = torch.as_tensor(used_ids, dtype=torch.int64, device=self.token_map.device)
-        assert ids.numel() == self.config.draft_vocab_size and bool((ids[1:] > ids[:-1]).all())
-        self.token_map.copy_(ids)
-        self.draft_index.fill_(-1)
-        self.draft_index[ids] = torch.arange(ids.numel(), device=ids.device)
 
     def init_from_target(self, target, used_ids: torch.Tensor) -> None:
         """A new drafter that starts close to the target's top: its layers copied from the

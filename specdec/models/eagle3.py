@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.models.draft_vocab import check_made_for
 from specdec.models.llama import DecoderLayer, ForwardOutput, Matmul, rms_norm
 from specdec.models.rope import RotaryEmbedding
 
@@ -76,13 +77,8 @@ class Eagle3Config:
 
     def check_target(self, target: ModelConfig) -> None:
         """ValueError naming both values when the head was made for another target."""
-        pairs = (("hidden size", self.target_hidden_size, target.hidden_size),
-                 ("vocabulary size", self.vocab_size, target.vocab_size),
-                 ("layer count", self.target_num_layers, target.num_layers))
-        for what, ours, theirs in pairs:
-            if ours != theirs:
-                raise ValueError(f"this EAGLE-3 head was made for a target with {what} {ours}, "
-                                 f"but the target has {what} {theirs}")
+        check_made_for("this EAGLE-3 head", self.target_hidden_size, self.vocab_size,
+                       self.target_num_layers, target)
         if not all(1 <= j < target.num_layers for j in self.aux_layer_ids):
             raise ValueError(f"aux layer ids {self.aux_layer_ids} must be in [1, "
                              f"{target.num_layers - 1}] (inputs of the target's layers 1..L-1)")

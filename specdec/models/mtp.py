@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.models.draft_vocab import TokenMap, check_made_for
 
 
 @dataclass(frozen=True)
@@ -40,17 +41,11 @@ class MTPConfig:
                    num_layers, target.num_layers)
 
     def check_target(self, target: ModelConfig) -> None:
-        """ValueError naming both values when the heads were made for another target."""
-        pairs = (("hidden size", self.hidden_size, target.hidden_size),
-                 ("vocabulary size", self.vocab_size, target.vocab_size),
-                 ("layer count", self.target_num_layers, target.num_layers))
-        for what, ours, theirs in pairs:
-            if ours != theirs:
-                raise ValueError(f"these MTP heads were made for a target with {what} {ours}, "
-                                 f"but the target has {what} {theirs}")
+        check_made_for("these MTP heads", self.hidden_size, self.vocab_size,
+                       self.target_num_layers, target)
 
 
-class MTPHeads(nn.Module):
+class MTPHeads(TokenMap):
     def __init__(self, config: MTPConfig, dtype: torch.dtype, device=None,
                  trainable: bool = False) -> None:
         super().__init__()
@@ -61,11 +56,7 @@ class MTPHeads(nn.Module):
                                    requires_grad=trainable)
         self.lm_head = nn.Parameter(torch.zeros(config.draft_vocab_size, h, **kw),
                                     requires_grad=trainable)
-        # draft id -> target id (vLLM's token_map); index: target id -> draft id, -1 outside
-        self.register_buffer("token_map", torch.zeros(config.draft_vocab_size, dtype=torch.int64,
-                                                      device=device))
-        self.register_buffer("draft_index", torch.full((config.vocab_size,), -1,
-                                                       dtype=torch.int64, device=device))
+        self.register_vocab(config.draft_vocab_size, config.vocab_size, device)
 
     def init_from_target(self, head_weight: torch.Tensor, used_ids: torch.Tensor) -> None:
         """A new head: zero blocks, the target's LM-head rows of the draft vocabulary."""
@@ -73,14 +64,6 @@ class MTPHeads(nn.Module):
         with torch.no_grad():
             self.blocks.zero_()
             self.lm_head.copy_(head_weight.index_select(0, self.token_map).to(self.lm_head))
-
-    def set_vocab(self, used_ids: torch.Tensor) -> None:
-        """``used_ids`` [draft_vocab_size]: ascending target ids."""
-        ids = torch.as_tensor(used_ids, dtype=torch.int64, device=self.token_map.device)
-        assert ids.numel() == self.config.draft_vocab_size and bool((ids[1:] > ids[:-1]).all())
-        self.token_map.copy_(ids)
-        self.draft_index.fill_(-1)
-        self.draft_index[ids] = torch.arange(ids.numel(), device=ids.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] final-normed target states -> [..., num_heads, H]."""

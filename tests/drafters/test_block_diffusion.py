@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
+from drafter_helpers import PROMPTS, greedy, record_proposals
 
 from specdec import LLM, SamplingParams
+from specdec.attention.block_masks import anchor_blocks_mask, block_mask
 from specdec.attention.dense import DenseAttention
 from specdec.drafters.block_diffusion import BlockDiffusionDrafter
 from specdec.drafters.rank_tree import rank_paths
@@ -17,10 +19,6 @@ from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionM
 from specdec.models.loader import load_model
 from specdec.training.block_loss import block_forward
 from specdec.training.target import target_batch
-from specdec.tree import anchor_blocks_mask, block_mask
-
-PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 5, 6], [3, 4, 3, 4, 3], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9],
-           [11, 12], [7, 7, 7, 7], [40, 41, 42, 40, 41], [60]]
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +41,12 @@ def random_model(model, cfg, hf, block_size: int = 4, seed: int = 0, rates=None)
     return bd
 
 
-def _greedy(folder, prompts, **kw) -> list:
-    llm = LLM(model=str(folder), dtype="float64", **{"controller": "static", **kw})
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert [o.error for o in outs] == [None] * len(prompts)
-    return outs
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_identical_to_plain(target, batch):
     folder, model, cfg, hf = target
     prompts = PROMPTS[:batch]
-    plain = _greedy(folder, prompts)
-    spec = _greedy(folder, prompts, drafter="block_diffusion",
+    plain = greedy(folder, prompts)
+    spec = greedy(folder, prompts, drafter="block_diffusion",
                    drafter_args={"model": random_model(model, cfg, hf)},
                    controller_args={"budget": 5})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
@@ -107,16 +98,8 @@ def test_paged_batched_forward_and_training_layout_equal_the_dense_reference(tar
     folder, model, cfg, hf = target
     rates = [[0.8, 0.1], [0.6, 0.2], [0.5, 0.1]]
     bd = random_model(model, cfg, hf, seed=2, rates=rates)
-    seen = []
-    original = BlockDiffusionDrafter.propose
-
-    def spy(self, requests):
-        trees = original(self, requests)
-        seen.extend((r.token_ids.tolist(), r.budget, t) for r, t in zip(requests, trees))
-        return trees
-
-    monkeypatch.setattr(BlockDiffusionDrafter, "propose", spy)
-    _greedy(folder, PROMPTS[:6], drafter="block_diffusion",
+    seen = record_proposals(monkeypatch, BlockDiffusionDrafter)
+    greedy(folder, PROMPTS[:6], drafter="block_diffusion",
             drafter_args={"model": bd, "topk": 2}, controller_args={"budget": 5})
     assert len(seen) > 10
     rt = tuple(tuple(r) for r in rates)

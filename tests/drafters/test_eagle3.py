@@ -12,15 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
+from drafter_helpers import PROMPTS, greedy, record_proposals
 
 from specdec import LLM, SamplingParams
 from specdec.attention.dense import DenseAttention
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.loader import load_model
-
-PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 5, 6], [3, 4, 3, 4, 3], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9],
-           [11, 12], [7, 7, 7, 7], [40, 41, 42, 40, 41], [60]]
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +38,6 @@ def random_head(model, cfg, hf, draft_vocab: int = 64, seed: int = 0) -> Eagle3H
     return head
 
 
-def _greedy(folder, prompts, **kw) -> list:
-    llm = LLM(model=str(folder), dtype="float64", **{"controller": "static", **kw})
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert [o.error for o in outs] == [None] * len(prompts)
-    return outs
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("drafter", ["eagle3", "eagle3+ngram"])
 def test_greedy_identical_to_plain(target4, batch, drafter):
@@ -55,32 +46,18 @@ def test_greedy_identical_to_plain(target4, batch, drafter):
     eagle = {"head": head, "depth": 3, "topk": 2}
     args = eagle if drafter == "eagle3" else {"eagle3": eagle, "ngram": {"min_ngram": 1}}
     prompts = PROMPTS[:batch]
-    plain = _greedy(folder, prompts)
-    spec = _greedy(folder, prompts, drafter=drafter, drafter_args=args,
+    plain = greedy(folder, prompts)
+    spec = greedy(folder, prompts, drafter=drafter, drafter_args=args,
                    controller_args={"budget": 5})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert all(o.metrics.draft_tokens_proposed > 0 for o in spec)
 
 
-def _proposals(monkeypatch) -> list:
-    """Record (token ids, budget, tree) of every eagle3 proposal."""
-    seen = []
-    original = Eagle3Drafter.propose
-
-    def spy(self, requests):
-        trees = original(self, requests)
-        seen.extend((r.token_ids.tolist(), r.budget, t) for r, t in zip(requests, trees))
-        return trees
-
-    monkeypatch.setattr(Eagle3Drafter, "propose", spy)
-    return seen
-
-
 @pytest.mark.parametrize("budget, depth, topk", [(6, 3, 2), (10, 4, 3), (3, 5, 2)])
 def test_tree_properties(target4, monkeypatch, budget, depth, topk):
     folder, model, cfg, hf = target4
-    seen = _proposals(monkeypatch)
-    _greedy(folder, PROMPTS[:4], drafter="eagle3",
+    seen = record_proposals(monkeypatch, Eagle3Drafter)
+    greedy(folder, PROMPTS[:4], drafter="eagle3",
             drafter_args={"head": random_head(model, cfg, hf), "depth": depth, "topk": topk},
             controller_args={"budget": budget})
     assert seen
@@ -103,8 +80,8 @@ def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch):
     folder, model, cfg, hf = target4
     head = random_head(model, cfg, hf, seed=1)
     depth, topk = 3, 2
-    seen = _proposals(monkeypatch)
-    _greedy(folder, PROMPTS[:5], drafter="eagle3",
+    seen = record_proposals(monkeypatch, Eagle3Drafter)
+    greedy(folder, PROMPTS[:5], drafter="eagle3",
             drafter_args={"head": head, "depth": depth, "topk": topk},
             controller_args={"budget": 7})
     assert len(seen) > 10

@@ -7,15 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
+from drafter_helpers import PROMPTS, greedy, record_proposals
 
 from specdec import LLM, SamplingParams
 from specdec.drafters.mtp import MTPDrafter
 from specdec.drafters.rank_tree import rank_paths
 from specdec.models.loader import load_model
 from specdec.models.mtp import MTPConfig, MTPHeads
-
-PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 5, 6], [3, 4, 3, 4, 3], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9],
-           [11, 12], [7, 7, 7, 7], [40, 41, 42, 40, 41], [60]]
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +35,12 @@ def random_heads(model, cfg, num_heads: int = 3, draft_vocab: int = 64, seed: in
     return heads
 
 
-def _greedy(folder, prompts, **kw) -> list:
-    llm = LLM(model=str(folder), dtype="float64", **{"controller": "static", **kw})
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    assert [o.error for o in outs] == [None] * len(prompts)
-    return outs
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_identical_to_plain(target, batch):
     folder, model, cfg = target
     prompts = PROMPTS[:batch]
-    plain = _greedy(folder, prompts)
-    spec = _greedy(folder, prompts, drafter="mtp", drafter_args={"heads": random_heads(model, cfg)},
+    plain = greedy(folder, prompts)
+    spec = greedy(folder, prompts, drafter="mtp", drafter_args={"heads": random_heads(model, cfg)},
                    controller_args={"budget": 6})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert all(o.metrics.draft_tokens_proposed > 0 for o in spec)
@@ -62,16 +53,8 @@ def test_heads_read_the_last_committed_state_and_trees_take_the_calibrated_shape
     folder, model, cfg = target
     rates = [[0.7, 0.2, 0.1], [0.5, 0.3, 0.05], [0.4, 0.1, 0.1]]
     heads = random_heads(model, cfg, rates=rates, seed=1)
-    seen = []
-    original = MTPDrafter.propose
-
-    def spy(self, requests):
-        trees = original(self, requests)
-        seen.extend((r.token_ids.tolist(), r.budget, t) for r, t in zip(requests, trees))
-        return trees
-
-    monkeypatch.setattr(MTPDrafter, "propose", spy)
-    _greedy(folder, PROMPTS[:5], drafter="mtp", drafter_args={"heads": heads, "topk": 3},
+    seen = record_proposals(monkeypatch, MTPDrafter)
+    greedy(folder, PROMPTS[:5], drafter="mtp", drafter_args={"heads": heads, "topk": 3},
             controller_args={"budget": 7})
     assert len(seen) > 10
     rt = tuple(tuple(r) for r in rates)
