@@ -71,7 +71,7 @@ class EngineSystem:
 class HFSystem:
     """transformers generate on the engine's weights folder, one prompt at a time."""
 
-    def __init__(self, folder: Path, dtype: str, device: str, max_new_tokens: int,
+    def __init__(self, folder: Path, dtype, device: str, max_new_tokens: int,
                  eos_ids: tuple[int, ...], pld: bool) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -140,7 +140,9 @@ def make_systems(args) -> dict:
     """{"baseline"?, "plain"?, "engine"}: in the order they run on each batch."""
     common = dict(model=args.model, dtype=args.dtype, device=args.device,
                   max_num_seqs=max(32, args.batch_size),
-                  linear_kernels=getattr(args, "linear_kernels", "tuned"))
+                  linear_kernels=getattr(args, "linear_kernels", "tuned"),
+                  attention_backend=getattr(args, "attention_backend", "auto"),
+                  cuda_graphs=getattr(args, "cuda_graphs", True))
     engine = LLM(drafter=args.drafter, drafter_args=args.drafter_args,
                  controller=args.controller, controller_args=args.controller_args,
                  verifier=getattr(args, "verifier", "rejection"), **common)
@@ -148,7 +150,7 @@ def make_systems(args) -> dict:
     if args.baseline in HF_BASELINES:
         folder = resolve_model_path(args.model)
         eos = engine.engine.model_config.eos_token_ids
-        systems["baseline"] = HFSystem(folder, args.dtype, args.device, args.max_new_tokens, eos,
+        systems["baseline"] = HFSystem(folder, engine.engine.dtype, args.device, args.max_new_tokens, eos,
                                        pld=args.baseline == "hf-pld")
     extra = getattr(args, "extra_baseline", None)
     if extra is not None:
@@ -156,7 +158,7 @@ def make_systems(args) -> dict:
             raise ValueError("--extra-baseline needs --baseline hf or hf-pld (its reference)")
         folder = resolve_model_path(args.model)
         eos = engine.engine.model_config.eos_token_ids
-        systems["extra"] = HFSystem(folder, args.dtype, args.device, args.max_new_tokens, eos,
+        systems["extra"] = HFSystem(folder, engine.engine.dtype, args.device, args.max_new_tokens, eos,
                                     pld=extra == "hf-pld")
     needs_plain = args.baseline == "plain" or (args.drafter and args.baseline in HF_BASELINES)
     if needs_plain:

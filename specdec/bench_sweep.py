@@ -108,7 +108,9 @@ class SweepSystem:
 def make_sweep_systems(args, batch_sizes: list[int]) -> list[SweepSystem]:
     common = dict(model=args.model, dtype=args.dtype, device=args.device,
                   max_num_seqs=max(32, max(batch_sizes)),
-                  linear_kernels=getattr(args, "linear_kernels", "tuned"))
+                  linear_kernels=getattr(args, "linear_kernels", "tuned"),
+                  attention_backend=getattr(args, "attention_backend", "auto"),
+                  cuda_graphs=getattr(args, "cuda_graphs", True))
     controllers = parse_controllers(args.controllers) if args.controllers else [
         (args.controller, None)]
     drafters = _drafters(args)
@@ -131,7 +133,8 @@ def make_sweep_systems(args, batch_sizes: list[int]) -> list[SweepSystem]:
                                        batch_sizes))
     if args.baseline in ("hf", "hf-pld") and 1 in batch_sizes:
         eos = systems[0].runner.llm.engine.model_config.eos_token_ids
-        hf = HFSystem(resolve_model_path(args.model), args.dtype, args.device,
+        hf = HFSystem(resolve_model_path(args.model), systems[0].runner.llm.engine.dtype,
+                      args.device,
                       args.max_new_tokens, eos, pld=args.baseline == "hf-pld")
         systems.append(SweepSystem(args.baseline, hf, batch_sizes=[1]))
     return systems

@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdec.attention import CHOICES as ATTENTION_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
@@ -58,11 +59,16 @@ def _existing_file(text: str) -> str:
     return text
 
 
-def _add_model_args(p: argparse.ArgumentParser, dtype: str = "float32") -> None:
+def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"alias, HF folder, .gguf file or hub id (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default=dtype, choices=list(DTYPES))
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="auto (default): bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_CHOICES,
+                   help="auto (default): flashinfer on CUDA when installed, else torch")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every step eagerly on CUDA (default: replay CUDA graphs)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
@@ -281,7 +287,8 @@ def _engine_kwargs(args) -> dict:
     return dict(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
                 drafter_args=args.drafter_args, controller=args.controller,
                 controller_args=args.controller_args, verifier=args.verifier,
-                linear_kernels=args.linear_kernels)
+                linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
+                cuda_graphs=args.cuda_graphs)
 
 
 def cmd_generate(args) -> int:

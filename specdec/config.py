@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.attention import CHOICES as ATTENTION_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
@@ -20,7 +21,7 @@ class EngineConfig:
     """
 
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on the CPU
     device: str = "cpu"
     page_size: int = 16
     num_pages: int | None = None
@@ -28,7 +29,11 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model's max positions, 4096)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    attention_backend: str = "torch"
+    # "auto": flashinfer on CUDA in bf16/fp16 when it imports, else torch (specdec.attention)
+    attention_backend: str = "auto"
+    # replay CUDA graphs for decode and verify steps (specdec.cuda_graphs); used on CUDA with a
+    # backend that supports them (flashinfer), ignored elsewhere; False: always eager
+    cuda_graphs: bool = True
     verifier: str = "rejection"  # a registered verifier ("rejection", "greedy", or a plugin's)
     # CPU matmul paths: "tuned" times the candidates at start-up (cached per machine, torch
     # version, dtype and threads) and keeps the fastest, F.linear among them; "plain": F.linear
@@ -42,14 +47,26 @@ class EngineConfig:
     seed: int | None = None
 
     @property
+    def torch_dtype(self):
+        if self.dtype == "auto":
+            return DTYPES["bfloat16" if str(self.device).startswith("cuda") else "float32"]
+        return DTYPES[self.dtype]
+
+    @property
     def controller_name(self) -> str:
         if self.controller is not None:
             return self.controller
         return "goodput" if self.drafter is not None else "static"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got "
+                             f"{self.dtype!r}")
+        if self.attention_backend not in ATTENTION_CHOICES:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_CHOICES)}, "
+                             f"got {self.attention_backend!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.linear_kernels not in ("tuned", "plain"):

@@ -28,7 +28,7 @@ from specdec.drafting import DraftStage
 from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
 from specdec.models.aliases import cache_dir
-from specdec.models.config import model_config_from_hf, resolve_dtype
+from specdec.models.config import model_config_from_hf
 from specdec.models.linear import LinearKernels, cache_key
 from specdec.models.loader import load_hf_config, load_model, resolve_model_path
 from specdec.models.tokenizer import load_tokenizer
@@ -55,7 +55,7 @@ class StepResult:
 class LLMEngine:
     def __init__(self, config: EngineConfig, plugins_: tuple = ()) -> None:
         self.config = config
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = config.torch_dtype
         self.device = torch.device(config.device)
         self.pm = plugins.get_plugin_manager(plugins_)
         folder = resolve_model_path(config.model)
@@ -72,6 +72,7 @@ class LLMEngine:
         self.verifying = VerifyStage.create(self.pm, config.verifier, cfg.vocab_size)
         drafter, controller = DraftStage.plugins(self.pm, config, target)  # may add runners
         self.kv_split = self._allocate_kv()
+        self._enable_cuda_graphs()
         self.kernels = self._install_kernels()
         self.kv = self.runner.kv
         self.drafting = DraftStage(drafter, controller, cfg.vocab_size, self.max_model_len,
@@ -116,6 +117,17 @@ class LLMEngine:
         logger.info(split.describe())
         return split
 
+    def _enable_cuda_graphs(self) -> None:
+        """CUDA graphs for every runner whose attention backend supports them (on CUDA, unless
+        ``cuda_graphs`` is off); the others stay eager."""
+        c = self.config
+        if not c.cuda_graphs or self.device.type != "cuda":
+            return
+        for runner in [self.runner, *self.drafter_runners]:
+            if runner.backend.supports_cuda_graphs:
+                runner.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
+                                          self.max_model_len)
+
     def _install_kernels(self) -> LinearKernels:
         """The matmul paths every runner's model uses, timed here on CPU (see EngineConfig)."""
         models = list(dict.fromkeys(r.model for r in [self.runner, *self.drafter_runners]))
@@ -135,7 +147,8 @@ class LLMEngine:
         for SmolLM2 on a CPU) and cached per model, dtype, device, torch version and threads."""
         cfg = self.model_config
         shape = f"{cfg.num_layers}x{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.vocab_size}"
-        key = (f"{shape} {self.dtype} {self.device} {self.config.attention_backend} "
+        graphs = "graphs" if self.runner.graphs is not None else "eager"
+        key = (f"{shape} {self.dtype} {self.device} {self.runner.backend.name} {graphs} "
                f"{cache_key(self.dtype, torch.get_num_threads())} {self.kernels.key}")
         digest = hashlib.sha1(key.encode()).hexdigest()[:16]
         path = cache_dir() / "step_costs" / f"{shape}-{digest}.json"

@@ -22,7 +22,7 @@ from specdec.sequence import Sequence
 
 
 class LLM:
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cpu",
                  drafter: str | None = None, drafter_args: dict[str, Any] | None = None,
                  controller: str | None = None, controller_args: dict[str, Any] | None = None,
                  plugins: tuple = (), **engine_args: Any) -> None:

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention import create_backend
+from specdec.attention.backend import AttentionSpec
 from specdec.attention.metadata import AttentionMetadata, build_metadata
+from specdec.cuda_graphs import CudaGraphRunner
 from specdec.kv.block_table import BlockTable
 from specdec.kv.manager import KVManager
 
@@ -67,8 +69,11 @@ class ModelRunner:
         self.page_size = page_size
         self.device = torch.device(device)
         self.dtype = model.embed.dtype
-        self.backend = create_backend(attention_backend)
+        c = self.cfg
+        self.backend = create_backend(attention_backend, AttentionSpec(
+            c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.device))
         self.kv: KVManager | None = None
+        self.graphs: CudaGraphRunner | None = None
 
     @property
     def bytes_per_page(self) -> int:
@@ -83,21 +88,37 @@ class ModelRunner:
         self.kv = KVManager(self.num_layers, num_pages, self.page_size, c.num_kv_heads,
                             c.head_dim, self.dtype, self.device)
 
+    def enable_cuda_graphs(self, max_batch: int, max_rows: int, max_kv_len: int) -> None:
+        """Replay CUDA graphs for steps of at most ``max_batch`` requests and ``max_rows`` rows
+        (``specdec.cuda_graphs``); needs CUDA, allocated KV and a backend that supports them."""
+        assert self.kv is not None, f"runner {self.name!r}: allocate() before CUDA graphs"
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, runner {self.name!r} is on "
+                             f"{self.device}")
+        self.graphs = CudaGraphRunner(self, max_batch, max_rows, max_kv_len)
+
     def forward(self, batch: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardResult:
         assert self.kv is not None, f"runner {self.name!r}: allocate() before forward()"
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.backend.plan(batch.metadata)
-            extra = {} if batch.features is None else {"features": batch.features}
-            if batch.context_rows is not None:
-                extra["context_rows"] = batch.context_rows
-            out = self.model(batch.input_ids, batch.positions, self.backend, self.kv.cache,
-                             capture_layers=capture_layers, num_layers=self.num_layers, **extra)
+            graphed = None if self.graphs is None else self.graphs.forward(batch, capture_layers)
+            if graphed is None:
+                self.backend.plan(batch.metadata)
+                out = self.run_model(_inputs(batch), capture_layers)
+                hidden, layers = out.hidden, out.layer_hidden
+            else:
+                hidden, layers = graphed
             logits = None
             if batch.logits_indices.numel():
-                logits = self.model.compute_logits(
-                    out.hidden.index_select(0, batch.logits_indices))
-        return ForwardResult(logits, out.hidden, out.layer_hidden, time.perf_counter() - t0)
+                logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        return ForwardResult(logits, hidden, layers, time.perf_counter() - t0)
+
+    def run_model(self, inputs: dict[str, torch.Tensor], capture_layers: tuple[int, ...]):
+        """The model over one planned batch's inputs (``input_ids``, ``positions``, and
+        ``features`` / ``context_rows`` for models that take them): its ForwardOutput."""
+        extra = {k: v for k, v in inputs.items() if k not in ("input_ids", "positions")}
+        return self.model(inputs["input_ids"], inputs["positions"], self.backend, self.kv.cache,
+                          capture_layers=capture_layers, num_layers=self.num_layers, **extra)
 
     def pack(self, feeds: list[list[int]], starts: list[int], tables: list[BlockTable],
              logits: str = "last", positions: list[list[int]] | None = None,
@@ -130,3 +151,11 @@ class ModelRunner:
         return ForwardBatch(torch.tensor([t for f in feeds for t in f], **long),
                             torch.tensor([p for ps in positions for p in ps], **long), md, rows,
                             features, context_rows)
+
+
+def _inputs(batch: ForwardBatch) -> dict[str, torch.Tensor]:
+    out = {"input_ids": batch.input_ids, "positions": batch.positions}
+    for name in ("features", "context_rows"):
+        if getattr(batch, name) is not None:
+            out[name] = getattr(batch, name)
+    return out

@@ -248,6 +248,25 @@ def step_mask(tree: DraftTree, num_computed: int, num_tokens: int) -> torch.Tens
     return torch.cat([causal, tree_rows])
 
 
+def flat_masks(masks: Sequence[torch.Tensor | None], qo_lens: Sequence[int],
+               kv_lens: Sequence[int], device=None) -> torch.Tensor:
+    """[sum(qo_len * kv_len)] bool: every request's mask flattened row-major, back to back, a
+    causal one (``causal_mask``) where ``masks[b]`` is None. This is flashinfer's ``custom_mask``
+    layout (request b's bits start at sum over earlier requests of qo_len * kv_len; flashinfer
+    packs them little-endian per request). Example, request 0 a tree of one node over 2 slots
+    (mask [[1, 0], [1, 1]]), request 1 one causal row over 2 slots::
+
+        [1, 0, 1, 1,  1, 1]
+    """
+    parts = []
+    for mask, qo, kv in zip(masks, qo_lens, kv_lens):
+        if mask is None:
+            mask = causal_mask(qo, kv, device)
+        assert tuple(mask.shape) == (qo, kv), (tuple(mask.shape), qo, kv)
+        parts.append(mask.to(device=device, dtype=torch.bool).reshape(-1))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool, device=device)
+
+
 def from_paths(paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
     """Merge token sequences into a trie: shared prefixes become shared nodes.
 

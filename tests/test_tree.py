@@ -256,3 +256,19 @@ def test_validate_draft_prob_values(q, match):
     with pytest.raises(ValueError, match=match):
         tree.validate(vocab_size=3, check_probs=True)
     _tree([1], [-1], draft_probs=torch.tensor([[0.2, 0.3, 0.5]])).validate(check_probs=True)
+
+
+def test_flat_masks_is_every_mask_row_major_back_to_back():
+    from specdec.tree import causal_mask, flat_masks
+
+    tree = DraftTree(torch.tensor([5, 6]), torch.tensor([-1, 0]))
+    m0 = verify_mask(tree, 2)  # [3, 4]
+    flat = flat_masks([m0, None], [3, 2], [4, 5])
+    assert flat.dtype == torch.bool and flat.shape == (3 * 4 + 2 * 5,)
+    assert torch.equal(flat[:12].view(3, 4), m0)
+    assert torch.equal(flat[12:].view(2, 5), causal_mask(2, 5))
+    assert flat_masks([], [], []).shape == (0,)
+    example = flat_masks([torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), None], [2, 1], [2, 2])
+    assert example.int().tolist() == [1, 0, 1, 1, 1, 1]  # the docstring's example
+    with pytest.raises(AssertionError):
+        flat_masks([m0], [2], [4])  # a mask of the wrong shape

@@ -1,21 +1,56 @@
-"""Attention backends by name: `torch` (reference, any device)."""
+"""Attention backends by name: `torch` (reference, any device), `flashinfer` (CUDA, bf16/fp16,
+CUDA graphs), `flex` (torch FlexAttention: the GPU fallback without flashinfer; eager on CPU).
+`auto` is flashinfer on CUDA with a half dtype when it imports, else torch."""
 
 from __future__ import annotations
 
+import importlib.util
 from types import MappingProxyType
 
+import torch
 
-def _torch_backend():
+from specdec.attention.backend import AttentionSpec
+
+
+def _torch_backend(spec: AttentionSpec):
     from specdec.attention.torch_backend import TorchAttentionBackend
 
-    return TorchAttentionBackend()
+    return TorchAttentionBackend(spec)
 
 
-BACKENDS = MappingProxyType({"torch": _torch_backend})
+def _flashinfer_backend(spec: AttentionSpec):
+    from specdec.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(spec)
 
 
-def create_backend(name: str):
-    """A backend instance by name; ValueError lists the choices."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    return BACKENDS[name]()
+def _flex_backend(spec: AttentionSpec):
+    from specdec.attention.flex_backend import FlexAttentionBackend
+
+    return FlexAttentionBackend(spec)
+
+
+BACKENDS = MappingProxyType(
+    {"torch": _torch_backend, "flashinfer": _flashinfer_backend, "flex": _flex_backend})
+CHOICES = ("auto", *BACKENDS)
+
+
+def resolve_backend(name: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """The backend `name` stands for on this device and dtype ("auto" resolved)."""
+    if name not in CHOICES:
+        raise ValueError(f"attention_backend must be one of {', '.join(CHOICES)}, got {name!r}")
+    if name != "auto":
+        return name
+    half = dtype in (torch.float16, torch.bfloat16)
+    if torch.device(device).type == "cuda" and half and flashinfer_available():
+        return "flashinfer"
+    return "torch"
+
+
+def flashinfer_available() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def create_backend(name: str, spec: AttentionSpec):
+    """A backend instance by name ("auto" resolved for spec's device and dtype)."""
+    return BACKENDS[resolve_backend(name, spec.device, spec.dtype)](spec)

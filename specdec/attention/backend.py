@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -9,8 +10,26 @@ import torch
 from specdec.attention.metadata import AttentionMetadata
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention shape of the model a backend serves (GPU kernels are planned for it)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+
 class AttentionBackend(Protocol):
     name: str
+    # True: plan() for a registered graph shape (add_graph_shape) writes only into buffers that
+    # stay put, so run() can be captured in a CUDA graph and replayed after each plan()
+    supports_cuda_graphs: bool
 
     def plan(self, metadata: AttentionMetadata) -> None:
         """Precompute everything that is the same for every layer of this step."""

@@ -32,17 +32,39 @@ class AttentionMetadata:
     page_size: int
     # Per request: None for causal attention, else [qo_len, kv_len] bool, True = may attend.
     custom_masks: list[torch.Tensor | None]
+    # the four int32 index arrays above on the host (the same tensors when the device is the
+    # CPU): GPU backends plan from these without a device -> host copy
+    host: HostIndices | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.custom_masks)
 
+    def on_host(self) -> HostIndices:
+        if self.host is not None:
+            return self.host
+        cpu = [t.cpu() for t in (self.qo_indptr, self.kv_indptr, self.kv_indices,
+                                 self.kv_last_page_len)]
+        return HostIndices(*cpu)
+
     def qo_lens(self) -> list[int]:
-        return (self.qo_indptr[1:] - self.qo_indptr[:-1]).tolist()
+        qo_indptr = self.on_host().qo_indptr
+        return (qo_indptr[1:] - qo_indptr[:-1]).tolist()
 
     def kv_lens(self) -> list[int]:
-        num_pages = (self.kv_indptr[1:] - self.kv_indptr[:-1]).long()
-        return ((num_pages - 1) * self.page_size + self.kv_last_page_len.long()).tolist()
+        h = self.on_host()
+        num_pages = (h.kv_indptr[1:] - h.kv_indptr[:-1]).long()
+        return ((num_pages - 1) * self.page_size + h.kv_last_page_len.long()).tolist()
+
+
+@dataclass
+class HostIndices:
+    """AttentionMetadata's index arrays on the host (CPU int32 tensors)."""
+
+    qo_indptr: torch.Tensor  # [B+1] int32
+    kv_indptr: torch.Tensor  # [B+1] int32
+    kv_indices: torch.Tensor  # [sum pages] int32
+    kv_last_page_len: torch.Tensor  # [B] int32
 
 
 def build_metadata(
@@ -70,13 +92,14 @@ def build_metadata(
     qo_indptr = [0]
     for n in qo_lens:
         qo_indptr.append(qo_indptr[-1] + n)
-    i32 = dict(dtype=torch.int32, device=device)
+    host = HostIndices(*(torch.tensor(x, dtype=torch.int32)
+                         for x in (qo_indptr, kv_indptr, pages, last_page_len)))
+    dev = [t.to(device, non_blocking=True) for t in (host.qo_indptr, host.kv_indptr,
+                                                     host.kv_indices, host.kv_last_page_len)]
     return AttentionMetadata(
-        qo_indptr=torch.tensor(qo_indptr, **i32),
-        kv_indptr=torch.tensor(kv_indptr, **i32),
-        kv_indices=torch.tensor(pages, **i32),
-        kv_last_page_len=torch.tensor(last_page_len, **i32),
+        *dev,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         page_size=page_size,
         custom_masks=list(custom_masks) if custom_masks is not None else [None] * len(qo_lens),
+        host=host,
     )

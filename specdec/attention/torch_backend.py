@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.attention.kv_rows import kv_write_index, write_kv
 from specdec.attention.metadata import AttentionMetadata
 from specdec.tree import causal_mask
 
@@ -26,8 +27,9 @@ CALL_CELLS = 512
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_cuda_graphs = False  # its plan makes new index tensors and shapes every step
 
-    def __init__(self) -> None:
+    def __init__(self, spec=None) -> None:
         self._plan: _Plan | None = None
 
     def plan(self, metadata: AttentionMetadata) -> None:
@@ -36,8 +38,7 @@ class TorchAttentionBackend:
     def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
         plan = self._plan
         assert plan is not None, "plan() must be called before run()"
-        rows = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
-        rows.index_copy_(0, plan.write_index, torch.cat([k, v]))
+        rows = write_kv(kv_cache, plan.write_index, k, v)
         if plan.fresh_causal:
             # one request whose KV is all new: attend to k/v directly, no gather
             out = F.scaled_dot_product_attention(
@@ -62,7 +63,7 @@ class _Group:
         qo = [qo_lens[b] for b in members]
         kv = [kv_lens[b] for b in members]
         self.n, self.qmax, self.lmax = len(members), max(qo), max(kv)
-        starts = md.qo_indptr[members].long().tolist()
+        starts = md.on_host().qo_indptr[members].long().tolist()
         # packed query rows of the group's requests, in group order
         self.rows = None if single else torch.cat(
             [torch.arange(s, s + n, device=device) for s, n in zip(starts, qo)])
@@ -71,7 +72,7 @@ class _Group:
         self.padded = None if uniform else torch.cat(
             [torch.arange(n, device=device) + i * self.qmax for i, n in enumerate(qo)])
         slots = _gather_slots(md, members, kv, self.lmax)
-        self.read_index = torch.cat(_k_and_v_rows(slots, page))
+        self.read_index = kv_write_index(slots, page)
         self.mask = _mask(md, members, qo, kv, self.qmax, self.lmax)
 
     def attend(self, q: torch.Tensor, rows: torch.Tensor, scale: float) -> torch.Tensor:
@@ -98,7 +99,7 @@ class _Plan:
     def __init__(self, md: AttentionMetadata) -> None:
         qo_lens, kv_lens = md.qo_lens(), md.kv_lens()
         page = md.page_size
-        self.write_index = torch.cat(_k_and_v_rows(md.slot_mapping, page))
+        self.write_index = kv_write_index(md.slot_mapping, page)
         self.fresh_causal = (
             len(qo_lens) == 1 and qo_lens[0] == kv_lens[0] and md.custom_masks[0] is None
         )
@@ -134,18 +135,12 @@ def _groups(qo_lens: list[int], kv_lens: list[int]) -> list[list[int]]:
     return parts[::-1]
 
 
-def _k_and_v_rows(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    page, offset = slots // page_size, slots % page_size
-    k_rows = page * (2 * page_size) + offset
-    return k_rows, k_rows + page_size
-
-
 def _gather_slots(md: AttentionMetadata, members: list[int], kv_lens: list[int],
                   lmax: int) -> torch.Tensor:
     """[n * lmax] int64 slot ids of the members' KV, padded with each one's last slot."""
     device, page = md.slot_mapping.device, md.page_size
     pos = torch.arange(lmax, device=device)
-    indptr = md.kv_indptr.tolist()
+    indptr = md.on_host().kv_indptr.tolist()
     out = []
     for b, kv_len in zip(members, kv_lens):
         pages = md.kv_indices[indptr[b] : indptr[b + 1]].long()

@@ -1,0 +1,170 @@
+"""flashinfer attention over the engine's paged KV cache (CUDA; bfloat16 or float16).
+
+The same protocol and the same memory as the torch reference backend: one layer's cache is
+[num_pages, 2, page_size, num_kv_heads, head_dim] (flashinfer's NHD layout, one 5-D tensor), the
+metadata is flashinfer's (qo_indptr, kv_indptr, kv_indices, kv_last_page_len). ``plan()`` picks
+one kernel for the step and plans it once; ``run()`` writes the layer's new K/V into their slots
+and calls it. Which kernel:
+
+- every request one causal row (plain decode): the batch decode kernel, or the batch prefill
+  kernel with one row each (``decode_path="prefill"``; the GPU bench measures both);
+- causal rows only (prefill chunks, decode rows): batch prefill, ``causal=True`` (flashinfer's
+  causal mask is bottom-right aligned, as ours: row i of q rows over L slots sees slots
+  0..L-q+i);
+- any custom mask (draft trees): batch prefill with every request's mask, causal ones written
+  out, flattened by ``specdec.tree.flat_masks``. The mask goes in unpacked: flashinfer 0.6's
+  ``plan()`` handed a packed mask keeps bit offsets where its kernel reads byte offsets
+  (flashinfer PR #2201); from the unpacked mask it packs and indexes correctly itself.
+
+CUDA graphs: ``add_graph_shape(B, T, max_pages)`` creates wrappers in flashinfer's CUDA-graph
+mode (fixed index buffers) for batches of exactly B requests and T rows, and a fixed K/V write
+index. ``plan()`` of such a batch copies into those buffers, so a graph captured after one plan
+replays correctly after the next. A shape with one row per request holds plain decode batches;
+any other shape always runs the masked prefill kernel, so one captured kernel serves trees and
+plain rows alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.attention.backend import AttentionSpec
+from specdec.attention.kv_rows import kv_write_index, write_kv
+from specdec.attention.metadata import AttentionMetadata
+from specdec.tree import flat_masks
+
+WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k workspace, shared by all wrappers
+DECODE_PATHS = ("decode", "prefill")
+HALF = (torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Step:
+    wrapper: object  # the planned flashinfer wrapper
+    write_index: torch.Tensor  # [2 * T] int64 cache rows of the new K then V rows
+
+
+@dataclass
+class _GraphShape:
+    wrapper: object  # a wrapper in CUDA-graph mode
+    kind: str  # "decode" (decode kernel), "causal" (prefill, one row each) or "masked"
+    write_index: torch.Tensor  # [2 * T] int64, fixed buffer
+
+
+class FlashInferAttentionBackend:
+    name = "flashinfer"
+    supports_cuda_graphs = True
+
+    def __init__(self, spec: AttentionSpec, decode_path: str = "decode",
+                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        check_supported(spec)
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, "
+                             f"got {decode_path!r}")
+        import flashinfer
+
+        self.spec = spec
+        self.decode_path = decode_path
+        self._fi = flashinfer
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=spec.device)
+        # the non-tensor-core decode kernel is compiled for GQA group sizes 1, 2, 4 and 8 only
+        self._tensor_cores = spec.num_heads // spec.num_kv_heads not in (1, 2, 4, 8)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self._tensor_cores)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._graph_shapes: dict[tuple[int, int], _GraphShape] = {}
+        self._step: _Step | None = None
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def add_graph_shape(self, batch_size: int, num_rows: int, max_pages: int,
+                        page_size: int) -> None:
+        """Fixed-buffer wrappers for batches of ``batch_size`` requests and ``num_rows`` rows,
+        each request over at most ``max_pages`` pages of ``page_size`` slots."""
+        key = (batch_size, num_rows)
+        if key in self._graph_shapes:
+            return
+        dev = self.spec.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        indptr = torch.zeros(batch_size + 1, **i32)
+        indices = torch.zeros(batch_size * max_pages, **i32)
+        last = torch.ones(batch_size, **i32)
+        decode = num_rows == batch_size
+        if decode and self.decode_path == "decode":
+            kind = "decode"
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._tensor_cores,
+                paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last)
+        else:
+            kind = "causal" if decode else "masked"
+            # every request's mask bits, each request padded to a whole byte
+            mask_bytes = (num_rows * max_pages * page_size + 7) // 8 + batch_size
+            wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=indptr,
+                paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last,
+                custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
+                mask_indptr_buf=torch.zeros(batch_size + 1, **i32))
+        write_index = torch.zeros(2 * num_rows, dtype=torch.int64, device=dev)
+        self._graph_shapes[key] = _GraphShape(wrapper, kind, write_index)
+
+    # ---- the protocol -----------------------------------------------------------------------
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        md = metadata
+        qo_lens = md.qo_lens()
+        b, t = len(qo_lens), sum(qo_lens)
+        masked = any(m is not None for m in md.custom_masks)
+        decode = t == b and not masked
+        index = kv_write_index(md.slot_mapping, md.page_size)
+        shape = self._graph_shapes.get((b, t))
+        if shape is not None and (decode or t > b):
+            shape.write_index.copy_(index)
+            self._plan_kernel(shape.wrapper, shape.kind, md, qo_lens)
+            self._step = _Step(shape.wrapper, shape.write_index)
+            return
+        if decode and self.decode_path == "decode":
+            kind, wrapper = "decode", self._decode
+        else:
+            kind, wrapper = ("masked" if masked else "causal"), self._prefill
+        self._plan_kernel(wrapper, kind, md, qo_lens)
+        self._step = _Step(wrapper, index)
+
+    def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
+        step = self._step
+        assert step is not None, "plan() must be called before run()"
+        assert abs(scale - self.spec.scale) < 1e-12, (scale, self.spec.scale)
+        write_kv(kv_cache, step.write_index, k, v)
+        return step.wrapper.run(q, kv_cache)
+
+    def _plan_kernel(self, wrapper, kind: str, md: AttentionMetadata, qo_lens: list[int]) -> None:
+        s, h = self.spec, md.on_host()
+        common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
+        if kind == "decode":
+            wrapper.plan(h.kv_indptr, h.kv_indices, h.kv_last_page_len, s.num_heads,
+                         s.num_kv_heads, s.head_dim, md.page_size, **common)
+            return
+        mask = None
+        if kind == "masked":
+            mask = flat_masks(md.custom_masks, qo_lens, md.kv_lens(), "cpu").to(s.device)
+        wrapper.plan(h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len, s.num_heads,
+                     s.num_kv_heads, s.head_dim, md.page_size, custom_mask=mask,
+                     causal=kind == "causal", **common)
+
+
+def check_supported(spec: AttentionSpec) -> None:
+    """ValueError/ImportError naming what stands in the way of flashinfer for this model."""
+    if torch.device(spec.device).type != "cuda":
+        raise ValueError(f"attention_backend 'flashinfer' runs on CUDA devices only, got device "
+                         f"{spec.device}; use 'torch' (or 'auto')")
+    if spec.dtype not in HALF:
+        raise ValueError(f"attention_backend 'flashinfer' needs dtype bfloat16 or float16, got "
+                         f"{spec.dtype}; use 'torch' or 'flex' for float32")
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError as e:
+        raise ImportError("attention_backend 'flashinfer' needs the flashinfer-python package "
+                          "(pip install 'specdec[gpu]'); 'torch' and 'flex' run without it") from e

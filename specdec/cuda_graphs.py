@@ -1,0 +1,212 @@
+"""CUDA graphs for a runner's small steps (decode and verify): bucketed shapes, padded inputs.
+
+A graph replays one fixed launch sequence, so it serves batches of one shape: B requests, T rows.
+A step of b requests and t rows is padded to the smallest captured-or-capturable shape (``Shape``)
+that holds it: dummy requests are appended, each with at least one row, the last taking every
+row left over. Dummies attend causally over scratch pages the runner keeps for them (their
+outputs are dropped; real requests never see those pages). Logits are computed outside the graph
+on the real rows asked for, so one graph serves any choice of logits rows.
+
+Shapes: ``B`` from ``batch_sizes``; ``T = B`` (decode: every request one causal row, the decode
+kernel) or ``T = B * r`` for r in ``rows_per_request`` (any rows: prefill chunks, draft trees;
+the masked prefill kernel), ``T <= max_rows``. Example, batch_sizes (1, 2, 4), rows (2, 4)::
+
+    3 decode rows            -> Shape(4, 4): one dummy of 1 row
+    1 request, 1 + 4 nodes   -> Shape(2, 8): one dummy of 3 rows
+    1 decode row             -> Shape(1, 1): no padding
+
+Steps that fit no shape (long prefill chunks) run eagerly. Graphs are captured on first use of a
+(shape, captured layers, input kind) and replayed after the backend's plan() of the padded batch;
+outputs are copied out of the graph's buffers before the next replay can overwrite them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from specdec.attention.metadata import AttentionMetadata, HostIndices
+from specdec.kv.block_table import slot_of
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ROWS_PER_REQUEST = (2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch_size: int  # B: requests, dummies included
+    num_rows: int  # T: rows, dummies' included
+
+    @property
+    def decode(self) -> bool:
+        return self.num_rows == self.batch_size
+
+
+def graph_shapes(max_batch: int, max_rows: int, batch_sizes=BATCH_SIZES,
+                 rows_per_request=ROWS_PER_REQUEST) -> list[Shape]:
+    """Every shape a runner may capture: B up to the first size >= max_batch, T <= max_rows."""
+    sizes = [b for b in batch_sizes if b < max_batch]
+    sizes.append(next((b for b in batch_sizes if b >= max_batch), max_batch))
+    shapes = [Shape(b, b) for b in sizes if b <= max_rows]
+    shapes += [Shape(b, b * r) for b in sizes for r in rows_per_request if b * r <= max_rows]
+    return sorted(shapes, key=lambda s: (s.num_rows, s.batch_size))
+
+
+def choose_shape(num_requests: int, num_rows: int, decode: bool,
+                 shapes: list[Shape]) -> Shape | None:
+    """The smallest shape (fewest rows, then requests) that holds the step, or None.
+
+    ``decode``: every request has one causal row; only decode shapes hold such steps, and only
+    such steps go into decode shapes. Padding needs a dummy request for any leftover rows, and
+    every dummy needs a row: so either the step fills the shape exactly, or the shape has more
+    requests and at least as many spare rows as spare requests.
+    """
+    for s in shapes:  # sorted by (rows, requests)
+        if s.decode != decode or s.batch_size < num_requests or s.num_rows < num_rows:
+            continue
+        spare_requests, spare_rows = s.batch_size - num_requests, s.num_rows - num_rows
+        if spare_requests == 0 and spare_rows == 0 or 0 < spare_requests <= spare_rows:
+            return s
+    return None
+
+
+def dummy_rows(shape: Shape, num_requests: int, num_rows: int) -> list[int]:
+    """Rows of each dummy request: 1 each, the last takes what is left."""
+    n = shape.batch_size - num_requests
+    if n == 0:
+        return []
+    return [1] * (n - 1) + [shape.num_rows - num_rows - (n - 1)]
+
+
+def pad_metadata(md: AttentionMetadata, rows: list[int], scratch: list[int]) -> AttentionMetadata:
+    """``md`` with dummy requests of ``rows[i]`` causal rows each over the pages ``scratch``
+    (all dummies share them: what they write is never read by a real request)."""
+    if not rows:
+        return md
+    page, h = md.page_size, md.on_host()
+    qo, kv_ptr, pages, last, slots = [], [], [], [], []
+    qo_end, kv_end = int(h.qo_indptr[-1]), int(h.kv_indptr[-1])
+    for n in rows:
+        n_pages = -(-n // page)
+        assert n_pages <= len(scratch), (n, len(scratch), page)
+        qo_end += n
+        kv_end += n_pages
+        qo.append(qo_end)
+        kv_ptr.append(kv_end)
+        pages.extend(scratch[:n_pages])
+        last.append(n - (n_pages - 1) * page)
+        slots.extend(slot_of(scratch, i, page) for i in range(n))
+    i32 = dict(dtype=torch.int32)
+    host = HostIndices(torch.cat([h.qo_indptr, torch.tensor(qo, **i32)]),
+                       torch.cat([h.kv_indptr, torch.tensor(kv_ptr, **i32)]),
+                       torch.cat([h.kv_indices, torch.tensor(pages, **i32)]),
+                       torch.cat([h.kv_last_page_len, torch.tensor(last, **i32)]))
+    device = md.slot_mapping.device
+    dev = [t.to(device, non_blocking=True) for t in (host.qo_indptr, host.kv_indptr,
+                                                     host.kv_indices, host.kv_last_page_len)]
+    slot_mapping = torch.cat([md.slot_mapping, torch.tensor(slots, dtype=torch.int64,
+                                                            device=device)])
+    return AttentionMetadata(*dev, slot_mapping=slot_mapping, page_size=page,
+                             custom_masks=[*md.custom_masks, *([None] * len(rows))], host=host)
+
+
+def pad_batch(batch, shape: Shape, scratch: list[int]):
+    """The ForwardBatch padded to ``shape`` (dummy rows: token 0, positions 0.., no logits)."""
+    b, t = batch.metadata.batch_size, batch.num_rows
+    rows = dummy_rows(shape, b, t)
+    extra = shape.num_rows - t
+    dev = batch.input_ids.device
+    pos = torch.cat([torch.arange(n, device=dev) for n in rows]) if rows else batch.positions[:0]
+    features = batch.features
+    if features is not None:
+        features = torch.cat([features, features.new_zeros(extra, features.shape[1])])
+    context = batch.context_rows
+    if context is not None:
+        context = torch.cat([context, context.new_zeros(extra)])
+    return replace(
+        batch, input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(extra)]),
+        positions=torch.cat([batch.positions, pos]),
+        metadata=pad_metadata(batch.metadata, rows, scratch), features=features,
+        context_rows=context)
+
+
+@dataclass
+class _Graph:
+    graph: object  # torch.cuda.CUDAGraph
+    inputs: dict[str, torch.Tensor]  # fixed input buffers: input_ids, positions, features...
+    hidden: torch.Tensor  # [T, hidden] fixed output buffer
+    layers: dict[int, torch.Tensor]  # fixed output buffers of the captured layers
+
+
+class CudaGraphRunner:
+    """Captures and replays one ModelRunner's forward for small shapes (see the module doc)."""
+
+    def __init__(self, runner, max_batch: int, max_rows: int, max_kv_len: int) -> None:
+        backend = runner.backend
+        if not getattr(backend, "supports_cuda_graphs", False):
+            raise ValueError(f"attention backend {backend.name!r} cannot run in CUDA graphs; "
+                             "use 'flashinfer', or turn CUDA graphs off")
+        self.runner = runner
+        self.shapes = graph_shapes(max_batch, max_rows)
+        page = runner.page_size
+        self.max_pages = -(-max(max_kv_len, max_rows) // page) + 1
+        # scratch pages for the dummies: enough for the most rows a dummy can get
+        self.scratch = runner.kv.pool.allocate(-(-max_rows // page))
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None
+        self.capture_seconds = 0.0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def shape_for(self, batch) -> Shape | None:
+        md = batch.metadata
+        qo = md.qo_lens()
+        decode = all(n == 1 for n in qo) and all(m is None for m in md.custom_masks)
+        return choose_shape(len(qo), batch.num_rows, decode, self.shapes)
+
+    def forward(self, batch, capture_layers: tuple[int, ...]):
+        """(final_hidden [t, H], {layer: [t, H]}) of the real rows, or None: no shape fits."""
+        shape = self.shape_for(batch)
+        if shape is None:
+            return None
+        padded = pad_batch(batch, shape, self.scratch)
+        key = (shape, tuple(capture_layers), batch.features is not None,
+               batch.context_rows is not None)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(key, shape, padded, capture_layers)  # plans it too
+        else:
+            self.runner.backend.plan(padded.metadata)
+        for name, buf in graph.inputs.items():
+            buf.copy_(getattr(padded, name))
+        graph.graph.replay()
+        t = batch.num_rows
+        return graph.hidden[:t].clone(), {i: h[:t].clone() for i, h in graph.layers.items()}
+
+    def _capture(self, key, shape: Shape, padded, capture_layers) -> _Graph:
+        t0 = time.perf_counter()
+        runner = self.runner
+        runner.backend.add_graph_shape(shape.batch_size, shape.num_rows, self.max_pages,
+                                       runner.page_size)
+        runner.backend.plan(padded.metadata)  # now into the shape's fixed buffers
+        names = ["input_ids", "positions"]
+        names += [n for n in ("features", "context_rows") if getattr(padded, n) is not None]
+        inputs = {n: getattr(padded, n).clone() for n in names}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: JIT kernels, cuBLAS workspaces
+            for _ in range(2):
+                runner.run_model(inputs, capture_layers)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = runner.run_model(inputs, capture_layers)
+        self._graphs[key] = g = _Graph(graph, inputs, out.hidden, out.layer_hidden)
+        self.capture_seconds += time.perf_counter() - t0
+        return g

@@ -1,0 +1,54 @@
+"""The backend registry: names, "auto" by device and dtype, what flashinfer refuses and why
+(everything here runs without a GPU; the GPU checks are in tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.attention import CHOICES, create_backend, flashinfer_available, resolve_backend
+from specdec.attention.backend import AttentionSpec
+from specdec.attention.flashinfer_backend import check_supported
+from specdec.config import EngineConfig
+
+
+def spec(device="cpu", dtype=torch.float32) -> AttentionSpec:
+    return AttentionSpec(4, 2, 16, dtype, torch.device(device))
+
+
+def test_names_and_auto():
+    assert CHOICES == ("auto", "torch", "flashinfer", "flex")
+    assert resolve_backend("auto", "cpu", torch.bfloat16) == "torch"
+    assert resolve_backend("auto", "cuda", torch.float32) == "torch"  # flashinfer has no fp32
+    want = "flashinfer" if flashinfer_available() else "torch"
+    assert resolve_backend("auto", "cuda:0", torch.bfloat16) == want
+    assert resolve_backend("flex", "cpu", torch.float32) == "flex"
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
+        resolve_backend("sdpa", "cpu", torch.float32)
+    assert create_backend("auto", spec()).name == "torch"
+    assert create_backend("flex", spec()).name == "flex"
+
+
+def test_flashinfer_says_what_stands_in_its_way():
+    with pytest.raises(ValueError, match="runs on CUDA devices only"):
+        check_supported(spec("cpu", torch.bfloat16))
+    with pytest.raises(ValueError, match="needs dtype bfloat16 or float16.*'torch' or 'flex'"):
+        check_supported(spec("cuda", torch.float32))
+    if not flashinfer_available():
+        with pytest.raises(ImportError, match="needs the flashinfer-python package"):
+            check_supported(spec("cuda", torch.bfloat16))
+
+
+def test_engine_config_defaults_and_checks():
+    cpu, cuda = EngineConfig(), EngineConfig(device="cuda")
+    assert cpu.dtype == "auto" and cpu.torch_dtype == torch.float32
+    assert cuda.torch_dtype == torch.bfloat16
+    assert EngineConfig(device="cuda", dtype="float32").torch_dtype == torch.float32
+    assert cpu.attention_backend == "auto" and cpu.cuda_graphs is True
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, "
+                                         "flashinfer, flex, got 'fa3'"):
+        EngineConfig(attention_backend="fa3")
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
+        EngineConfig(cuda_graphs="yes")
+    with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
+        EngineConfig(dtype="fp8")
