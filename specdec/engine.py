@@ -263,6 +263,7 @@ class LLMEngine:
         """Append each frontier request's tokens (stop conditions apply) and commit its KV;
         advance prefill chunks."""
         now = time.perf_counter()
+        commits = []
         for rec in records:
             seq = rec.seq
             if rec.result is None:
@@ -276,7 +277,8 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self._finish(seq)
             else:
-                self.kv.commit(seq.block_table, n, accepted)
+                commits.append((seq.block_table, n, accepted))
+        self.kv.commit_all(commits)
 
     def _stats(self, records, preempted, failed, times) -> StepStats:
         t0, t1, t2, t3 = times

@@ -50,7 +50,7 @@ class ForwardResult:
     logits: torch.Tensor | None  # [R, V] float32 (float64 for float64 models); None if R == 0
     final_hidden: torch.Tensor  # [T, hidden] after the final norm
     hidden: dict[int, torch.Tensor]  # layer -> [T, hidden]: that layer's output, every row
-    seconds: float  # wall time of the forward
+    seconds: float  # wall time of the forward (GPU work included: CUDA runners synchronize)
 
 
 class ModelRunner:
@@ -111,6 +111,10 @@ class ModelRunner:
             logits = None
             if batch.logits_indices.numel():
                 logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        if self.device.type == "cuda":
+            # the seconds must be the GPU's (the goodput controller's cost table learns from
+            # them); the step syncs right after anyway, to read what verification accepted
+            torch.cuda.synchronize(self.device)
         return ForwardResult(logits, hidden, layers, time.perf_counter() - t0)
 
     def run_model(self, inputs: dict[str, torch.Tensor], capture_layers: tuple[int, ...]):

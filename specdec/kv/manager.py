@@ -58,9 +58,21 @@ class KVManager(KVCacheManager):
 
     def commit(self, table: BlockTable, base: int, accepted: list[int]) -> None:
         """Move accepted nodes' KV (node a_j: slot base + a_j -> base + j) and drop the rest."""
-        moves = [(base + a, base + j) for j, a in enumerate(accepted) if a != j]
-        self.move(table, moves)
-        self.truncate(table, base + len(accepted))
+        self.commit_all([(table, base, accepted)])
+
+    def commit_all(self, items: list[tuple[BlockTable, int, list[int]]]) -> None:
+        """``commit`` for many requests (table, base, accepted) with one copy for all of them
+        (on a GPU, one index transfer and one kernel per step instead of one per request)."""
+        src, dst, ps = [], [], self.page_size
+        for table, base, accepted in items:
+            for j, a in enumerate(accepted):
+                if a != j:
+                    src.append(slot_of(table.pages, base + a, ps))
+                    dst.append(slot_of(table.pages, base + j, ps))
+        if src:
+            self.cache.move_slots(src, dst)
+        for table, base, accepted in items:
+            self.truncate(table, base + len(accepted))
 
     def move(self, table: BlockTable, moves: list[tuple[int, int]]) -> None:
         """Copy the KV of slot s onto slot d for every (s, d), in every layer."""

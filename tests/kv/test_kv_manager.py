@@ -133,3 +133,27 @@ def test_commit_moves_the_accepted_path_and_truncates(case, page_size):
     kv.release(table)
     kv.release(other)
     assert all_free(kv)
+
+
+def test_commit_all_is_the_commits_one_by_one_with_one_copy(monkeypatch):
+    paths = [(6, [1, 2]), (5, [0, 1]), (3, [2]), (4, [])]
+    kv, ref = manager(num_pages=24), manager(num_pages=24)
+    tables, ref_tables = [], []
+    for m, ts in ((kv, tables), (ref, ref_tables)):
+        for base, _ in paths:
+            t = BlockTable()
+            m.reserve(t, base + 3)
+            fill(m, t)
+            ts.append(t)
+    copies = []
+    move = kv.cache.move_slots
+    monkeypatch.setattr(kv.cache, "move_slots", lambda s, d: (copies.append(s), move(s, d)))
+    kv.commit_all([(t, base, acc) for t, (base, acc) in zip(tables, paths)])
+    for t, (base, acc) in zip(ref_tables, paths):
+        ref.commit(t, base, acc)
+    assert len(copies) == 1 and len(copies[0]) == 3  # nodes 1->0, 2->1 and 2->0 moved
+    for t, r in zip(tables, ref_tables):
+        assert t.num_slots == r.num_slots and t.pages == r.pages
+        assert [origin(kv, t, s) for s in range(t.num_slots)] == [
+            origin(ref, r, s) for s in range(r.num_slots)]
+    assert kv.pool.num_free == ref.pool.num_free

@@ -1,0 +1,306 @@
+"""The GPU path on a GPU (skipped without CUDA): flashinfer and flex against the torch reference,
+CUDA-graph replay against eager, greedy speculation against plain decoding, sampling on device.
+
+Run by tests/gpu/run.sh, which also records what these checks measured (max relative errors,
+match rates) in $SPECDEC_GPU_REPORT through ``Report``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from gpu_helpers import SHAPES, Report, make_model, random_cache, random_step, rel_error
+
+from specdec.attention import flashinfer_available
+from specdec.attention.backend import AttentionSpec
+from specdec.attention.torch_backend import TorchAttentionBackend
+
+# SPECDEC_TEST_DEVICE=cpu dry-runs the tests that need no flashinfer on the CPU (to check this
+# file before spending GPU time); by default they need CUDA and are skipped without it
+DEV = torch.device(os.environ.get("SPECDEC_TEST_DEVICE", "cuda"))
+pytestmark = pytest.mark.skipif(DEV.type == "cuda" and not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU")
+needs_flashinfer = pytest.mark.skipif(DEV.type != "cuda" or not flashinfer_available(),
+                                      reason="needs flashinfer on CUDA")
+
+PAGE, PAGES = 16, 256
+H, HKV, D = 8, 2, 64  # GQA group 4; the SmolLM2 group (3) runs in the engine tests below
+REPORT = Report()
+MIXED = ["prefill", "chunk", "decode", "tree", "decode", "tree", "chunk", "tree"]
+
+
+def _reference(step, cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch backend in float32 on the same inputs: (output, cache after the write)."""
+    ref_cache = cache.float().clone()
+    backend = TorchAttentionBackend()
+    backend.plan(step.md)
+    out = backend.run(step.q.float(), step.k.float(), step.v.float(), ref_cache, D**-0.5)
+    return out, ref_cache
+
+
+def _run(backend, step, cache) -> torch.Tensor:
+    backend.plan(step.md)
+    return backend.run(step.q, step.k, step.v, cache, D**-0.5)
+
+
+def _flashinfer(dtype, **kwargs):
+    from specdec.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    return FlashInferAttentionBackend(AttentionSpec(H, HKV, D, dtype, DEV), **kwargs)
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kinds", [MIXED, ["decode"] * 5, ["prefill", "chunk"], ["tree"] * 3],
+                         ids=["mixed", "decode", "prefill", "trees"])
+def test_flashinfer_matches_the_torch_backend(dtype, kinds):
+    worst = 0.0
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        step = random_step(gen, kinds, PAGES, PAGE, (H, HKV, D), DEV, dtype)
+        cache = random_cache(gen, PAGES, PAGE, HKV, D, DEV, dtype)
+        want, want_cache = _reference(step, cache)
+        for path in ("decode", "prefill"):
+            got = _run(_flashinfer(dtype, decode_path=path), step, cache)
+            assert torch.equal(cache.float(), want_cache)  # the same slots written
+            err = rel_error(got, want)
+            worst = max(worst, err)
+            assert err < 1e-2, (kinds, seed, path, err)
+    REPORT.add("flashinfer_vs_torch", dtype=str(dtype), kinds=",".join(kinds), max_rel_err=worst)
+
+
+@needs_flashinfer
+def test_flashinfer_chain_mask_equals_causal():
+    gen = torch.Generator().manual_seed(0)
+    step = random_step(gen, ["tree"] * 4, PAGES, PAGE, (H, HKV, D), DEV, torch.bfloat16,
+                       chain=True)
+    cache = random_cache(gen, PAGES, PAGE, HKV, D, DEV, torch.bfloat16)
+    masked = _run(_flashinfer(torch.bfloat16), step, cache.clone())
+    step.md.custom_masks = [None] * step.md.batch_size
+    causal = _run(_flashinfer(torch.bfloat16), step, cache.clone())
+    err = rel_error(masked, causal)
+    REPORT.add("flashinfer_chain_vs_causal", max_rel_err=err)
+    assert err < 1e-3
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("kinds", [["decode"] * 4, ["tree", "decode", "tree", "chunk"]],
+                         ids=["decode", "mixed"])
+def test_flashinfer_graph_shape_replays_after_each_plan(kinds):
+    """Capture run() once in a graph shape; replay it after plans of other steps of that shape
+    (other lengths, pages, masks): each replay equals the eager backend."""
+    dtype = torch.bfloat16
+    backend = _flashinfer(dtype)
+    gen = torch.Generator().manual_seed(1)
+    steps = [random_step(gen, kinds, PAGES, PAGE, (H, HKV, D), DEV, dtype)]
+    t = steps[0].q.shape[0]
+    for _ in range(400):  # more steps with the same row count (one graph shape)
+        step = random_step(gen, kinds, PAGES, PAGE, (H, HKV, D), DEV, dtype)
+        if step.q.shape[0] == t:
+            steps.append(step)
+        if len(steps) == 4:
+            break
+    assert len(steps) >= 2
+    backend.add_graph_shape(len(kinds), t, PAGES, PAGE)
+    cache = random_cache(gen, PAGES, PAGE, HKV, D, DEV, dtype)
+    q, k, v = (torch.zeros_like(x) for x in (steps[0].q, steps[0].k, steps[0].v))
+    backend.plan(steps[0].md)
+    backend.run(q, k, v, cache.clone(), D**-0.5)  # warm-up (JIT) outside the capture
+    graph_cache = cache.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.run(q, k, v, graph_cache, D**-0.5)
+    worst = 0.0
+    for step in steps:
+        graph_cache.copy_(cache)
+        backend.plan(step.md)
+        q.copy_(step.q), k.copy_(step.k), v.copy_(step.v)
+        graph.replay()
+        want = _run(_flashinfer(dtype), step, cache.clone())
+        worst = max(worst, rel_error(out, want))
+    REPORT.add("flashinfer_graph_vs_eager", kinds=",".join(kinds), max_rel_err=worst,
+               steps=len(steps))
+    assert worst < 1e-2
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_flex_matches_the_torch_backend_on_gpu(compile):
+    from specdec.attention.flex_backend import FlexAttentionBackend
+
+    worst = 0.0
+    for seed in range(2):  # two step shapes: the second recompiles (dynamic shapes)
+        gen = torch.Generator().manual_seed(seed)
+        step = random_step(gen, MIXED, PAGES, PAGE, (H, HKV, D), DEV, torch.bfloat16)
+        cache = random_cache(gen, PAGES, PAGE, HKV, D, DEV, torch.bfloat16)
+        want, _ = _reference(step, cache)
+        got = _run(FlexAttentionBackend(compile=compile), step, cache)
+        worst = max(worst, rel_error(got, want))
+    REPORT.add("flex_vs_torch", compiled=compile, max_rel_err=worst)
+    assert worst < 1e-2
+
+
+# ---- the engine on the GPU ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory):
+    return str(make_model(tmp_path_factory.mktemp("tiny-gpu"), "tiny-gpu"))
+
+
+@pytest.fixture(scope="module")
+def smollm2_shape(tmp_path_factory):
+    return str(make_model(tmp_path_factory.mktemp("smollm2"), "smollm2-135m"))
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [5, 40, 1, 17, 64, 9, 28, 3, 100, 12]
+    return [torch.randint(1, vocab - 1, (lengths[i % len(lengths)],), generator=g).tolist()
+            for i in range(n)]
+
+
+@needs_flashinfer
+def test_cuda_graph_replay_equals_eager_for_every_shape(gpu_model):
+    """Every shape of a runner (batch sizes up to 8, rows up to 64): the graph's replay equals the
+    same padded step run eagerly through the same kernels (bitwise), and the unpadded eager step
+    within bf16 rounding."""
+    from specdec.cuda_graphs import choose_shape, dummy_rows
+    from specdec.models.loader import load_model
+    from specdec.runner import ModelRunner
+
+    model = load_model(gpu_model, torch.bfloat16, DEV, 512)[0]
+    graphed = ModelRunner(model, "graphed", "flashinfer", PAGE, DEV)
+    eager = ModelRunner(model, "eager", "flashinfer", PAGE, DEV)
+    for r in (graphed, eager):
+        r.allocate(512)
+    graphed.enable_cuda_graphs(max_batch=8, max_rows=64, max_kv_len=512)
+    vocab = SHAPES["tiny-gpu"]["vocab_size"]
+    worst, bitwise, checked = 0.0, True, []
+    for shape in graphed.graphs.shapes:
+        big, rows_ = shape.batch_size, shape.num_rows
+        smaller = (big - 1, big - 1) if shape.decode else (max(1, big - 1), rows_ - 3)
+        for b, t in [(big, rows_), smaller]:
+            decode = t == b
+            if b < 1 or t < b or choose_shape(b, t, decode, graphed.graphs.shapes) != shape:
+                continue
+            rows = [t // b] * b
+            rows[-1] += t - sum(rows)
+            got, want, again = _graph_vs_eager(graphed, eager, rows, vocab)
+            worst = max(worst, rel_error(got, want))
+            bitwise &= torch.equal(got, again)
+            checked.append((shape.batch_size, shape.num_rows, b, t, len(dummy_rows(shape, b, t))))
+    REPORT.add("cuda_graphs_vs_eager", shapes=len(graphed.graphs.shapes), steps=len(checked),
+               max_rel_err=worst, replay_bitwise_equal_to_same_kernels=bitwise,
+               capture_seconds=graphed.graphs.capture_seconds)
+    assert len(checked) >= len(graphed.graphs.shapes)
+    assert bitwise and worst < 2e-2
+
+
+def _graph_vs_eager(graphed, eager, rows: list[int], vocab: int):
+    """One step of len(rows) requests (rows[i] new tokens after 30 cached) on both runners:
+    (graphed hidden, eager hidden, the padded step eagerly through the graph's kernels)."""
+    from specdec.cuda_graphs import pad_batch
+    from specdec.kv.block_table import BlockTable
+
+    g = torch.Generator()
+    outs = []
+    for runner in (graphed, eager):
+        tables = []
+        for n in rows:
+            t = BlockTable()
+            runner.kv.reserve(t, 30 + n)
+            tables.append(t)
+        g.manual_seed(len(rows) * 1000 + sum(rows))  # the same tokens for both runners
+        ctx = [torch.randint(1, vocab, (30,), generator=g).tolist() for _ in rows]
+        feeds = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in rows]
+        graphs, runner.graphs = runner.graphs, None
+        runner.forward(runner.pack(ctx, [0] * len(rows), tables, logits="none"))  # eager prefill
+        runner.graphs = graphs
+        batch = runner.pack(feeds, [30] * len(rows), tables, logits="all")
+        outs.append(runner.forward(batch).final_hidden)
+        if runner is graphed:
+            shape = runner.graphs.shape_for(batch)
+            padded = pad_batch(batch, shape, runner.graphs.scratch)
+            with torch.inference_mode():
+                runner.backend.plan(padded.metadata)
+                inputs = {"input_ids": padded.input_ids, "positions": padded.positions}
+                again = runner.run_model(inputs, ()).hidden[:batch.num_rows]
+        for t in tables:
+            runner.kv.release(t)
+    return outs[0], outs[1], again
+
+
+def _llm(model, **kw):
+    from specdec.llm import LLM
+
+    return LLM(model=model, device=str(DEV), max_model_len=512, **kw)
+
+
+def _greedy(n=24):
+    from specdec.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def test_greedy_speculation_equals_plain_fp32_torch(gpu_model):
+    """float32 with the torch backend on the GPU: token for token, with the oracle drafter
+    (drafts accepted at a known rate) and with ngram."""
+    from specdec.drafters.oracle import oracle_plugin
+
+    prompts = _prompts(6, SHAPES["tiny-gpu"]["vocab_size"])
+    plain = _llm(gpu_model, dtype="float32", attention_backend="torch")
+    want = [o.token_ids for o in plain.generate(prompts, _greedy())]
+    truth = {tuple(p): w for p, w in zip(prompts, want)}
+    spec = _llm(gpu_model, dtype="float32", attention_backend="torch", drafter="oracle",
+                plugins=(oracle_plugin(truth, 0.3, depth=4),),
+                controller="static", controller_args={"budget": 4})
+    got = spec.generate(prompts, _greedy())
+    assert [o.token_ids for o in got] == want
+    assert sum(sum(o.metrics.accepted_by_depth) for o in got) > 0
+    ngram = _llm(gpu_model, dtype="float32", attention_backend="torch", drafter="ngram")
+    assert [o.token_ids for o in ngram.generate(prompts, _greedy())] == want
+
+
+@needs_flashinfer
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_greedy_speculation_bf16_flashinfer_match_rate(smollm2_shape, graphs):
+    """bf16 + flashinfer on the SmolLM2 shape (GQA group 3): speculative vs plain greedy tokens.
+    Ties between near-equal bf16 logits can flip, so the match rate is reported; the test asks
+    that speculation ran, drafts were accepted and most tokens match."""
+    from specdec.drafters.oracle import oracle_plugin
+
+    prompts = _prompts(8, SHAPES["smollm2-135m"]["vocab_size"])
+    plain = _llm(smollm2_shape, cuda_graphs=graphs)
+    assert plain.engine.runner.backend.name == "flashinfer"
+    assert (plain.engine.runner.graphs is not None) == graphs
+    want = [o.token_ids for o in plain.generate(prompts, _greedy(48))]
+    truth = {tuple(p): w for p, w in zip(prompts, want)}
+    spec = _llm(smollm2_shape, cuda_graphs=graphs, drafter="oracle",
+                plugins=(oracle_plugin(truth, 0.2, depth=4),),
+                controller="static", controller_args={"budget": 4})
+    got = [o for o in spec.generate(prompts, _greedy(48))]
+    same = sum(a == b for o, w in zip(got, want) for a, b in zip(o.token_ids, w))
+    prefix = [next((i for i, (a, b) in enumerate(zip(o.token_ids, w)) if a != b), len(w))
+              for o, w in zip(got, want)]
+    total = sum(len(w) for w in want)
+    REPORT.add("greedy_bf16_flashinfer", graphs=graphs, token_match_rate=same / total,
+               identical_requests=sum(p == len(w) for p, w in zip(prefix, want)),
+               requests=len(want), mean_tau=sum(o.metrics.tau for o in got) / len(got))
+    assert sum(sum(o.metrics.accepted_by_depth) for o in got) > 0
+    assert same / total > 0.5
+
+
+def test_sampling_on_the_gpu_is_seeded_per_request(gpu_model):
+    """Sampled requests verify on the device; a seeded request draws the same tokens alone and in
+    a batch (its own generator), with speculation (ngram) too."""
+    from specdec.sampling_params import SamplingParams
+
+    prompts = _prompts(3, SHAPES["tiny-gpu"]["vocab_size"], seed=1)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, max_tokens=16,
+                             ignore_eos=True) for i in range(3)]
+    for drafter in (None, "ngram"):
+        llm = _llm(gpu_model, dtype="float32", attention_backend="torch", drafter=drafter)
+        batch = [o.token_ids for o in llm.generate(prompts, params)]
+        alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
+        assert batch == alone
