@@ -1,0 +1,354 @@
+"""The GPU bench (run by tests/gpu/run.sh): speed of the GPU path on random weights in real
+shapes, written to OUT/bench.json and OUT/bench.md.
+
+Per model shape (SmolLM2-135M, Llama-3.2-1B; bf16):
+- plain decode tokens/s at batch 1, 8, 32, 64 (CUDA graphs), at batch 1 eager too, and HF
+  ``generate`` at batch 1 beside it;
+- flashinfer's decode kernel against its prefill kernel with one row (attention alone);
+- the step cost table T(rows per request, batch): what a forward of the target costs;
+- speculation at a controlled acceptance (the oracle drafter: the target's own continuation with
+  a set error rate), so the speedup over plain decoding can be read off at any tau.
+
+Every section runs on its own: one that fails is recorded (its error) and the others go on.
+Usage: python tests/gpu/bench_gpu.py --out DIR [--shapes smollm2-135m,llama-1b] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_helpers import SHAPES, make_model  # noqa: E402
+
+PROMPT_LEN = 128
+DEVICE = "cuda"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--shapes", default="smollm2-135m,llama-1b")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--quick", action="store_true", help="fewer batch sizes and taus")
+    p.add_argument("--models", default="/tmp/specdec-gpu-models")
+    p.add_argument("--device", default="cuda",
+                   help="cuda; cpu dry-runs the script's logic on tiny shapes (no kernels timed)")
+    args = p.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"env": _env()}
+    for shape in args.shapes.split(","):
+        results[shape] = bench_shape(shape, Path(args.models) / shape, args)
+        _write(out, results)
+    _write(out, results)
+    print((out / "bench.md").read_text())
+    return 0
+
+
+def bench_shape(shape: str, folder: Path, args) -> dict:
+    t0 = time.perf_counter()
+    res: dict = {}
+    folder = make_model(folder, shape)
+    res["model_seconds"] = round(time.perf_counter() - t0, 1)
+    batches = [1, 8] if args.quick else [1, 8, 32, 64]
+    sections = [
+        ("plain", lambda: plain_decode(folder, batches, args.tokens)),
+        ("hf_b1", lambda: hf_generate(folder, args.tokens)),
+        ("decode_kernels", lambda: decode_kernels(shape) if DEVICE == "cuda" else {}),
+        ("step_costs", lambda: step_costs(folder, [1, 8] if args.quick else [1, 8, 32, 64])),
+        ("speculation", lambda: speculation(folder, args.tokens, args.quick)),
+    ]
+    for name, fn in sections:
+        t1 = time.perf_counter()
+        try:
+            res[name] = fn()
+        except Exception as e:  # recorded, and the other sections still run
+            res[name] = {"error": f"{type(e).__name__}: {e}",
+                         "traceback": traceback.format_exc()[-3000:]}
+            print(f"[{shape}] {name} failed: {e!r}", flush=True)
+        res[name + "_seconds"] = round(time.perf_counter() - t1, 1)
+        print(f"[{shape}] {name}: {time.perf_counter() - t1:.1f} s", flush=True)
+        _free()
+    return res
+
+
+def _llm(folder, **kw):
+    from specdec.llm import LLM
+
+    kw.setdefault("max_num_seqs", 64)
+    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    return LLM(model=str(folder), device=DEVICE, dtype=dtype, max_model_len=1024, **kw)
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab - 1, (PROMPT_LEN,), generator=g).tolist() for _ in range(n)]
+
+
+def _params(tokens: int):
+    from specdec.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+
+
+def _timed_generate(llm, prompts, tokens: int) -> tuple[float, list]:
+    """(new tokens per second, outputs) after a short warm-up run of the same batch (graphs for
+    its shapes captured, kernels compiled)."""
+    llm.generate(prompts, _params(8))
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, _params(tokens))
+    _sync()
+    seconds = time.perf_counter() - t0
+    return sum(len(o.token_ids) for o in outs) / seconds, outs
+
+
+def plain_decode(folder: Path, batches: list[int], tokens: int) -> dict:
+    """Tokens/s of the plain engine by batch size (graphs), and eager at batch 1."""
+    vocab = _vocab(folder)
+    res = {"tokens_per_request": tokens, "prompt_len": PROMPT_LEN}
+    graphs = _llm(folder)
+    res["backend"] = graphs.engine.runner.backend.name
+    res["graphs_enabled"] = graphs.engine.runner.graphs is not None
+    for b in batches:
+        tps, _ = _timed_generate(graphs, _prompts(b, vocab, seed=b), tokens)
+        res[f"graphs_b{b}_tok_s"] = round(tps, 1)
+    res["graphs_captured"] = graphs.engine.runner.graphs.num_graphs if res["graphs_enabled"] else 0
+    _free(graphs)
+    del graphs
+    eager = _llm(folder, cuda_graphs=False)
+    tps, _ = _timed_generate(eager, _prompts(1, vocab, seed=1), tokens)
+    res["eager_b1_tok_s"] = round(tps, 1)
+    del eager
+    torch_backend = _llm(folder, attention_backend="torch", cuda_graphs=False)
+    tps, _ = _timed_generate(torch_backend, _prompts(1, vocab, seed=1), tokens)
+    res["torch_backend_eager_b1_tok_s"] = round(tps, 1)
+    del torch_backend
+    _free()
+    if res.get("eager_b1_tok_s"):
+        res["graphs_over_eager_b1"] = round(res["graphs_b1_tok_s"] / res["eager_b1_tok_s"], 2)
+    return res
+
+
+def hf_generate(folder: Path, tokens: int) -> dict:
+    """transformers generate at batch 1, bf16, greedy, same prompt length and new tokens."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(DEVICE).eval()
+    ids = torch.tensor(_prompts(1, _vocab(folder), seed=1), device=DEVICE)
+    kw = dict(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate(ids, **{**kw, "max_new_tokens": 8, "min_new_tokens": 8})
+        _sync()
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        _sync()
+    seconds = time.perf_counter() - t0
+    return {"tok_s": round((out.shape[1] - ids.shape[1]) / seconds, 1),
+            "attn_implementation": model.config._attn_implementation}
+
+
+def decode_kernels(shape: str) -> dict:
+    """Attention alone, one layer: flashinfer's decode kernel vs its prefill kernel with one row
+    per request (microseconds per call, CUDA events), at kv length 512."""
+    from gpu_helpers import random_cache, random_step
+
+    from specdec.attention.backend import AttentionSpec
+    from specdec.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    s = SHAPES[shape]
+    h, hkv = s["num_attention_heads"], s["num_key_value_heads"]
+    d = s["hidden_size"] // h
+    res = {}
+    for b in (1, 8, 64):
+        gen = torch.Generator().manual_seed(b)
+        pages, page = b * 40, 16
+        step = random_step(gen, ["decode"] * b, pages, page, (h, hkv, d), "cuda", torch.bfloat16)
+        cache = random_cache(gen, pages, page, hkv, d, "cuda", torch.bfloat16)
+        for path in ("decode", "prefill"):
+            backend = FlashInferAttentionBackend(AttentionSpec(h, hkv, d, torch.bfloat16,
+                                                               torch.device("cuda")), path)
+            backend.plan(step.md)
+            args = (step.q, step.k, step.v, cache, d**-0.5)
+            res[f"b{b}_{path}_us"] = round(_cuda_time(backend.run, args) * 1e6, 1)
+    return res
+
+
+def _cuda_time(fn, args: tuple, repeats: int = 50) -> float:
+    """Median seconds of fn(*args) by CUDA events, after warm-up."""
+    for _ in range(5):
+        fn(*args)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(*args)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def step_costs(folder: Path, batches: list[int]) -> dict:
+    """T(rows per request, batch): ms of one target forward (logits for every row, as in
+    verification) of `batch` requests over 256 cached tokens each feeding `rows` rows (a decode
+    row plus a chain of rows - 1 draft nodes), CUDA graphs; eager beside it at batch 1. Also the
+    batch-1 profile the goodput controller itself takes (engine.step_costs)."""
+    from specdec.kv.block_table import BlockTable
+    from specdec.tree import DraftTree, step_mask
+
+    llm = _llm(folder)
+    engine = llm.engine
+    runner, vocab, ctx = engine.runner, _vocab(folder), 256
+    table: dict = {}
+    g = torch.Generator().manual_seed(0)
+    for b in batches:
+        tables = []
+        for _ in range(b):
+            t = BlockTable()
+            assert runner.kv.try_reserve(t, ctx + 16), "not enough KV for the cost table"
+            tables.append(t)
+        graphs, runner.graphs = runner.graphs, None
+        runner.forward(runner.pack([torch.randint(1, vocab, (ctx,), generator=g).tolist()
+                                    for _ in range(b)], [0] * b, tables, logits="none"))
+        runner.graphs = graphs
+        for rows in (1, 2, 4, 8, 16):
+            tree = DraftTree.chain(torch.randint(1, vocab, (rows - 1,), generator=g))
+            feeds = [[int(torch.randint(1, vocab, (1,), generator=g))] + tree.tokens.tolist()
+                     for _ in range(b)]
+            masks = [step_mask(tree, ctx, ctx + 1) if rows > 1 else None] * b
+            positions = [list(range(ctx, ctx + rows))] * b
+            batch = runner.pack(feeds, [ctx] * b, tables, logits="all", positions=positions,
+                                masks=masks)
+            for mode in (("graphs", "eager") if b == 1 else ("graphs",)):
+                saved = runner.graphs
+                if mode == "eager":
+                    runner.graphs = None
+                table[f"{mode}_b{b}_r{rows}_ms"] = round(_median_forward(runner, batch) * 1e3, 3)
+                runner.graphs = saved
+        for t in tables:
+            runner.kv.release(t)
+    costs = engine.step_costs()
+    table["controller_profile_b1"] = costs.to_dict()
+    return table
+
+
+def _median_forward(runner, batch, repeats: int = 20) -> float:
+    for _ in range(3):
+        runner.forward(batch)
+    return statistics.median(runner.forward(batch).seconds for _ in range(repeats))
+
+
+def speculation(folder: Path, tokens: int, quick: bool) -> dict:
+    """The oracle drafter at set taus (4-node chains, static budget 4) vs plain, batch 1 and 8:
+    tokens/s, measured tau, speedup. The continuations come from the plain run itself, so the
+    proposals are the target's own tokens (bf16: a kernel difference can flip a near-tie; the
+    drafter then stops proposing for that request, which shows as a lower measured tau)."""
+    from specdec.drafters.oracle import error_rate_for_tau, oracle_plugin
+
+    vocab, depth = _vocab(folder), 4
+    taus = [2.0, 3.0] if quick else [1.5, 2.0, 3.0, 4.0, 5.0]
+    res: dict = {"depth": depth}
+    for b in (1, 8):
+        prompts = _prompts(b if b > 1 else 2, vocab, seed=100 + b)
+        n = len(prompts) if b > 1 else 1
+        plain = _llm(folder, max_num_seqs=n)
+        plain_tps, outs = _timed_generate(plain, prompts, tokens)
+        truth = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
+        res[f"b{b}_plain_tok_s"] = round(plain_tps, 1)
+        del plain
+        _free()
+        for tau in taus:
+            rate = error_rate_for_tau(tau, depth) if tau < depth + 1 else 0.0
+            spec = _llm(folder, max_num_seqs=n, drafter="oracle",
+                        plugins=(oracle_plugin(truth, rate, depth=depth),),
+                        controller="static", controller_args={"budget": depth})
+            tps, got = _timed_generate(spec, prompts, tokens)
+            same = sum(a == w for o, p in zip(got, prompts) for a, w in zip(o.token_ids,
+                                                                             truth[tuple(p)]))
+            measured = sum(o.metrics.tau for o in got) / len(got)
+            res[f"b{b}_tau{tau}"] = {
+                "error_rate": round(rate, 4), "tok_s": round(tps, 1),
+                "speedup": round(tps / plain_tps, 2), "measured_tau": round(measured, 2),
+                "token_match": round(same / sum(len(o.token_ids) for o in got), 4)}
+            del spec
+            _free()
+    return res
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free(*llms) -> None:
+    """Drop engines now (their weights and KV), not at some later collection."""
+    del llms
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _vocab(folder: Path) -> int:
+    return json.loads((Path(folder) / "config.json").read_text())["vocab_size"]
+
+
+def _env() -> dict:
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except Exception as e:  # reported, not fatal: the torch backend still runs
+        env["flashinfer"] = f"unavailable: {e!r}"
+    return env
+
+
+def _write(out: Path, results: dict) -> None:
+    """bench.json (everything) and bench.md (the headline table), each written atomically."""
+    for name, text in (("bench.json", json.dumps(results, indent=1)),
+                       ("bench.md", _markdown(results))):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text + "\n")
+        tmp.replace(out / name)
+
+
+def _markdown(results: dict) -> str:
+    lines = [f"# GPU bench ({results['env']})", ""]
+    for shape, res in results.items():
+        if shape == "env":
+            continue
+        lines += [f"## {shape}", ""]
+        plain, hf = res.get("plain", {}), res.get("hf_b1", {})
+        if "graphs_b1_tok_s" in plain and "tok_s" in hf:
+            lines.append(f"- plain b1 (graphs) / HF generate b1: "
+                         f"{plain['graphs_b1_tok_s'] / hf['tok_s']:.2f}x (target >= 1.5)")
+        if "graphs_over_eager_b1" in plain:
+            lines.append(f"- CUDA graphs / eager at b1: {plain['graphs_over_eager_b1']}x "
+                         "(target >= 2)")
+        spec = res.get("speculation", {})
+        if "b1_tau3.0" in spec:
+            lines.append(f"- speculation at tau 3 / plain, b1: {spec['b1_tau3.0']['speedup']}x "
+                         f"(measured tau {spec['b1_tau3.0']['measured_tau']}; target >= 2)")
+        for name in ("plain", "hf_b1", "decode_kernels", "step_costs", "speculation"):
+            lines += ["", f"### {name}", "", "```", json.dumps(res.get(name), indent=1)[:4000],
+                      "```"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
