@@ -304,3 +304,37 @@ def test_sampling_on_the_gpu_is_seeded_per_request(gpu_model):
         batch = [o.token_ids for o in llm.generate(prompts, params)]
         alone = [llm.generate([p], [sp])[0].token_ids for p, sp in zip(prompts, params)]
         assert batch == alone
+
+
+@needs_flashinfer
+def test_host_syncs_per_step_do_not_grow_with_the_batch(gpu_model):
+    """On-device verification: the host syncs of a step (torch's sync debug mode counts them)
+    are the same at batch 1 and batch 8, with speculation (trees verified every step)."""
+    import warnings
+
+    from specdec.drafters.oracle import oracle_plugin
+
+    vocab = SHAPES["tiny-gpu"]["vocab_size"]
+    per_step = {}
+    for b in (1, 8):
+        g = torch.Generator().manual_seed(b)
+        prompts = [torch.randint(1, vocab - 1, (16,), generator=g).tolist() for _ in range(b)]
+        plain = _llm(gpu_model)
+        truth = {tuple(p): o.token_ids for p, o in zip(prompts, plain.generate(prompts,
+                                                                                 _greedy(32)))}
+        spec = _llm(gpu_model, drafter="oracle", plugins=(oracle_plugin(truth, 0.3, depth=4),),
+                    controller="static", controller_args={"budget": 4})
+        spec.generate(prompts, _greedy(8))  # warm-up: graphs captured, kernels compiled
+        steps0 = spec.engine.totals.steps
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                spec.generate(prompts, _greedy(32))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        steps = spec.engine.totals.steps - steps0
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        per_step[b] = len(syncs) / steps
+    REPORT.add("host_syncs_per_step", batch1=per_step[1], batch8=per_step[8])
+    assert per_step[8] <= per_step[1] * 1.25 + 1, per_step
