@@ -18,7 +18,7 @@ from conftest import make_tiny_model, oracle_plugin
 from test_spec_sampling import chi_square_pvalue
 
 from specdec import LLM, SamplingParams
-from specdec.kv.manager import KVManager
+from specdec.kv.cache import KVCache
 from specdec.sampling import logits_to_probs, params_to_tensors
 
 V = 16
@@ -133,14 +133,14 @@ def test_kv_move_is_needed_for_greedy_equality(tiny_llama, monkeypatch, move):
     plain = LLM(model=str(tiny_llama), dtype="float64")
     expected = [o.token_ids for o in plain.generate(prompts, params)]
     moves = []
-    original = KVManager.move
+    original = KVCache.move_slots
 
-    def spy(self, table, pairs):
-        moves.extend(pairs)
+    def spy(self, src, dst):
+        moves.extend(zip(src, dst))
         if move == "real":
-            original(self, table, pairs)
+            original(self, src, dst)
 
-    monkeypatch.setattr(KVManager, "move", spy)
+    monkeypatch.setattr(KVCache, "move_slots", spy)
     outputs = []
     for prompt, truth in zip(prompts, expected):  # the oracle knows one continuation each
         spec = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="oracle",

@@ -74,14 +74,6 @@ class KVManager(KVCacheManager):
         for table, base, accepted in items:
             self.truncate(table, base + len(accepted))
 
-    def move(self, table: BlockTable, moves: list[tuple[int, int]]) -> None:
-        """Copy the KV of slot s onto slot d for every (s, d), in every layer."""
-        if not moves:
-            return
-        pages, ps = table.pages, self.page_size
-        self.cache.move_slots([slot_of(pages, s, ps) for s, _ in moves],
-                              [slot_of(pages, d, ps) for _, d in moves])
-
     def copy_on_write(self, table: BlockTable, start_slot: int) -> None:
         """Private copies of shared pages holding slots >= start_slot (after ``fork``)."""
         self.cache.copy_pages(self.make_writable(table, start_slot))

@@ -1,4 +1,4 @@
-"""KVManager: the slot operations of a speculative step (try_reserve, shrink, commit, move) on a
+"""KVManager: the slot operations of a speculative step (try_reserve, shrink, commit) on a
 real KV tensor, against a model of the slots; no page is leaked."""
 
 from __future__ import annotations
@@ -88,15 +88,15 @@ def test_try_reserve_and_shrink():
     assert all_free(kv)
 
 
-def test_move_crosses_pages_in_every_layer():
+def test_commit_moves_cross_pages_in_every_layer():
     kv = manager(page_size=2)
     table = BlockTable()
     kv.reserve(table, 8)
     table.pages.reverse()  # pages out of order: slot -> page arithmetic must use the table
     fill(kv, table)
-    kv.move(table, [(7, 1), (2, 6), (6, 2)])  # reads all sources before writing
-    got = [origin(kv, table, s) for s in range(8)]
-    assert got == [0, 7, 6, 3, 4, 5, 2, 7]
+    # nodes 1, 5, 6 after base 1: slots 2, 6, 7 -> 1, 2, 3 (slot 2 is read before it is written)
+    kv.commit(table, 1, [1, 5, 6])
+    assert [origin(kv, table, s) for s in range(4)] == [0, 2, 6, 7]
 
 
 @st.composite
