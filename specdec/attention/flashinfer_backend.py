@@ -37,6 +37,7 @@ from specdec.tree import flat_masks
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k workspace, shared by all wrappers
 DECODE_PATHS = ("decode", "prefill")
+PREFILL_BACKENDS = ("auto", "fa2", "fa3")
 HALF = (torch.bfloat16, torch.float16)
 
 
@@ -58,22 +59,32 @@ class FlashInferAttentionBackend:
     supports_cuda_graphs = True
 
     def __init__(self, spec: AttentionSpec, decode_path: str = "decode",
-                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
+                 prefill_backend: str = "auto", workspace_bytes: int = WORKSPACE_BYTES) -> None:
+        """``prefill_backend``: flashinfer's kernel family for causal prefill ("auto": FA3 on
+        Hopper, else FA2; masked steps always get FA2, the one with custom masks)."""
         check_supported(spec)
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, "
                              f"got {decode_path!r}")
+        if prefill_backend not in PREFILL_BACKENDS:
+            raise ValueError(f"prefill_backend must be one of {', '.join(PREFILL_BACKENDS)}, "
+                             f"got {prefill_backend!r}")
         import flashinfer
 
         self.spec = spec
         self.decode_path = decode_path
+        self.prefill_backend = prefill_backend
         self._fi = flashinfer
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=spec.device)
-        # the non-tensor-core decode kernel is compiled for GQA group sizes 1, 2, 4 and 8 only
-        self._tensor_cores = spec.num_heads // spec.num_kv_heads not in (1, 2, 4, 8)
+        # the plain decode kernel is compiled for GQA group sizes 1, 2, 3, 4 and 8 only
+        self._tensor_cores = spec.num_heads // spec.num_kv_heads not in (1, 2, 3, 4, 8)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_tensor_cores=self._tensor_cores)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        # one wrapper per kernel family: a wrapper fixes its family at its first plan()
+        self._causal = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend=prefill_backend)
+        self._masked = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, "NHD", backend="fa2")
         self._graph_shapes: dict[tuple[int, int], _GraphShape] = {}
         self._step: _Step | None = None
 
@@ -104,6 +115,7 @@ class FlashInferAttentionBackend:
             mask_bytes = (num_rows * max_pages * page_size + 7) // 8 + batch_size
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_cuda_graph=True,
+                backend=self.prefill_backend if decode else "fa2",
                 qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=indptr,
                 paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last,
                 custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
@@ -128,8 +140,10 @@ class FlashInferAttentionBackend:
             return
         if decode and self.decode_path == "decode":
             kind, wrapper = "decode", self._decode
+        elif masked:
+            kind, wrapper = "masked", self._masked
         else:
-            kind, wrapper = ("masked" if masked else "causal"), self._prefill
+            kind, wrapper = "causal", self._causal
         self._plan_kernel(wrapper, kind, md, qo_lens)
         self._step = _Step(wrapper, index)
 

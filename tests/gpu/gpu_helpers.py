@@ -26,8 +26,9 @@ SHAPES = {
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                      rope_theta=500000.0, tie_word_embeddings=True, rms_norm_eps=1e-5),
-    # small enough for the correctness tests, head_dim 64 as flashinfer's kernels want
-    "tiny-gpu": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    # small enough for the correctness tests, head_dim 64 as flashinfer's kernels want, 4
+    # layers as EAGLE-3's default feature layers want
+    "tiny-gpu": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                      rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6),
 }
