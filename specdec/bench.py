@@ -214,9 +214,12 @@ def run_bench(args) -> dict:
 
 
 def runtime_info(engine) -> dict:
-    """What ran: dtype, device, the matmul kernels chosen on this machine, the KV split."""
+    """What ran: dtype, device, attention backend, CUDA graphs, the matmul kernels chosen on
+    this machine, the KV split."""
     kernels = engine.kernels.describe()
     return {"dtype": str(engine.dtype), "device": str(engine.device),
+            "attention_backend": engine.runner.backend.name,
+            "cuda_graphs": engine.runner.graphs is not None,
             "linear_kernels": {k: kernels[k] for k in ("key", "choices", "from_cache")},
             "kv_cache": engine.kv_split.describe()}
 

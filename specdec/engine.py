@@ -57,6 +57,7 @@ class LLMEngine:
         self.config = config
         self.dtype = config.torch_dtype
         self.device = torch.device(config.device)
+        _check_device(self.device)
         self.pm = plugins.get_plugin_manager(plugins_)
         folder = resolve_model_path(config.model)
         self.model_config = cfg = model_config_from_hf(load_hf_config(folder))
@@ -323,6 +324,17 @@ def _count(seq: Sequence, rec: StepRequest, now: float) -> None:
     if seq.times.first_token is None:
         seq.times.first_token = now
     seq.times.emissions.append((now, rec.appended))
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} but CUDA is not available here (torch "
+                         f"{torch.__version__}); use device 'cpu'")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {str(device)!r} but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def _max_model_len(config: EngineConfig, cfg) -> int:

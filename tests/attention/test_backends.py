@@ -52,3 +52,11 @@ def test_engine_config_defaults_and_checks():
         EngineConfig(cuda_graphs="yes")
     with pytest.raises(ValueError, match="dtype must be 'auto' or one of"):
         EngineConfig(dtype="fp8")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
+def test_cuda_without_cuda_is_a_clear_error(tiny_llama):
+    from specdec.llm import LLM
+
+    with pytest.raises(ValueError, match="device 'cuda' but CUDA is not available here"):
+        LLM(model=str(tiny_llama), device="cuda")

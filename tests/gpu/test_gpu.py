@@ -51,23 +51,29 @@ def _flashinfer(dtype, **kwargs):
     return FlashInferAttentionBackend(AttentionSpec(H, HKV, D, dtype, DEV), **kwargs)
 
 
+KINDS = {"mixed": MIXED, "decode": ["decode"] * 5, "prefill": ["prefill", "chunk"],
+         "trees": ["tree"] * 3}
+CASES = [(torch.bfloat16, k) for k in KINDS] + [(torch.float16, "mixed"), (torch.float16,
+                                                                            "decode")]
+
+
 @needs_flashinfer
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kinds", [MIXED, ["decode"] * 5, ["prefill", "chunk"], ["tree"] * 3],
-                         ids=["mixed", "decode", "prefill", "trees"])
+@pytest.mark.parametrize(("dtype", "kinds"), CASES, ids=[f"{d}-{k}" for d, k in CASES])
 def test_flashinfer_matches_the_torch_backend(dtype, kinds):
+    """(fp16 runs two cases: each dtype is its own JIT compile on the GPU machine.)"""
+    kinds = KINDS[kinds]
     worst = 0.0
     for seed in range(4):
         gen = torch.Generator().manual_seed(seed)
         step = random_step(gen, kinds, PAGES, PAGE, (H, HKV, D), DEV, dtype)
         cache = random_cache(gen, PAGES, PAGE, HKV, D, DEV, dtype)
         want, want_cache = _reference(step, cache)
-        for path, family in (("decode", "auto"), ("prefill", "fa2")):
-            got = _run(_flashinfer(dtype, decode_path=path, prefill_backend=family), step, cache)
+        for path in ("decode", "prefill"):
+            got = _run(_flashinfer(dtype, decode_path=path), step, cache)
             assert torch.equal(cache.float(), want_cache)  # the same slots written
             err = rel_error(got, want)
             worst = max(worst, err)
-            assert err < 1e-2, (kinds, seed, path, family, err)
+            assert err < 1e-2, (kinds, seed, path, err)
     REPORT.add("flashinfer_vs_torch", dtype=str(dtype), kinds=",".join(kinds), max_rel_err=worst)
 
 
