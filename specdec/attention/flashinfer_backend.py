@@ -14,9 +14,11 @@ and calls it. Which kernel:
 - any custom mask (draft trees): batch prefill with every request's mask, causal ones written
   out, flattened by ``specdec.tree.flat_masks``. The mask goes in unpacked: flashinfer 0.6's
   ``plan()`` handed a packed mask keeps bit offsets where its kernel reads byte offsets
-  (flashinfer PR #2201); from the unpacked mask it packs and indexes correctly itself.
+  (flashinfer PR #2201); from the unpacked mask it packs and indexes correctly itself, given
+  the index arrays on the device (its packing kernel reads them there; the other plans get the
+  host copies, so they need no device -> host copy).
 
-CUDA graphs: ``add_graph_shape(B, T, max_pages)`` creates wrappers in flashinfer's CUDA-graph
+CUDA graphs: ``add_graph_shape(B, T, max_pages, page_size)`` creates wrappers in flashinfer's CUDA-graph
 mode (fixed index buffers) for batches of exactly B requests and T rows, and a fixed K/V write
 index. ``plan()`` of such a batch copies into those buffers, so a graph captured after one plan
 replays correctly after the next. A shape with one row per request holds plain decode batches;
@@ -162,12 +164,17 @@ class FlashInferAttentionBackend:
             wrapper.plan(h.kv_indptr, h.kv_indices, h.kv_last_page_len, s.num_heads,
                          s.num_kv_heads, s.head_dim, md.page_size, **common)
             return
-        mask = None
-        if kind == "masked":
-            mask = flat_masks(md.custom_masks, qo_lens, md.kv_lens(), "cpu").to(s.device)
-        wrapper.plan(h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len, s.num_heads,
-                     s.num_kv_heads, s.head_dim, md.page_size, custom_mask=mask,
-                     causal=kind == "causal", **common)
+        if kind == "causal":
+            wrapper.plan(h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len,
+                         s.num_heads, s.num_kv_heads, s.head_dim, md.page_size, causal=True,
+                         **common)
+            return
+        # flashinfer packs the mask with a CUDA kernel indexed by offsets it derives from the
+        # indptrs it is given: so here they are the device copies (plan reads them back once)
+        mask = flat_masks(md.custom_masks, qo_lens, md.kv_lens(), "cpu").to(s.device)
+        wrapper.plan(md.qo_indptr, md.kv_indptr, md.kv_indices, md.kv_last_page_len,
+                     s.num_heads, s.num_kv_heads, s.head_dim, md.page_size, custom_mask=mask,
+                     causal=False, **common)
 
 
 def check_supported(spec: AttentionSpec) -> None:
