@@ -140,10 +140,36 @@ class _Graph:
     layers: dict[int, torch.Tensor]  # fixed output buffers of the captured layers
 
 
-class CudaGraphRunner:
-    """Captures and replays one ModelRunner's forward for small shapes (see the module doc)."""
+class CudaCapture:
+    """Records ``fn()`` into a CUDA graph: two warm-up calls on a side stream (JIT kernels,
+    cuBLAS workspaces), then the capture; all graphs share one memory pool. Returns the graph
+    (``replay()`` reruns it over the same memory) and ``fn``'s output, whose memory replays
+    overwrite."""
 
-    def __init__(self, runner, max_batch: int, max_rows: int, max_kv_len: int) -> None:
+    def __init__(self) -> None:
+        self.pool = None
+
+    def __call__(self, fn):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn()
+        return graph, out
+
+
+class CudaGraphRunner:
+    """Captures and replays one ModelRunner's forward for small shapes (see the module doc).
+    ``capture``: how graphs are recorded (``CudaCapture``; tests on a CPU pass a stand-in)."""
+
+    def __init__(self, runner, max_batch: int, max_rows: int, max_kv_len: int,
+                 capture=None) -> None:
         backend = runner.backend
         if not getattr(backend, "supports_cuda_graphs", False):
             raise ValueError(f"attention backend {backend.name!r} cannot run in CUDA graphs; "
@@ -155,7 +181,7 @@ class CudaGraphRunner:
         # scratch pages for the dummies: enough for the most rows a dummy can get
         self.scratch = runner.kv.pool.allocate(-(-max_rows // page))
         self._graphs: dict[tuple, _Graph] = {}
-        self._pool = None
+        self._capture_fn = capture or CudaCapture()
         self.capture_seconds = 0.0
 
     @property
@@ -196,17 +222,7 @@ class CudaGraphRunner:
         names = ["input_ids", "positions"]
         names += [n for n in ("features", "context_rows") if getattr(padded, n) is not None]
         inputs = {n: getattr(padded, n).clone() for n in names}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up: JIT kernels, cuBLAS workspaces
-            for _ in range(2):
-                runner.run_model(inputs, capture_layers)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = runner.run_model(inputs, capture_layers)
+        graph, out = self._capture_fn(lambda: runner.run_model(inputs, capture_layers))
         self._graphs[key] = g = _Graph(graph, inputs, out.hidden, out.layer_hidden)
         self.capture_seconds += time.perf_counter() - t0
         return g

@@ -165,3 +165,109 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(model):
 
     with pytest.raises(ValueError, match="attention backend 'torch' cannot run in CUDA graphs"):
         CudaGraphRunner(runner, 8, 64, 128)
+
+
+# ---- the graph runner on the CPU -------------------------------------------------------------
+# flashinfer replaced by a model of its wrappers (tests/attention/flashinfer_api_model.py) and
+# the CUDA capture by a stand-in with a graph's semantics: what runs here is the runner's own
+# logic (shapes, padding, fixed input buffers, capture once per key, outputs copied out).
+
+
+class RerunCapture:
+    """Stands in for CudaCapture: replay() reruns the captured function over the same input
+    buffers and writes into the output memory the capture returned, as a graph replay does."""
+
+    def __init__(self) -> None:
+        self.graphs: list[_Replay] = []
+
+    def __call__(self, fn):
+        out = fn()
+        self.graphs.append(_Replay(fn, out))
+        return self.graphs[-1], out
+
+
+class _Replay:
+    def __init__(self, fn, out) -> None:
+        self.fn, self.out, self.replays = fn, out, 0
+
+    def replay(self) -> None:
+        new = self.fn()
+        self.out.hidden.copy_(new.hidden)
+        for i, h in self.out.layer_hidden.items():
+            h.copy_(new.layer_hidden[i])
+        self.replays += 1
+
+
+@pytest.fixture
+def flashinfer_model(monkeypatch):
+    import sys
+
+    from attention import flashinfer_api_model
+
+    from specdec.attention import flashinfer_backend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_api_model.module())
+    monkeypatch.setattr(flashinfer_backend, "check_supported", lambda spec: None)
+
+
+def _graph_everything(engine) -> RerunCapture:
+    from specdec.cuda_graphs import CudaGraphRunner
+
+    capture = RerunCapture()
+    for runner in [engine.runner, *engine.drafter_runners]:
+        runner.graphs = CudaGraphRunner(runner, engine.config.max_num_seqs,
+                                        engine.config.max_num_batched_tokens,
+                                        engine.max_model_len, capture=capture)
+    return capture
+
+
+def test_graphed_runner_gives_what_the_eager_runner_gives(model, flashinfer_model):
+    from specdec.cuda_graphs import CudaGraphRunner
+
+    eager, graphed = _runner(model), ModelRunner(model, "target", "flashinfer", PAGE, "cpu")
+    graphed.allocate(40)
+    capture = RerunCapture()
+    graphed.graphs = CudaGraphRunner(graphed, 8, 32, 128, capture=capture)
+    want = eager.forward(_step(eager), capture_layers=(0,))
+    for _ in range(2):  # capture, then a replay of the same key
+        got = graphed.forward(_step(graphed), capture_layers=(0,))
+        torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got.hidden[0], want.hidden[0], rtol=0, atol=1e-12)
+    # _step's warm-up prefill (14 rows, 2 requests) and the step (10 rows, 3 requests): two keys
+    assert len(capture.graphs) == 2 and graphed.graphs.num_graphs == 2
+    assert [g.replays for g in capture.graphs] == [2, 2]
+    # the outputs handed out are copies: the next replay does not change them
+    before = got.final_hidden.clone()
+    other = _step(graphed)
+    other.input_ids.add_(1)  # same shape, other tokens: the replay computes something else
+    again = graphed.forward(other, capture_layers=(0,))
+    assert not torch.equal(again.final_hidden, before)
+    assert torch.equal(got.final_hidden, before)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_model, batch):
+    """The engine with every runner graphed (the CPU stand-ins above) and the oracle drafter:
+    token for token the torch backend's plain greedy output; steps really went through graphs."""
+    from specdec.drafters.oracle import oracle_plugin
+    from specdec.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    prompts = [[5, 6, 7, 8, 5, 6, 9], [3, 4, 3, 4, 3], [9, 8, 7, 1, 2]][:batch]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kw = dict(model=str(tiny_llama), dtype="float64", max_num_seqs=8,
+              max_num_batched_tokens=64)
+    want = [o.token_ids for o in LLM(**kw).generate(prompts, params)]
+    truth = {tuple(p): w for p, w in zip(prompts, want)}
+    for drafter in (None, "oracle"):
+        extra = {} if drafter is None else dict(
+            drafter="oracle", plugins=(oracle_plugin(truth, 0.3, depth=4),),
+            controller="static", controller_args={"budget": 4})
+        llm = LLM(attention_backend="flashinfer", **kw, **extra)
+        capture = _graph_everything(llm.engine)
+        got = llm.generate(prompts, params)
+        assert [o.token_ids for o in got] == want
+        # every step fits a shape (at most 8 requests, 64 rows): every forward was a replay
+        assert sum(g.replays for g in capture.graphs) == llm.engine.totals.steps > 8
+        if drafter:
+            assert sum(sum(o.metrics.accepted_by_depth) for o in got) > 0
