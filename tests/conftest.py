@@ -52,6 +52,20 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+@pytest.fixture
+def flashinfer_api_model(monkeypatch):
+    """flashinfer replaced by a model of its wrappers (tests/attention/flashinfer_api_model.py)
+    and its device check off: the flashinfer backend runs on the CPU (semantics, not kernels)."""
+    import sys
+
+    from attention import flashinfer_api_model as model
+
+    from specdec.attention import flashinfer_backend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", model.module())
+    monkeypatch.setattr(flashinfer_backend, "check_supported", lambda spec: None)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct folder (fetched into the cache on first use)."""

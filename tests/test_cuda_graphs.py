@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 import torch
+from graph_helpers import RerunCapture, graph_everything
 
 from specdec.cuda_graphs import (
     Shape,
@@ -169,59 +170,12 @@ def test_cuda_graphs_are_refused_where_they_cannot_run(model):
 
 # ---- the graph runner on the CPU -------------------------------------------------------------
 # flashinfer replaced by a model of its wrappers (tests/attention/flashinfer_api_model.py) and
-# the CUDA capture by a stand-in with a graph's semantics: what runs here is the runner's own
-# logic (shapes, padding, fixed input buffers, capture once per key, outputs copied out).
+# the CUDA capture by a stand-in with a graph's semantics (graph_helpers.py): what runs here is
+# the runner's own logic (shapes, padding, fixed input buffers, capture once per key, outputs
+# copied out).
 
 
-class RerunCapture:
-    """Stands in for CudaCapture: replay() reruns the captured function over the same input
-    buffers and writes into the output memory the capture returned, as a graph replay does."""
-
-    def __init__(self) -> None:
-        self.graphs: list[_Replay] = []
-
-    def __call__(self, fn):
-        out = fn()
-        self.graphs.append(_Replay(fn, out))
-        return self.graphs[-1], out
-
-
-class _Replay:
-    def __init__(self, fn, out) -> None:
-        self.fn, self.out, self.replays = fn, out, 0
-
-    def replay(self) -> None:
-        new = self.fn()
-        self.out.hidden.copy_(new.hidden)
-        for i, h in self.out.layer_hidden.items():
-            h.copy_(new.layer_hidden[i])
-        self.replays += 1
-
-
-@pytest.fixture
-def flashinfer_model(monkeypatch):
-    import sys
-
-    from attention import flashinfer_api_model
-
-    from specdec.attention import flashinfer_backend
-
-    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_api_model.module())
-    monkeypatch.setattr(flashinfer_backend, "check_supported", lambda spec: None)
-
-
-def _graph_everything(engine) -> RerunCapture:
-    from specdec.cuda_graphs import CudaGraphRunner
-
-    capture = RerunCapture()
-    for runner in [engine.runner, *engine.drafter_runners]:
-        runner.graphs = CudaGraphRunner(runner, engine.config.max_num_seqs,
-                                        engine.config.max_num_batched_tokens,
-                                        engine.max_model_len, capture=capture)
-    return capture
-
-
-def test_graphed_runner_gives_what_the_eager_runner_gives(model, flashinfer_model):
+def test_graphed_runner_gives_what_the_eager_runner_gives(model, flashinfer_api_model):
     from specdec.cuda_graphs import CudaGraphRunner
 
     eager, graphed = _runner(model), ModelRunner(model, "target", "flashinfer", PAGE, "cpu")
@@ -246,7 +200,8 @@ def test_graphed_runner_gives_what_the_eager_runner_gives(model, flashinfer_mode
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_model, batch):
+def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_api_model,
+                                                        batch):
     """The engine with every runner graphed (the CPU stand-ins above) and the oracle drafter:
     token for token the torch backend's plain greedy output; steps really went through graphs."""
     from specdec.drafters.oracle import oracle_plugin
@@ -264,7 +219,7 @@ def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_m
             drafter="oracle", plugins=(oracle_plugin(truth, 0.3, depth=4),),
             controller="static", controller_args={"budget": 4})
         llm = LLM(attention_backend="flashinfer", **kw, **extra)
-        capture = _graph_everything(llm.engine)
+        capture = graph_everything(llm.engine)
         got = llm.generate(prompts, params)
         assert [o.token_ids for o in got] == want
         # every step fits a shape (at most 8 requests, 64 rows): every forward was a replay

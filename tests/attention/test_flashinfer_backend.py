@@ -6,11 +6,8 @@ are compared with the reference on a GPU (tests/gpu/test_gpu.py)."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from attention import flashinfer_api_model
 from gpu.gpu_helpers import random_cache, random_step
 
 from specdec.attention import flashinfer_backend
@@ -28,9 +25,7 @@ KINDS = {
 
 
 @pytest.fixture
-def backend_cls(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flashinfer", flashinfer_api_model.module())
-    monkeypatch.setattr(flashinfer_backend, "check_supported", lambda spec: None)
+def backend_cls(flashinfer_api_model):
     return flashinfer_backend.FlashInferAttentionBackend
 
 

@@ -1,8 +1,13 @@
-"""What the drafter tests share: prompts, a greedy float64 run, and a spy on proposals."""
+"""What the drafter tests share: prompts, a greedy float64 run, a spy on proposals, and random
+EAGLE-3 heads and block-diffusion drafters for a target."""
 
 from __future__ import annotations
 
+import torch
+
 from specdec import LLM, SamplingParams
+from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 5, 6], [3, 4, 3, 4, 3], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9],
            [11, 12], [7, 7, 7, 7], [40, 41, 42, 40, 41], [60]]
@@ -28,3 +33,28 @@ def record_proposals(monkeypatch, drafter_cls) -> list:
 
     monkeypatch.setattr(drafter_cls, "propose", spy)
     return seen
+
+
+def random_head(model, cfg, hf, draft_vocab: int = 64, seed: int = 0) -> Eagle3Head:
+    """A random EAGLE-3 head for ``model`` (on its device, in its dtype)."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab), model.embed, hf)
+    head.reset_parameters(0.5)  # large weights: peaked, tie-free distributions
+    used = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
+    head.set_vocab(used.to(model.embed.device))
+    return head
+
+
+def random_block_diffusion(model, cfg, hf, block_size: int = 4, seed: int = 0,
+                           rates=None) -> BlockDiffusionModel:
+    """A block-diffusion drafter for ``model`` (3+ layers), initialised from it and perturbed."""
+    torch.manual_seed(seed)
+    c = BlockDiffusionConfig.for_target(cfg, 64, num_layers=2, block_size=block_size,
+                                        target_layer_ids=(0, 2))
+    bd = BlockDiffusionModel(c, model.embed, hf)
+    bd.init_from_target(model, torch.randperm(cfg.vocab_size)[:64].sort().values)
+    with torch.no_grad():  # away from the target's copy, so that a mix-up shows
+        for p in bd.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    bd.rank_acceptance = rates
+    return bd

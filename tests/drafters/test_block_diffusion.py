@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
-from drafter_helpers import PROMPTS, greedy, record_proposals
+from drafter_helpers import PROMPTS, greedy, random_block_diffusion, record_proposals
 
 from specdec import LLM, SamplingParams
 from specdec.attention.block_masks import anchor_blocks_mask, block_mask
@@ -28,26 +28,13 @@ def target(tmp_path_factory):
     return folder, model, cfg, hf
 
 
-def random_model(model, cfg, hf, block_size: int = 4, seed: int = 0, rates=None):
-    torch.manual_seed(seed)
-    c = BlockDiffusionConfig.for_target(cfg, 64, num_layers=2, block_size=block_size,
-                                        target_layer_ids=(0, 2))
-    bd = BlockDiffusionModel(c, model.embed, hf)
-    bd.init_from_target(model, torch.randperm(cfg.vocab_size)[:64].sort().values)
-    with torch.no_grad():  # away from the target's copy, so that a mix-up shows
-        for p in bd.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    bd.rank_acceptance = rates
-    return bd
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_identical_to_plain(target, batch):
     folder, model, cfg, hf = target
     prompts = PROMPTS[:batch]
     plain = greedy(folder, prompts)
     spec = greedy(folder, prompts, drafter="block_diffusion",
-                   drafter_args={"model": random_model(model, cfg, hf)},
+                   drafter_args={"model": random_block_diffusion(model, cfg, hf)},
                    controller_args={"budget": 5})
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert all(o.metrics.draft_tokens_proposed > 0 for o in spec)
@@ -97,7 +84,7 @@ def test_paged_batched_forward_and_training_layout_equal_the_dense_reference(tar
                                                                              monkeypatch):
     folder, model, cfg, hf = target
     rates = [[0.8, 0.1], [0.6, 0.2], [0.5, 0.1]]
-    bd = random_model(model, cfg, hf, seed=2, rates=rates)
+    bd = random_block_diffusion(model, cfg, hf, seed=2, rates=rates)
     seen = record_proposals(monkeypatch, BlockDiffusionDrafter)
     greedy(folder, PROMPTS[:6], drafter="block_diffusion",
             drafter_args={"model": bd, "topk": 2}, controller_args={"budget": 5})
@@ -128,7 +115,7 @@ def test_paged_batched_forward_and_training_layout_equal_the_dense_reference(tar
 
 def test_drafter_for_another_target_is_refused(target, tiny_llama):
     folder, model, cfg, hf = target
-    bd = random_model(model, cfg, hf)
+    bd = random_block_diffusion(model, cfg, hf)
     with pytest.raises(ValueError, match="layer count 3.*layer count 2"):
         LLM(model=str(tiny_llama), dtype="float64", drafter="block_diffusion",
             drafter_args={"model": bd})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
-from drafter_helpers import PROMPTS, greedy, record_proposals
+from drafter_helpers import PROMPTS, greedy, random_head, record_proposals
 
 from specdec import LLM, SamplingParams
 from specdec.attention.dense import DenseAttention
@@ -27,15 +27,6 @@ def target4(tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp("l4"), num_hidden_layers=4, seed=4)
     model, cfg, hf = load_model(folder, torch.float64, "cpu", 512)
     return folder, model, cfg, hf
-
-
-def random_head(model, cfg, hf, draft_vocab: int = 64, seed: int = 0) -> Eagle3Head:
-    torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab), model.embed, hf)
-    head.reset_parameters(0.5)  # large weights: peaked, tie-free distributions
-    used = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
-    head.set_vocab(used)
-    return head
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])

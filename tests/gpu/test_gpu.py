@@ -8,6 +8,8 @@ match rates) in $SPECDEC_GPU_REPORT through ``Report``.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,17 +289,14 @@ def _match_rate(got: list[list[int]], want: list[list[int]]) -> float:
 
 
 def _random_head(folder, dtype):
-    """A random EAGLE-3 head for the target at ``folder`` (large weights: peaked drafts)."""
+    """drafter_helpers.random_head for the target at ``folder``, on the GPU in ``dtype``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafters"))
+    from drafter_helpers import random_head
+
     from specdec.models.config import resolve_dtype
-    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
     from specdec.models.loader import load_model
 
-    model, cfg, hf = load_model(folder, resolve_dtype(dtype), DEV, 512)
-    torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config.for_target(cfg, 64), model.embed, hf)
-    head.reset_parameters(0.5)
-    head.set_vocab(torch.randperm(cfg.vocab_size)[:64].sort().values.to(DEV))
-    return head
+    return random_head(*load_model(folder, resolve_dtype(dtype), DEV, 512))
 
 
 @needs_flashinfer
