@@ -85,6 +85,7 @@ class BlockDiffusionDrafter(BaseDrafter):
         if not live:
             return trees
         tokens, probs = self._forward([requests[j] for j in live])
+        tokens, probs = tokens.cpu(), probs.cpu()  # one copy for the batch, not one per request
         for row, j in enumerate(live):
             b = requests[j].budget
             paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)

@@ -72,6 +72,8 @@ class Eagle3Drafter(BaseDrafter):
             self.head = load_head(path, target, variant)
         self.hidden_layers = self.head.config.capture_layers
         self.runner = target.new_runner(self.head, name="eagle3")
+        # draft id -> target id offsets on the host: read per node, never from the device
+        self._d2t: list[int] = self.head.d2t.tolist()
 
     def init_state(self, request_id, prompt_token_ids) -> Eagle3State:
         return Eagle3State()
@@ -144,16 +146,15 @@ class Eagle3Drafter(BaseDrafter):
         """Levels of candidates per request, and per request the expanded rows as
         (level, candidate index) in row order."""
         k = self.topk
-        top = logp.topk(k, dim=-1)
-        levels = [[_Level([-1] * k, top.indices[b].tolist(), top.values[b].tolist())]
-                  for b in range(len(reqs))]
+        top_i, top_v = _host_topk(logp, k)
+        levels = [[_Level([-1] * k, top_i[b], top_v[b])] for b in range(len(reqs))]
         rows: list[list[tuple[int, int]]] = [[] for _ in reqs]
         parent_y = y  # [B, H] feature of each request's current parents (catch-up row)
         for level in range(1, depth):
             picks = [self._frontier(levels[b][-1], k) for b in range(len(reqs))]
             out = self._forward_level(reqs, levels, rows, picks, parent_y, level)
             parent_y = out.final_hidden  # [B * k, H], request b's rows at b*k .. b*k+k-1
-            top = out.logits.log_softmax(-1).topk(k, dim=-1)
+            top_i, top_v = _host_topk(out.logits.log_softmax(-1), k)
             for b in range(len(reqs)):
                 cand = levels[b][-1]
                 first = len(rows[b]) - k
@@ -161,8 +162,8 @@ class Eagle3Drafter(BaseDrafter):
                 for j, c in enumerate(picks[b]):
                     row = b * k + j
                     parent += [first + j] * k
-                    token += top.indices[row].tolist()
-                    lp += [cand.logp[c] + v for v in top.values[row].tolist()]
+                    token += top_i[row]
+                    lp += [cand.logp[c] + v for v in top_v[row]]
                 levels[b].append(_Level(parent, token, lp))
         return levels, rows
 
@@ -175,7 +176,7 @@ class Eagle3Drafter(BaseDrafter):
     def _forward_level(self, reqs, levels, rows, picks, parent_y, level: int):
         """One row per picked candidate of every request, batched; updates ``rows``."""
         k = self.topk
-        feeds, starts, positions, masks, feats = [], [], [], [], []
+        feeds, starts, positions, masks, feat_rows = [], [], [], [], []
         for b, r in enumerate(reqs):
             n = len(r.token_ids)
             cand = levels[b][-1]
@@ -189,13 +190,14 @@ class Eagle3Drafter(BaseDrafter):
             new = torch.arange(prev_rows, prev_rows + k)
             masks.append(nodes_mask(tree, n - 1, new))
             parent_index = [cand.parent[c] for c in picks[b]]
-            feats.append(parent_y[[b if p < 0 or level == 1 else b * k + p - (prev_rows - k)
-                                   for p in parent_index]])
-        d2t = self.head.d2t.tolist()
+            feat_rows += [b if p < 0 or level == 1 else b * k + p - (prev_rows - k)
+                          for p in parent_index]
+        d2t = self._d2t
         ids = [[t + d2t[t] for t in f] for f in feeds]  # the target's ids (its embedding)
+        features = parent_y.index_select(0, torch.tensor(feat_rows, device=parent_y.device))
         batch = self.runner.pack(ids, starts,
                                  [r.state.table for r in reqs], logits="all",
-                                 positions=positions, masks=masks, features=torch.cat(feats))
+                                 positions=positions, masks=masks, features=features)
         return self.runner.forward(batch)
 
     def _select(self, levels: list[_Level], rows: list[tuple[int, int]], budget: int,
@@ -209,16 +211,22 @@ class Eagle3Drafter(BaseDrafter):
         chosen = flat[:budget]
         node = {lc: i for i, lc in enumerate(chosen)}
         tokens, parents, probs = [], [], []
-        d2t = self.head.d2t
+        d2t = self._d2t
         for lv, c in chosen:
             p = _parent_of(levels, rows, (lv, c))
             parents.append(-1 if p is None else node[p])
             t = levels[lv].token[c]
-            tokens.append(t + int(d2t[t]))
+            tokens.append(t + d2t[t])
             probs.append(levels[lv].logp[c])
         return DraftTree(torch.tensor(tokens, dtype=torch.int64),
                          torch.tensor(parents, dtype=torch.int64), None,
                          torch.tensor(probs, dtype=torch.float32).exp())
+
+
+def _host_topk(logp: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Top-k ids and log-probs of every row, as host lists (one device -> host copy each)."""
+    top = logp.topk(k, dim=-1)
+    return top.indices.tolist(), top.values.tolist()
 
 
 def _parent_of(levels: list[_Level], rows: list[tuple[int, int]], lc: tuple[int, int]):

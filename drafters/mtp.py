@@ -72,11 +72,12 @@ class MTPDrafter(BaseDrafter):
             y = self.heads(x.to(self.heads.lm_head.dtype))  # [R, num_heads, H]
             probs = self.heads.compute_logits(y).softmax(-1)
             top = probs.topk(self.topk, dim=-1)  # [R, num_heads, k]
-            tokens = self.heads.token_map[top.indices]
+            # one device -> host copy for the batch, not one per request
+            tokens, values = self.heads.token_map[top.indices].cpu(), top.values.cpu()
         for row, j in enumerate(live):
             b = requests[j].budget
             paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)
-            trees[j] = tree_from_ranks(paths, tokens[row], top.values[row])
+            trees[j] = tree_from_ranks(paths, tokens[row], values[row])
         return trees
 
 
