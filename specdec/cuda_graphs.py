@@ -177,7 +177,8 @@ class CudaGraphRunner:
         self.runner = runner
         self.shapes = graph_shapes(max_batch, max_rows)
         page = runner.page_size
-        self.max_pages = -(-max(max_kv_len, max_rows) // page) + 1
+        # a request's KV: up to max_kv_len slots plus the rows drafted past them this step
+        self.max_pages = -(-(max_kv_len + max_rows) // page) + 1
         # scratch pages for the dummies: enough for the most rows a dummy can get
         self.scratch = runner.kv.pool.allocate(-(-max_rows // page))
         self._graphs: dict[tuple, _Graph] = {}
