@@ -42,6 +42,7 @@ class FlexAttentionBackend:
         compiled flex_attention for CUDA tensors, eager elsewhere."""
         self.compile = compile
         self._plan: _Plan | None = None
+        self._compiled = None  # torch.compile(flex_attention), built on first compiled use
 
     def plan(self, metadata: AttentionMetadata) -> None:
         self._plan = _Plan(metadata)
@@ -53,31 +54,26 @@ class FlexAttentionBackend:
             tuple(q.shape), tuple(k.shape), tuple(v.shape), plan.num_rows)
         rows = write_kv(kv_cache, plan.write_index, k, v)
         kv = rows.index_select(0, plan.read_index).view(2, plan.num_slots, *rows.shape[1:])
-        attend = _flex(q.is_cuda if self.compile is None else self.compile)
+        attend = self._flex(q.is_cuda if self.compile is None else self.compile)
         out = attend(_heads_first(q), _heads_first(kv[0]), _heads_first(kv[1]),
                      block_mask=plan.block_mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).to(q.dtype)
+
+    def _flex(self, compiled: bool):
+        """flex_attention, or its torch.compile'd form."""
+        if not compiled:
+            return flex_attention
+        if self._compiled is None:
+            # T and S change every step: the first recompile makes them dynamic (torch.compile's
+            # automatic dynamic). On CPU (compile=True) only the first shape works: torch 2.13's
+            # inductor emits C++ for dynamic shapes that does not build
+            self._compiled = torch.compile(flex_attention, fullgraph=True)
+        return self._compiled
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """[N, heads, D] -> [1, heads, N, D], the layout flex_attention takes."""
     return x.transpose(0, 1).unsqueeze(0)
-
-
-_compiled_flex = None
-
-
-def _flex(compiled: bool):
-    """flex_attention, or its torch.compile'd form (built once per process)."""
-    global _compiled_flex
-    if not compiled:
-        return flex_attention
-    if _compiled_flex is None:
-        # T and S change every step: the first recompile makes them dynamic (torch.compile's
-        # automatic dynamic). Not verified on a GPU here. On CPU (compile=True) only the first
-        # shape works: torch 2.13's inductor emits C++ for dynamic shapes that does not build
-        _compiled_flex = torch.compile(flex_attention, fullgraph=True)
-    return _compiled_flex
 
 
 class _Plan:
