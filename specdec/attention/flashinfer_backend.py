@@ -114,15 +114,18 @@ class FlashInferAttentionBackend:
                 paged_kv_last_page_len_buffer=last)
         else:
             kind = "causal" if decode else "masked"
-            # every request's mask bits, each request padded to a whole byte
-            mask_bytes = (num_rows * max_pages * page_size + 7) // 8 + batch_size
+            masks = {}
+            if kind == "masked":  # (a graph wrapper given a mask buffer always runs masked)
+                # every request's mask bits, each request padded to a whole byte
+                mask_bytes = (num_rows * max_pages * page_size + 7) // 8 + batch_size
+                masks = dict(custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8,
+                                                         device=dev),
+                             mask_indptr_buf=torch.zeros(batch_size + 1, **i32))
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_cuda_graph=True,
                 backend=self.prefill_backend if decode else "fa2",
                 qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=indptr,
-                paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last,
-                custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=dev),
-                mask_indptr_buf=torch.zeros(batch_size + 1, **i32))
+                paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last, **masks)
         write_index = torch.zeros(2 * num_rows, dtype=torch.int64, device=dev)
         self._graph_shapes[key] = _GraphShape(wrapper, kind, write_index)
 

@@ -13,7 +13,9 @@ Semantics modelled (flashinfer/prefill.py, decode.py of 0.6.0):
 - ``custom_mask``: every request's [qo_len, kv_len] mask flattened row-major, back to back;
   ``causal``: bottom-right aligned (row i of q rows over L slots sees slots 0..L-q+i);
 - CUDA-graph mode: the batch size is fixed by the buffers, the total rows by the first plan, and
-  the indices and the packed mask (each request's bits padded to a byte) must fit their buffers.
+  the indices and the packed mask (each request's bits padded to a byte) must fit their buffers;
+  a wrapper made with a mask buffer always runs in custom-mask mode (run() decides by the
+  buffer, not by the plan).
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         self.last = paged_kv_last_page_len.cpu().long()
         self.page, self.scale, self.causal = page_size, sm_scale, causal
         self.mask = None if custom_mask is None else custom_mask.cpu().bool()
+        # flashinfer's run() takes a graph wrapper's mask buffer as "custom mask mode"
+        assert not (self.graph and "custom_mask_buf" in self.kwargs and custom_mask is None), \
+            "a graph-mode wrapper with a mask buffer runs masked: its plan needs the mask"
         qo, kv = _lens(self.qo_indptr), _kv_lens(self.kv_indptr, self.last, page_size)
         bits = [a * b for a, b in zip(qo, kv)]
         if self.mask is not None:

@@ -90,11 +90,12 @@ def test_a_chain_mask_attends_as_causal(backend_cls):
     torch.testing.assert_close(masked, causal, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("kinds", ["decode", "mixed"])
-def test_graph_shapes_plan_into_fixed_buffers(backend_cls, kinds):
+@pytest.mark.parametrize(("kinds", "decode_path"), [("decode", "decode"), ("decode", "prefill"),
+                                                    ("mixed", "decode")])
+def test_graph_shapes_plan_into_fixed_buffers(backend_cls, kinds, decode_path):
     """Steps of a registered (B, T) shape use that shape's graph-mode wrapper and write index:
     the same objects every step (a captured graph keeps pointing at them), refilled by plan()."""
-    backend = _make(backend_cls)
+    backend = _make(backend_cls, decode_path=decode_path)
     steps = []
     for seed in range(200):
         step, cache = _step(seed, KINDS[kinds])
@@ -105,7 +106,8 @@ def test_graph_shapes_plan_into_fixed_buffers(backend_cls, kinds):
     b, t = len(KINDS[kinds]), steps[0][0].q.shape[0]
     backend.add_graph_shape(b, t, max_pages=PAGES, page_size=PAGE)
     shape = backend._graph_shapes[(b, t)]
-    assert shape.wrapper.graph and shape.kind == ("decode" if kinds == "decode" else "masked")
+    kind = "masked" if kinds == "mixed" else "decode" if decode_path == "decode" else "causal"
+    assert shape.wrapper.graph and shape.kind == kind
     for step, cache in steps:
         want, _ = _reference(step, cache)
         got, _ = _run(backend, step, cache)
