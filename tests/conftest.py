@@ -52,6 +52,17 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For a module of tiny ops (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``):
+    on a shared 2-core machine, with 2 OpenMP threads each op waits on a barrier for a whole
+    scheduler slice (~20 ms per 32x64 matmul under load, 1000x slower than 1 thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def flashinfer_api_model(monkeypatch):
     """flashinfer replaced by a model of its wrappers (tests/attention/flashinfer_api_model.py)

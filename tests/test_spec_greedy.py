@@ -12,7 +12,6 @@ import statistics
 import time
 
 import pytest
-import torch
 
 from specdec.llm import LLM
 from specdec.sampling_params import SamplingParams
@@ -59,14 +58,7 @@ def assert_lossless(plain: LLM, spec: LLM, prompts, params) -> list:
     return got
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny ops on a shared 2-core machine: with 2 OpenMP threads each op waits on a barrier
-    for a whole scheduler slice (~20 ms per 32x64 matmul under load, 1000x slower than 1 thread)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

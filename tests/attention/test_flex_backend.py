@@ -28,16 +28,10 @@ D = 8
 SCALE = 0.3  # not flex_attention's default 1/sqrt(D), so a dropped scale shows
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12}
 # eager flex_attention is this file's point (the CPU path): its one-time advice to compile is noise
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny ops on a shared 2-core machine run fastest on one thread (see test_spec_greedy)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def _random_tree(rng: random.Random, n: int) -> DraftTree:

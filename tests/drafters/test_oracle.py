@@ -10,7 +10,6 @@ import math
 from types import SimpleNamespace
 
 import pytest
-import torch
 from drafter_helpers import PROMPTS
 
 from specdec import LLM, SamplingParams
@@ -27,13 +26,7 @@ VOCAB = 96  # tests/conftest.py TINY_COMMON
 TRUTH_TOKENS = 160  # continuation length (the statistics test generates all of it)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny ops on a shared 2-core machine: one thread avoids OpenMP barrier stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _params(n: int) -> SamplingParams:
