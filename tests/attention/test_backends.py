@@ -60,3 +60,10 @@ def test_cuda_without_cuda_is_a_clear_error(tiny_llama):
 
     with pytest.raises(ValueError, match="device 'cuda' but CUDA is not available here"):
         LLM(model=str(tiny_llama), device="cuda")
+
+
+def test_flashinfer_on_the_cpu_is_a_clear_error(tiny_llama):
+    from specdec.llm import LLM
+
+    with pytest.raises(ValueError, match="'flashinfer' runs on CUDA devices only"):
+        LLM(model=str(tiny_llama), attention_backend="flashinfer")
