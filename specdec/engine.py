@@ -335,6 +335,8 @@ def _check_device(device: torch.device) -> None:
     if device.index is not None and device.index >= torch.cuda.device_count():
         raise ValueError(f"device {str(device)!r} but this machine has "
                          f"{torch.cuda.device_count()} CUDA device(s)")
+    # streams, graph captures and flashinfer's JIT follow the current device: make it ours
+    torch.cuda.set_device(device)
 
 
 def _max_model_len(config: EngineConfig, cfg) -> int:
