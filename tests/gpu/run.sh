@@ -3,14 +3,16 @@
 # leaving its report under $OUT. Here first: `bash tests/gpu/fetch_wheels.sh` (flashinfer has to
 # travel as a wheel); then, through the device tool, with `.whl` carried:
 #     bash tests/gpu/run.sh
-# It installs flashinfer and specdec offline, runs tests/gpu (flashinfer and flex against the
+# It installs flashinfer and specdec offline, compiles flashinfer's kernels in parallel
+# (warm_jit.py), runs tests/gpu (flashinfer and flex against the
 # torch backend, CUDA-graph replay against eager, greedy speculation against plain, seeded
 # sampling) and then tests/gpu/bench_gpu.py (speed). Each phase has its own time limit; what a
 # phase measured is in $OUT even if a later one fails. $OUT: run.log (phases and their times),
-# env.txt, gpu-tests.log + gpu-tests.xml, checks.jsonl (errors and match rates the tests
+# env.txt, jit.log, gpu-tests.log + gpu-tests.xml, checks.jsonl (errors and match rates the tests
 # measured), bench.json + bench.md + bench.log.
-# PHASES ("tests bench" by default; "bench" alone on a rerun), TESTS_TIMEOUT / BENCH_TIMEOUT
-# (seconds; 300 + 200 by default, so that install + both fit one 600 s device call) and
+# PHASES ("jit tests bench" by default; "bench" alone on a rerun on a warm machine), JIT_TIMEOUT
+# / TESTS_TIMEOUT / BENCH_TIMEOUT (seconds; 240 / 300 / 200 by default: the JIT phase compiles
+# what the tests then find built, so install + all three fit one 600 s device call) and
 # BENCH_ARGS (e.g. --quick, or --shapes smollm2-135m) adjust it.
 set -u
 cd "$(dirname "$0")/../.."
@@ -31,7 +33,12 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OU
   || log "pip install -e . failed (see above)"
 log "flashinfer: $(python3 -c 'import flashinfer; print(flashinfer.__version__)' 2>&1 | tail -1)"
 
-PHASES=${PHASES:-tests bench}
+PHASES=${PHASES:-jit tests bench}
+if [[ " $PHASES " == *" jit "* ]]; then
+  log "flashinfer JIT: start"
+  timeout "${JIT_TIMEOUT:-240}" python3 tests/gpu/warm_jit.py > "$OUT/jit.log" 2>&1
+  log "flashinfer JIT: exit $? ($(tail -n 1 "$OUT/jit.log"))"
+fi
 if [[ " $PHASES " == *" tests "* ]]; then
   log "tests/gpu: start"
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider \
