@@ -181,7 +181,7 @@ class FlashInferAttentionBackend:
 
 
 def check_supported(spec: AttentionSpec) -> None:
-    """ValueError/ImportError naming what stands in the way of flashinfer for this model."""
+    """ValueError naming what stands in the way of flashinfer for this model."""
     if torch.device(spec.device).type != "cuda":
         raise ValueError(f"attention_backend 'flashinfer' runs on CUDA devices only, got device "
                          f"{spec.device}; use 'torch' (or 'auto')")
@@ -191,5 +191,5 @@ def check_supported(spec: AttentionSpec) -> None:
     try:
         import flashinfer  # noqa: F401
     except ImportError as e:
-        raise ImportError("attention_backend 'flashinfer' needs the flashinfer-python package "
-                          "(pip install 'specdec[gpu]'); 'torch' and 'flex' run without it") from e
+        raise ValueError("attention_backend 'flashinfer' needs the flashinfer-python package "
+                         "(pip install 'specdec[gpu]'); 'torch' and 'flex' run without it") from e

@@ -35,7 +35,7 @@ def test_flashinfer_says_what_stands_in_its_way():
     with pytest.raises(ValueError, match="needs dtype bfloat16 or float16.*'torch' or 'flex'"):
         check_supported(spec("cuda", torch.float32))
     if not flashinfer_available():
-        with pytest.raises(ImportError, match="needs the flashinfer-python package"):
+        with pytest.raises(ValueError, match="needs the flashinfer-python package"):
             check_supported(spec("cuda", torch.bfloat16))
 
 
