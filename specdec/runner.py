@@ -8,6 +8,9 @@ allocated once the split is known (``allocate``; see ``specdec.memory``).
 One forward runs one packed batch (``ForwardBatch``): B requests' rows back to back, T rows in
 all; it returns the logits of the rows asked for and, batch-flat, the hidden states of the
 layers asked for (``[T, hidden]``; request b's rows are ``qo_indptr[b]:qo_indptr[b + 1]``).
+With CUDA graphs on (``enable_cuda_graphs``: a CUDA device and a backend that supports them),
+a batch that fits a graph shape is padded and replayed (``specdec.cuda_graphs``); the LM head
+always runs outside the graph, on the rows asked for.
 
 Example, two requests feeding 3 and 1 tokens::
 
