@@ -1,0 +1,27 @@
+"""The GPU bench's own logic, dry-run on the CPU (tiny shape, no kernels timed), so that a change
+elsewhere cannot break the script that GPU time is spent on: every section runs and reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_bench_gpu_dry_run_on_the_cpu(tmp_path):
+    script = Path(__file__).with_name("bench_gpu.py")
+    out = tmp_path / "out"
+    run = subprocess.run(
+        [sys.executable, str(script), "--device", "cpu", "--shapes", "tiny-gpu", "--quick",
+         "--tokens", "8", "--out", str(out), "--models", str(tmp_path / "models")],
+        capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())["tiny-gpu"]
+    for section in ("plain", "hf_b1", "step_costs", "speculation"):
+        assert "error" not in report[section], report[section]
+    assert report["plain"]["graphs_b1_tok_s"] > 0 and report["hf_b1"]["tok_s"] > 0
+    assert report["step_costs"]["graphs_b8_r16_ms"] > 0
+    spec = report["speculation"]
+    assert spec["b1_tau3.0"]["token_match"] == 1.0 and spec["b1_tau3.0"]["measured_tau"] > 1.5
+    assert "speculation at tau 3" in (out / "bench.md").read_text()
