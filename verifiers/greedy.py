@@ -25,8 +25,20 @@ class GreedyVerifier:
         if not all(batch.greedy):
             raise ValueError("verifier 'greedy' verifies greedy requests only (temperature 0); "
                              "use 'rejection' for sampled requests")
-        layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
-        return greedy_verify(batch.logits.argmax(dim=-1), layout)
+        return verify_greedy(batch)
+
+
+def verify_greedy(batch: VerifyBatch) -> VerifyOutput:
+    """Greedy verification of a whole batch (every request greedy)."""
+    argmax = batch.logits.argmax(dim=-1)
+    if all(t.num_nodes == 0 for t in batch.trees):
+        # plain decode rows (one logits row each): the argmax is the token, no tree to walk
+        b = batch.batch_size
+        return VerifyOutput(torch.zeros(b, 0, dtype=torch.int64, device=argmax.device),
+                            argmax.unsqueeze(1), torch.zeros(b, dtype=torch.int64,
+                                                             device=argmax.device))
+    layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
+    return greedy_verify(argmax, layout)
 
 
 def greedy_verify(argmax: torch.Tensor, layout: TreeLayout) -> VerifyOutput:

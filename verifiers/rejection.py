@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from specdec.verifiers.base import VerifyBatch, VerifyOutput
-from specdec.verifiers.greedy import assemble, greedy_verify
+from specdec.verifiers.greedy import assemble, verify_greedy
 from specdec.verifiers.layout import TreeLayout
 
 
@@ -45,16 +45,11 @@ class RejectionVerifier:
         greedy = [b for b, g in enumerate(batch.greedy) if g]
         sampled = [b for b, g in enumerate(batch.greedy) if not g]
         if not sampled:
-            return _greedy(batch)
+            return verify_greedy(batch)
         if not greedy:
             return _sample(batch)
-        return VerifyOutput.merge([(greedy, _greedy(batch.select(greedy))),
+        return VerifyOutput.merge([(greedy, verify_greedy(batch.select(greedy))),
                                    (sampled, _sample(batch.select(sampled)))], batch.batch_size)
-
-
-def _greedy(batch: VerifyBatch) -> VerifyOutput:
-    layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
-    return greedy_verify(batch.logits.argmax(dim=-1), layout)
 
 
 def _sample(batch: VerifyBatch) -> VerifyOutput:

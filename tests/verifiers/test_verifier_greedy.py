@@ -128,3 +128,20 @@ def test_select_takes_rows_and_fields_in_order():
     assert torch.equal(sub.logits, logits[[3, 4, 5, 0, 1]])
     assert torch.equal(sub.probs, logits.softmax(-1)[[3, 4, 5, 0, 1]])
     assert sub.greedy == [False, False] and sub.generators == [gens[2], gens[0]]
+
+
+def test_plain_rows_take_the_argmax_without_a_tree_walk():
+    """A batch of plain decode rows (every tree empty) skips the tree layout: same output as the
+    layout walk gives."""
+    from specdec.verifiers.base import VerifyBatch
+    from specdec.verifiers.greedy import greedy_verify, verify_greedy
+    from specdec.verifiers.layout import TreeLayout
+
+    logits = torch.randn(4, 11, generator=torch.Generator().manual_seed(0))
+    trees = [DraftTree.empty()] * 4
+    batch = VerifyBatch(trees, [0, 1, 2, 3, 4], logits, None, [True] * 4, [None] * 4)
+    fast = verify_greedy(batch)
+    walked = greedy_verify(logits.argmax(-1), TreeLayout.build(trees, batch.cu_rows, "cpu"))
+    for name in ("accepted", "tokens", "num_accepted"):
+        assert torch.equal(getattr(fast, name), getattr(walked, name)), name
+    assert fast.tokens[:, 0].tolist() == logits.argmax(-1).tolist()
