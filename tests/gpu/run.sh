@@ -8,8 +8,9 @@
 # torch backend, CUDA-graph replay against eager, greedy speculation against plain, seeded
 # sampling) and then tests/gpu/bench_gpu.py (speed). Each phase has its own time limit; what a
 # phase measured is in $OUT even if a later one fails. $OUT: run.log (phases and their times),
-# env.txt, jit.log, gpu-tests.log + gpu-tests.xml, checks.jsonl (errors and match rates the tests
-# measured), bench.json + bench.md + bench.log.
+# env.txt, jit.log, gpu-tests.log (with every test's seconds), checks.jsonl (errors and match
+# rates the tests measured), bench.json + bench.md + bench.log: 8 files, what the device tool
+# brings back at most.
 # PHASES ("jit tests bench" by default; "bench" alone on a rerun on a warm machine), JIT_TIMEOUT
 # / TESTS_TIMEOUT / BENCH_TIMEOUT (seconds; 240 / 300 / 200 by default: the JIT phase compiles
 # what the tests then find built, so install + all three fit one 600 s device call) and
@@ -42,7 +43,7 @@ fi
 if [[ " $PHASES " == *" tests "* ]]; then
   log "tests/gpu: start"
   timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider \
-    --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.log" 2>&1
+    --durations=0 > "$OUT/gpu-tests.log" 2>&1
   log "tests/gpu: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 fi
 if [[ " $PHASES " == *" bench "* ]]; then
