@@ -1,0 +1,71 @@
+"""A pytest plugin that rehearses tests/gpu/test_gpu.py on a CPU, before GPU time is spent.
+
+flashinfer is replaced by the model of its wrappers (tests/attention/flashinfer_api_model.py),
+CUDA-graph capture by a stand-in with a graph's semantics (tests/graph_helpers.py), and the
+engine behaves as on CUDA (dtype "auto" is bfloat16, backend "auto" is flashinfer, CUDA graphs
+on). What runs is the tests' own logic and the engine's GPU-path orchestration, not kernels: the
+two tests that call CUDA's graph and sync-debug APIs directly are left out.
+
+    SPECDEC_TEST_DEVICE=cpu PYTHONPATH=tests/gpu python -m pytest -p cpu_rehearsal tests/gpu/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+CUDA_ONLY = ("test_flashinfer_graph_shape_replays_after_each_plan",
+             "test_host_syncs_per_step_do_not_grow_with_the_batch")
+
+
+def _install() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+    from attention import flashinfer_api_model
+    from graph_helpers import RerunCapture
+
+    import specdec.attention as attention
+    from specdec import cuda_graphs, engine, runner
+    from specdec.attention import flashinfer_backend
+    from specdec.config import DTYPES, EngineConfig
+
+    sys.modules["flashinfer"] = flashinfer_api_model.module()
+    flashinfer_backend.check_supported = lambda spec: None
+    attention.flashinfer_available = lambda: True
+    reference_resolve = attention.resolve_backend
+
+    def resolve(name, device, dtype):
+        half = dtype in (torch.bfloat16, torch.float16)
+        return "flashinfer" if name == "auto" and half else reference_resolve(name, device, dtype)
+
+    def enable_runner(self, max_batch, max_rows, max_kv_len):
+        self.graphs = cuda_graphs.CudaGraphRunner(self, max_batch, max_rows, max_kv_len,
+                                                  capture=RerunCapture())
+
+    def enable_engine(self):
+        c = self.config
+        for r in [self.runner, *self.drafter_runners] if c.cuda_graphs else []:
+            if r.backend.supports_cuda_graphs:
+                r.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
+                                     self.max_model_len)
+
+    attention.resolve_backend = resolve
+    runner.ModelRunner.enable_cuda_graphs = enable_runner
+    engine.LLMEngine._enable_cuda_graphs = enable_engine
+    EngineConfig.torch_dtype = property(
+        lambda self: torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype])
+
+
+def pytest_configure(config):
+    _install()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run everything in test_gpu.py but the CUDA-API tests, whatever its skip marks say."""
+    keep = []
+    for item in items:
+        if item.path.name == "test_gpu.py" and item.originalname not in CUDA_ONLY:
+            item.own_markers = [m for m in item.own_markers if m.name != "skipif"]
+            keep.append(item)
+    items[:] = keep
