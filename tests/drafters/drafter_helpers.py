@@ -1,5 +1,5 @@
-"""What the drafter tests share: prompts, a greedy float64 run, a spy on proposals, and random
-EAGLE-3 heads and block-diffusion drafters for a target."""
+"""What the drafter tests share: prompts, a greedy float64 run, a spy on proposals, random
+EAGLE-3 heads and block-diffusion drafters for a target, and the sampling chi-square check."""
 
 from __future__ import annotations
 
@@ -58,3 +58,35 @@ def random_block_diffusion(model, cfg, hf, block_size: int = 4, seed: int = 0,
             p.add_(0.05 * torch.randn_like(p))
     bd.rank_acceptance = rates
     return bd
+
+
+def sampling_target(tmp_path):
+    """(folder, float64 model, cfg, hf config) of the 16-token target the sampling tests use."""
+    from conftest import make_tiny_model
+    from test_spec_sampling import V
+
+    from specdec.models.loader import load_model
+
+    folder = make_tiny_model(tmp_path / "v16", seed=1, vocab_size=V, eos_token_id=V - 1,
+                             hidden_size=32)
+    return (folder, *load_model(folder, torch.float64, "cpu", 64))
+
+
+def assert_samples_follow_target(folder, drafter: str, drafter_args: dict) -> None:
+    """Sampled decoding with ``drafter`` (static budget 4): more than 100 drafts accepted, and
+    tokens 2 and 3 follow the target's exact joint distribution (chi-square, p > 1e-3)."""
+    from collections import Counter
+
+    from test_spec_sampling import N_SAMPLES, PARAMS, PROMPT, V, chi_square_pvalue, exact_joint
+
+    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter=drafter,
+              drafter_args=drafter_args, controller_args={"budget": 4}, max_num_seqs=512,
+              max_num_batched_tokens=4096)
+    outs = llm.generate([PROMPT] * N_SAMPLES,
+                        [SamplingParams(**PARAMS, seed=s) for s in range(N_SAMPLES)])
+    assert sum(sum(o.metrics.accepted_by_depth) for o in outs) > 100  # drafts really decide
+    grid = torch.zeros(V, V, dtype=torch.float64)
+    for (a, b), c in Counter(tuple(o.token_ids[1:3]) for o in outs).items():
+        grid[a, b] = c
+    exact = exact_joint(folder, PROMPT).sum(dim=0)
+    assert chi_square_pvalue(grid.flatten(), exact.flatten()) > 1e-3

@@ -8,9 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
-from drafter_helpers import PROMPTS, greedy, random_block_diffusion, record_proposals
+from drafter_helpers import (
+    PROMPTS,
+    assert_samples_follow_target,
+    greedy,
+    random_block_diffusion,
+    record_proposals,
+    sampling_target,
+)
 
-from specdec import LLM, SamplingParams
+from specdec import LLM
 from specdec.attention.block_masks import anchor_blocks_mask, block_mask
 from specdec.attention.dense import DenseAttention
 from specdec.drafters.block_diffusion import BlockDiffusionDrafter
@@ -131,25 +138,9 @@ def test_bad_args(target):
 def test_sampled_tokens_follow_the_target(tmp_path):
     """Sampled decoding with block-diffusion drafts (deterministic, the q = 1 rule): tokens 2 and
     3 follow the target's exact joint distribution (chi-square over a 16-token vocabulary)."""
-    from collections import Counter
-
-    from test_spec_sampling import N_SAMPLES, PARAMS, PROMPT, V, chi_square_pvalue, exact_joint
-
-    folder = make_tiny_model(tmp_path / "v16", seed=1, vocab_size=V, eos_token_id=V - 1,
-                             hidden_size=32)
-    model, cfg, hf = load_model(folder, torch.float64, "cpu", 64)
+    folder, model, cfg, hf = sampling_target(tmp_path)
     c = BlockDiffusionConfig.for_target(cfg, 12, num_layers=1, block_size=3,
                                         target_layer_ids=(1,))
     bd = BlockDiffusionModel(c, model.embed, hf)
     bd.init_from_target(model, torch.arange(12))
-    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter="block_diffusion",
-              drafter_args={"model": bd, "topk": 2}, controller_args={"budget": 4},
-              max_num_seqs=512, max_num_batched_tokens=4096)
-    outs = llm.generate([PROMPT] * N_SAMPLES,
-                        [SamplingParams(**PARAMS, seed=s) for s in range(N_SAMPLES)])
-    assert sum(sum(o.metrics.accepted_by_depth) for o in outs) > 100  # drafts really decide
-    grid = torch.zeros(V, V, dtype=torch.float64)
-    for (a, b), c in Counter(tuple(o.token_ids[1:3]) for o in outs).items():
-        grid[a, b] = c
-    exact = exact_joint(folder, PROMPT).sum(dim=0)
-    assert chi_square_pvalue(grid.flatten(), exact.flatten()) > 1e-3
+    assert_samples_follow_target(folder, "block_diffusion", {"model": bd, "topk": 2})

@@ -12,9 +12,16 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
-from drafter_helpers import PROMPTS, greedy, random_head, record_proposals
+from drafter_helpers import (
+    PROMPTS,
+    assert_samples_follow_target,
+    greedy,
+    random_head,
+    record_proposals,
+    sampling_target,
+)
 
-from specdec import LLM, SamplingParams
+from specdec import LLM
 from specdec.attention.dense import DenseAttention
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
@@ -155,13 +162,7 @@ def test_sampled_tokens_follow_the_target(tmp_path, drafter):
     """Sampled decoding with eagle3 trees (deterministic drafts, the q = 1 rule), alone and merged
     with a sampled draft model's chains (their draft probabilities dropped by the merge): tokens 2
     and 3 follow the target's exact joint distribution (chi-square over a 16-token vocabulary)."""
-    from collections import Counter
-
-    from test_spec_sampling import N_SAMPLES, PARAMS, PROMPT, V, chi_square_pvalue, exact_joint
-
-    folder = make_tiny_model(tmp_path / "v16", seed=1, vocab_size=V, eos_token_id=V - 1,
-                             hidden_size=32)
-    model, cfg, hf = load_model(folder, torch.float64, "cpu", 64)
+    folder, model, cfg, hf = sampling_target(tmp_path)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_target(cfg, 12, (1, 1, 1)), model.embed, hf)
     head.reset_parameters(0.5)
@@ -169,13 +170,4 @@ def test_sampled_tokens_follow_the_target(tmp_path, drafter):
     eagle = {"head": head, "depth": 2, "topk": 2}
     args = eagle if drafter == "eagle3" else {
         "eagle3": eagle, "draft_model": {"early_exit_layers": 1, "max_depth": 2}}
-    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter=drafter, drafter_args=args,
-              controller_args={"budget": 4}, max_num_seqs=512, max_num_batched_tokens=4096)
-    outs = llm.generate([PROMPT] * N_SAMPLES,
-                        [SamplingParams(**PARAMS, seed=s) for s in range(N_SAMPLES)])
-    assert sum(sum(o.metrics.accepted_by_depth) for o in outs) > 100  # drafts really decide
-    grid = torch.zeros(V, V, dtype=torch.float64)
-    for (a, b), c in Counter(tuple(o.token_ids[1:3]) for o in outs).items():
-        grid[a, b] = c
-    exact = exact_joint(folder, PROMPT).sum(dim=0)
-    assert chi_square_pvalue(grid.flatten(), exact.flatten()) > 1e-3
+    assert_samples_follow_target(folder, drafter, args)
