@@ -18,7 +18,6 @@ after the forward. Drafts are deterministic (top-k): verified losslessly as for 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -151,14 +150,10 @@ class BlockDiffusionDrafter(BaseDrafter):
 
 def load_model(path: str | None, target: TargetInfo) -> BlockDiffusionModel:
     """The drafter at ``path``, or the one shipped for the target, checked against it."""
-    from specdec.drafters.catalog import shipped_folder
+    from specdec.drafters.catalog import checkpoint_folder
     from specdec.models.block_diffusion_io import load_block_diffusion
 
-    folder = (Path(path).expanduser() if path is not None
-              else shipped_folder("block_diffusion", target.model_path))
-    if folder is None:
-        raise ValueError("block_diffusion needs drafter_args.path: a block-diffusion folder "
-                         "(config.json + model.safetensors), e.g. one made by `specdec train "
-                         f"block_diffusion`; none is shipped for {target.model_path}")
+    folder = checkpoint_folder("block_diffusion", path, target.model_path,
+                               "a block-diffusion folder")
     return load_block_diffusion(folder, target.model_config, target.model.embed,
                                 target.hf_config)

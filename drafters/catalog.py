@@ -30,3 +30,18 @@ def shipped_folder(kind: str, model_path: str, variant: str = "general") -> Path
         folder = Path(__file__).parent / "shipped" / variants[variant]
         return folder if folder.is_dir() else None
     return None
+
+
+def checkpoint_folder(kind: str, path: str | None, model_path: str, form: str,
+                      variant: str = "general") -> Path:
+    """``path`` when given, else the drafter of ``kind`` shipped for the target at
+    ``model_path``; ValueError naming ``drafter_args.path`` and the ``form`` it wants (e.g. "a
+    folder in the EAGLE-3 format") when there is neither."""
+    if path is not None:
+        return Path(path).expanduser()
+    folder = shipped_folder(kind, model_path, variant)
+    if folder is None:
+        raise ValueError(f"{kind} needs drafter_args.path: {form} (config.json + "
+                         f"model.safetensors), e.g. one made by `specdec train {kind}`; none is "
+                         f"shipped for {model_path}")
+    return folder

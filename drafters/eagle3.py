@@ -23,7 +23,6 @@ target's true features.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -250,15 +249,11 @@ def _row_tree(levels: list[_Level], rows: list[tuple[int, int]]) -> DraftTree:
 def load_head(path: str | None, target: TargetInfo, variant: str = "general") -> Eagle3Head:
     """The head at ``path`` (EAGLE-3 format), or the one shipped for the target, checked
     against the target."""
-    from specdec.drafters.catalog import shipped_folder
+    from specdec.drafters.catalog import checkpoint_folder
     from specdec.models.eagle3_io import load_eagle3
 
-    folder = (Path(path).expanduser() if path is not None
-              else shipped_folder("eagle3", target.model_path, variant))
-    if folder is None:
-        raise ValueError("eagle3 needs drafter_args.path: a folder in the EAGLE-3 format "
-                         "(config.json + model.safetensors), e.g. one made by `specdec train "
-                         f"eagle3`; none is shipped for {target.model_path}")
+    folder = checkpoint_folder("eagle3", path, target.model_path,
+                               "a folder in the EAGLE-3 format", variant)
     head = load_eagle3(folder, target.model_config, target.model.embed, target.hf_config)
     head.requires_grad_(False)
     return head

@@ -13,7 +13,6 @@ rule for sampled requests). No KV, no runner.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -83,13 +82,8 @@ class MTPDrafter(BaseDrafter):
 
 def load_heads(path: str | None, target: TargetInfo) -> MTPHeads:
     """The heads at ``path`` (Medusa format), or the ones shipped for the target."""
-    from specdec.drafters.catalog import shipped_folder
+    from specdec.drafters.catalog import checkpoint_folder
     from specdec.models.mtp_io import load_mtp
 
-    folder = (Path(path).expanduser() if path is not None
-              else shipped_folder("mtp", target.model_path))
-    if folder is None:
-        raise ValueError("mtp needs drafter_args.path: a folder in the Medusa format "
-                         "(config.json + model.safetensors), e.g. one made by `specdec train "
-                         f"mtp`; none is shipped for {target.model_path}")
+    folder = checkpoint_folder("mtp", path, target.model_path, "a folder in the Medusa format")
     return load_mtp(folder, target.model_config, target.dtype, target.device)

@@ -35,3 +35,12 @@ def test_shipped_learned_drafters_are_lossless_on_smollm2(smollm2_dir):
         assert [o.token_ids for o in outs] == want, kind
         accepted = sum(sum(o.metrics.accepted_by_depth) for o in outs)
         assert accepted > 0, kind
+
+
+@pytest.mark.parametrize(("kind", "form"), [("eagle3", "EAGLE-3 format"),
+                                            ("mtp", "Medusa format"),
+                                            ("block_diffusion", "block-diffusion folder")])
+def test_no_path_and_none_shipped_names_the_path_argument(tiny_llama, kind, form):
+    with pytest.raises(ValueError, match=rf"{kind} needs drafter_args.path: a.*{form}.*none is "
+                                         "shipped for"):
+        LLM(model=str(tiny_llama), dtype="float64", drafter=kind)
