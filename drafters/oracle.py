@@ -94,7 +94,6 @@ class OracleState:
     generator: torch.Generator
     num_checked: int = 0  # generated tokens found equal to the continuation so far
     diverged: bool = False  # the output left the continuation: nothing more is drafted
-    num_drafted: int = 0  # draft nodes proposed (for inspection)
 
 
 class OracleDrafter(BaseDrafter):
@@ -144,7 +143,6 @@ class OracleDrafter(BaseDrafter):
         chain = torch.tensor(truth[done:done + k], dtype=torch.int64)
         wrong = torch.rand(k, generator=state.generator, dtype=torch.float64) < self.error_rate
         chain = torch.where(wrong, (chain + 1) % self.vocab_size, chain)
-        state.num_drafted += k
         return DraftTree.chain(chain)
 
     @staticmethod

@@ -27,8 +27,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.attention.metadata import AttentionMetadata, HostIndices
-from specdec.kv.block_table import slot_of
+from specdec.attention.metadata import AttentionMetadata, build_metadata, concat_metadata
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ROWS_PER_REQUEST = (2, 4, 8, 16, 32, 64)
@@ -85,31 +84,9 @@ def pad_metadata(md: AttentionMetadata, rows: list[int], scratch: list[int]) -> 
     (all dummies share them: what they write is never read by a real request)."""
     if not rows:
         return md
-    page, h = md.page_size, md.on_host()
-    qo, kv_ptr, pages, last, slots = [], [], [], [], []
-    qo_end, kv_end = int(h.qo_indptr[-1]), int(h.kv_indptr[-1])
-    for n in rows:
-        n_pages = -(-n // page)
-        assert n_pages <= len(scratch), (n, len(scratch), page)
-        qo_end += n
-        kv_end += n_pages
-        qo.append(qo_end)
-        kv_ptr.append(kv_end)
-        pages.extend(scratch[:n_pages])
-        last.append(n - (n_pages - 1) * page)
-        slots.extend(slot_of(scratch, i, page) for i in range(n))
-    i32 = dict(dtype=torch.int32)
-    host = HostIndices(torch.cat([h.qo_indptr, torch.tensor(qo, **i32)]),
-                       torch.cat([h.kv_indptr, torch.tensor(kv_ptr, **i32)]),
-                       torch.cat([h.kv_indices, torch.tensor(pages, **i32)]),
-                       torch.cat([h.kv_last_page_len, torch.tensor(last, **i32)]))
-    device = md.slot_mapping.device
-    dev = [t.to(device, non_blocking=True) for t in (host.qo_indptr, host.kv_indptr,
-                                                     host.kv_indices, host.kv_last_page_len)]
-    slot_mapping = torch.cat([md.slot_mapping, torch.tensor(slots, dtype=torch.int64,
-                                                            device=device)])
-    return AttentionMetadata(*dev, slot_mapping=slot_mapping, page_size=page,
-                             custom_masks=[*md.custom_masks, *([None] * len(rows))], host=host)
+    assert max(rows) <= len(scratch) * md.page_size, (rows, len(scratch), md.page_size)
+    dummies = build_metadata([scratch] * len(rows), rows, rows, md.page_size)
+    return concat_metadata(md, dummies)
 
 
 def pad_batch(batch, shape: Shape, scratch: list[int]):

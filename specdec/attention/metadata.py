@@ -66,6 +66,11 @@ class HostIndices:
     kv_indices: torch.Tensor  # [sum pages] int32
     kv_last_page_len: torch.Tensor  # [B] int32
 
+    def to(self, device) -> list[torch.Tensor]:
+        """The four arrays on ``device`` (the same tensors on the CPU), in field order."""
+        return [t.to(device, non_blocking=True) for t in (self.qo_indptr, self.kv_indptr,
+                                                          self.kv_indices, self.kv_last_page_len)]
+
 
 def build_metadata(
     block_tables: list[list[int]],
@@ -94,12 +99,24 @@ def build_metadata(
         qo_indptr.append(qo_indptr[-1] + n)
     host = HostIndices(*(torch.tensor(x, dtype=torch.int32)
                          for x in (qo_indptr, kv_indptr, pages, last_page_len)))
-    dev = [t.to(device, non_blocking=True) for t in (host.qo_indptr, host.kv_indptr,
-                                                     host.kv_indices, host.kv_last_page_len)]
     return AttentionMetadata(
-        *dev,
+        *host.to(device),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         page_size=page_size,
         custom_masks=list(custom_masks) if custom_masks is not None else [None] * len(qo_lens),
         host=host,
     )
+
+
+def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMetadata:
+    """``a``'s requests, then ``b``'s (same page size), on ``a``'s device."""
+    assert a.page_size == b.page_size, (a.page_size, b.page_size)
+    ha, hb = a.on_host(), b.on_host()
+    host = HostIndices(torch.cat([ha.qo_indptr, hb.qo_indptr[1:] + ha.qo_indptr[-1]]),
+                       torch.cat([ha.kv_indptr, hb.kv_indptr[1:] + ha.kv_indptr[-1]]),
+                       torch.cat([ha.kv_indices, hb.kv_indices]),
+                       torch.cat([ha.kv_last_page_len, hb.kv_last_page_len]))
+    device = a.slot_mapping.device
+    return AttentionMetadata(
+        *host.to(device), slot_mapping=torch.cat([a.slot_mapping, b.slot_mapping.to(device)]),
+        page_size=a.page_size, custom_masks=[*a.custom_masks, *b.custom_masks], host=host)
