@@ -224,5 +224,8 @@ def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_a
         assert [o.token_ids for o in got] == want
         # every step fits a shape (at most 8 requests, 64 rows): every forward was a replay
         assert sum(g.replays for g in capture.graphs) == llm.engine.totals.steps > 8
+        for runner in [llm.engine.runner, *llm.engine.drafter_runners]:  # no page leaked
+            pool = runner.kv.pool
+            assert pool.num_free == pool.num_pages - len(runner.graphs.scratch)
         if drafter:
             assert sum(sum(o.metrics.accepted_by_depth) for o in got) > 0

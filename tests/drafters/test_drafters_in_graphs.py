@@ -39,3 +39,5 @@ def test_graphed_drafter_runners_keep_greedy_exact(target, flashinfer_api_model,
     assert drafter_graphs.num_graphs > 0  # the drafter's own steps went through graphs
     assert sum(g.replays for g in capture.graphs) > llm.engine.totals.steps
     assert all(o.metrics.draft_tokens_proposed > 0 for o in got)
+    for runner in [llm.engine.runner, *llm.engine.drafter_runners]:  # no page leaked
+        assert runner.kv.pool.num_free == runner.kv.pool.num_pages - len(runner.graphs.scratch)
