@@ -11,6 +11,31 @@ drafter object or in globals. Each step:
 A drafter that runs a model asks the engine for a runner (``target.new_runner(model)``): its KV
 comes out of the engine's memory budget. When it has no KV for a request it drafts nothing for
 it and calls ``request.mark_no_kv()`` so that the step stats count it.
+
+Failures. A drafter that knows which request went wrong says so with ``request.fail(error)``
+(in propose, with an empty tree for it; in on_verified, leaving it out of the update): that
+request fails (finish_reason "error", the message names the plugin) and every other request of
+the call keeps its tree and its update. A call that raises (or returns the wrong number of trees)
+says neither which request it was about nor how far it got, so the engine calls the drafter again
+on the same requests only if it declares ``replay_safe = True``: calling propose or on_verified
+a second time for a request in one step, after a call that completed or stopped anywhere, returns
+the same and leaves the same state as one call (e.g. it only reads the state, or its updates skip
+what is already done). Then a raising call is retried request by request and only the requests
+whose own call raises fail. Otherwise (the default) nothing is replayed:
+
+- propose raised: no request of that call gets a draft this step (its draft slots go back); the
+  next step each of them drafts it proposes in a call of its own, where one that raises again
+  fails. So propose must leave every request's state valid for the ``on_verified`` that follows
+  when it raises anywhere (that on_verified hears ``num_proposed == 0``): e.g. draft_model records
+  the chain it starts in the state and resolves it in on_verified, whatever came of it.
+- on_verified raised: the step's update of those requests can be neither replayed (part of it
+  may be done) nor redone later (the step's hidden states are gone), so they stop drafting: their
+  drafter state is released and they decode on without drafts (output unchanged, only slower;
+  a preemption rebuilds the state from scratch, and drafting with it).
+
+A call for a single request that raises fails that request; one for several, whose requests the
+engine cannot blame, is reported as a RuntimeWarning (and in ``engine.plugin_errors``).
+There is no rollback hook: on_verified is where a step's proposal is resolved, failed or not.
 """
 
 from __future__ import annotations
@@ -95,13 +120,21 @@ class DraftRequest:
     token_ids: TokenView  # prompt + generated (read-only); the last one has no KV yet
     budget: DraftBudget  # at most budget.max_nodes nodes (>= 1), at most budget.max_depth deep
     params: SamplingParams
-    generator: torch.Generator | None  # the request's own RNG (for sampled drafts)
+    # a sampled request's seed (None when greedy): a drafter that samples draws the token at
+    # position n with ``specdec.randomness.draw(q, [key(seed, n)])``, the noise the verifier
+    # races the target with (coupled drafts), never from a generator
+    seed: int | None
     state: Any  # this drafter's per-request state (from init_state)
     no_kv: bool = False  # set by mark_no_kv()
+    error: str | None = None  # set by fail()
 
     def mark_no_kv(self) -> None:
         """Say that this request gets no draft this step because the drafter had no KV for it."""
         self.no_kv = True
+
+    def fail(self, error: str | BaseException) -> None:
+        """Fail this request alone (return an empty tree for it); the others keep their trees."""
+        self.error = error if isinstance(error, str) else repr(error)
 
 
 @dataclass
@@ -124,10 +157,15 @@ class VerifiedRequest:
     # controller may have verified only part of it (pruning), never anything else
     accepted: list[int]
     hidden_start: int  # first row of this request in VerifiedBatch.hidden
+    error: str | None = None  # set by fail()
 
     @property
     def num_accepted(self) -> int:
         return len(self.accepted)
+
+    def fail(self, error: str | BaseException) -> None:
+        """Fail this request alone (leave its state as it is); the others' updates stand."""
+        self.error = error if isinstance(error, str) else repr(error)
 
 
 @dataclass
@@ -163,17 +201,24 @@ class Drafter(Protocol):
     name: str
     # target layers whose hidden states (layer outputs) the drafter needs; () for none
     hidden_layers: tuple[int, ...]
+    # a repeat call of propose / on_verified for a request in one step is harmless, so the
+    # engine may retry a raising call request by request (module docstring, "Failures");
+    # optional, False when absent
+    replay_safe: bool
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> Any:
         """Per-request state, created at the request's first step (and after a preemption)."""
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
-        """One tree per request, within ``request.budget`` (may be empty)."""
+        """One tree per request, within ``request.budget`` (may be empty). A request that cannot
+        be drafted for: ``request.fail(error)``. Raising: see "Failures" (the state must stay
+        valid for the next on_verified; no replay unless ``replay_safe``)."""
 
     def on_verified(self, batch: VerifiedBatch) -> None:
-        """After every step, for every request the step touched (prefill chunks too). If it
-        raises, the engine retries request by request to find the failing one, so updating a
-        request's state should be idempotent (or validated before mutating)."""
+        """After every step, for every request the step touched (prefill chunks too), also one
+        whose propose raised (it hears ``num_proposed == 0``). A request whose update fails:
+        ``batch.requests[i].fail(error)``. Raising: see "Failures" (replayed only when
+        ``replay_safe``; otherwise the call's requests stop drafting)."""
 
     def release(self, state: Any) -> None:
         """Free per-request resources (finish, abort, preemption, error)."""
@@ -184,6 +229,7 @@ class BaseDrafter:
 
     name = "base"
     hidden_layers: tuple[int, ...] = ()
+    replay_safe = False  # declare True only when it holds ("Failures" above)
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> Any:
         return None

@@ -9,9 +9,11 @@ out of the engine's memory budget):
 
 Per step and request: the draft model catches up on the tokens committed since its last step
 (a short prefill), then decodes `depth` tokens one at a time, all requests batched. Greedy
-requests get argmax drafts; sampled requests get drafts sampled from the draft distribution
-(processed with the request's temperature/top-k/top-p/min-p) and that distribution as
-`draft_probs`, so the verifier's rejection sampling stays lossless.
+requests get argmax drafts; sampled requests get drafts sampled from the draft distribution q
+(processed with the request's temperature/top-k/top-p/min-p) with the noise of the draft's own
+position (``specdec.randomness``: the noise the ``gumbel`` verifier races the target with, so a
+draft is accepted whenever q and p race to the same token), and q as `draft_probs`, which the
+``rejection`` verifier needs.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import randomness
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.kv.block_table import BlockTable
 from specdec.models.loader import load_model, resolve_model_path
-from specdec.sampling import logits_to_probs, params_to_tensors, sample
+from specdec.sampling import logits_to_probs, params_to_tensors
 from specdec.tree import DraftTree
 
 
@@ -31,13 +34,18 @@ from specdec.tree import DraftTree
 class DraftState:
     table: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0  # tokens of the request whose KV the draft model holds
-    base: int = 0  # the request's length when the last chain was proposed
+    # the request's length when the chain in flight was started (None: none since the last
+    # on_verified, which resolves it whatever came of it: verified, or a propose that raised)
+    base: int | None = None
 
 
 class DraftModelDrafter(BaseDrafter):
     """A chain from a draft LM (or the target's first layers), through its own runner."""
 
     name = "draft_model"
+    # propose feeds drafts into the draft cache (num_cached moves on): a repeat call would draft
+    # from the wrong position; a raising one is resolved by on_verified through ``base``
+    replay_safe = False
 
     def __init__(self, target: TargetInfo, model: str | None = None,
                  early_exit_layers: int | None = None, max_depth: int = 6):
@@ -60,10 +68,12 @@ class DraftModelDrafter(BaseDrafter):
     def on_verified(self, batch: VerifiedBatch) -> None:
         for r in batch.requests:
             state: DraftState = r.state
-            if r.num_proposed == 0:
-                continue  # nothing of ours was verified: the draft cache is still all valid
+            if state.base is None:
+                continue  # no chain since the last step: the draft cache is still all valid
             # the drafts the target accepted are exactly what the draft cache holds past `base`
+            # (none when the engine got no tree from us: num_proposed 0)
             state.num_cached = min(state.num_cached, state.base + r.num_accepted)
+            state.base = None
             self.runner.kv.truncate(state.table, min(state.num_cached, state.table.num_slots))
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
@@ -98,7 +108,7 @@ class DraftModelDrafter(BaseDrafter):
         for step in range(max(depth)):
             active = [j for j, d in enumerate(depth) if step < d]
             logits = self._forward([reqs[j] for j in active], [feeds[j] for j in active])
-            picks, probs = self._pick([reqs[j] for j in active], logits)
+            picks, probs = self._pick([reqs[j] for j in active], logits, step)
             for k, j in enumerate(active):
                 tokens[j].append(picks[k])
                 if probs is not None and probs[k] is not None:
@@ -115,7 +125,9 @@ class DraftModelDrafter(BaseDrafter):
             r.state.num_cached += len(f)
         return out.logits
 
-    def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor):
+    def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor, step: int):
+        """Each request's draft at depth ``step`` (position len(token_ids) + step): the argmax,
+        or for sampled requests a draw from q with that position's noise, and q."""
         picks = logits.argmax(dim=-1)
         sampled = [k for k, r in enumerate(reqs) if not r.params.greedy]
         if not sampled:
@@ -123,7 +135,8 @@ class DraftModelDrafter(BaseDrafter):
         idx = torch.tensor(sampled, device=logits.device)
         q = logits_to_probs(logits.index_select(0, idx),
                             *params_to_tensors([reqs[k].params for k in sampled], logits.device))
-        picks[idx] = sample(q, [reqs[k].generator for k in sampled])
+        keys = [randomness.key(reqs[k].seed, len(reqs[k].token_ids) + step) for k in sampled]
+        picks[idx] = randomness.draw(q, keys)
         probs: list[torch.Tensor | None] = [None] * len(reqs)
         for row, k in enumerate(sampled):
             probs[k] = q[row]

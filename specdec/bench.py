@@ -145,7 +145,7 @@ def make_systems(args) -> dict:
                   cuda_graphs=getattr(args, "cuda_graphs", True))
     engine = LLM(drafter=args.drafter, drafter_args=args.drafter_args,
                  controller=args.controller, controller_args=args.controller_args,
-                 verifier=getattr(args, "verifier", "rejection"), **common)
+                 verifier=getattr(args, "verifier", "gumbel"), **common)
     systems: dict = {}
     if args.baseline in HF_BASELINES:
         folder = resolve_model_path(args.model)

@@ -123,7 +123,7 @@ def make_sweep_systems(args, batch_sizes: list[int]) -> list[SweepSystem]:
                 cargs["budget"] = budget
             recorder = StepRecorder()
             llm = LLM(drafter=drafter, drafter_args=dargs, controller=name,
-                      controller_args=cargs, verifier=getattr(args, "verifier", "rejection"),
+                      controller_args=cargs, verifier=getattr(args, "verifier", "gumbel"),
                       plugins=(recorder,), **common)
             label = llm.engine.config.controller_name + (
                 f":{budget}" if budget is not None else "")

@@ -20,9 +20,10 @@ def specdec_drafters() -> dict:
 @hookimpl
 def specdec_verifiers() -> dict:
     from specdec.verifiers.greedy import GreedyVerifier
+    from specdec.verifiers.gumbel import GumbelVerifier
     from specdec.verifiers.rejection import RejectionVerifier
 
-    return {"greedy": GreedyVerifier, "rejection": RejectionVerifier}
+    return {"greedy": GreedyVerifier, "gumbel": GumbelVerifier, "rejection": RejectionVerifier}
 
 
 @hookimpl

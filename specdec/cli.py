@@ -80,7 +80,8 @@ def _add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
     p.add_argument("--budget", type=_int_at_least(0), default=None,
                    help="draft budget per request per step (sets controller_args budget)")
     p.add_argument("--controller-args", type=_json_object, default={}, metavar="JSON")
-    p.add_argument("--verifier", default="rejection", help="registered verifier name")
+    p.add_argument("--verifier", default="gumbel",
+                   help="registered verifier name: gumbel (default), rejection, greedy")
     p.add_argument("--linear-kernels", choices=("tuned", "plain"), default="tuned",
                    help="CPU matmul paths: timed at start-up (default) or F.linear only")
 

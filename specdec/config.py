@@ -34,7 +34,8 @@ class EngineConfig:
     # replay CUDA graphs for decode and verify steps (specdec.cuda_graphs); used on CUDA with a
     # backend that supports them (flashinfer), ignored elsewhere; False: always eager
     cuda_graphs: bool = True
-    verifier: str = "rejection"  # a registered verifier ("rejection", "greedy", or a plugin's)
+    # a registered verifier ("gumbel", "rejection", "greedy", or a plugin's)
+    verifier: str = "gumbel"
     # CPU matmul paths: "tuned" times the candidates at start-up (cached per machine, torch
     # version, dtype and threads) and keeps the fastest, F.linear among them; "plain": F.linear
     linear_kernels: str = "tuned"

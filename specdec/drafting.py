@@ -2,7 +2,10 @@
 
 A drafter that raises (in init_state, propose, on_verified or release), or returns something that
 is not a valid tree within budget, fails only the request concerned (finish_reason "error", the
-message names the plugin); the others go on.
+message names the plugin); the others go on. A raising propose / on_verified call is retried
+request by request only for a drafter that is ``replay_safe``; for any other, nothing is called
+twice in a step (drafters/base.py, "Failures"): its requests draft alone the next step (propose)
+or stop drafting (on_verified).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ class DraftStage:
         # this step's budgets as the controller asked for them (before clipping), by request id
         self.asked: dict[str, DraftBudget] = {}
         self.batch: BatchComposition | None = None  # this step's composition (for pruning)
+        # request ids (kept here, not on the drafter's state, which may be what went wrong):
+        # requests of a propose call that raised for several at once, each to propose alone the
+        # next time; requests whose on_verified raised so, no more drafting until release
+        self.suspects: set[str] = set()
+        self.undrafted: set[str] = set()
 
     @staticmethod
     def plugins(pm, config, target: TargetInfo) -> tuple:
@@ -64,6 +72,10 @@ class DraftStage:
     @property
     def name(self) -> str:
         return f"{self.drafter.name!r} (plugin {getattr(self.drafter, 'plugin_name', '?')!r})"
+
+    @property
+    def replay_safe(self) -> bool:
+        return bool(getattr(self.drafter, "replay_safe", False))
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -84,7 +96,8 @@ class DraftStage:
         self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
         self.batch = batch
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
-        return [b.clip(min(self.max_model_len - s.num_tokens,
+        return [b.clip(0 if s.request_id in self.undrafted else
+                       min(self.max_model_len - s.num_tokens,
                            s.params.max_tokens - s.num_output_tokens - 1))
                 for b, s in zip(wanted, frontier)]
 
@@ -96,8 +109,10 @@ class DraftStage:
         jobs = [r for r in records if r.budget.max_nodes > 0 and r.seq not in failed]
         if jobs:
             requests = [_request(r) for r in jobs]
-            outcomes = _isolate(self.drafter.propose, requests, _check_trees)
+            outcomes = self._proposals(requests)
             for rec, req, outcome in zip(jobs, requests, outcomes):
+                if isinstance(outcome, _Unblamed):
+                    continue  # no draft this step
                 error = outcome if isinstance(outcome, str) else self._check(outcome, rec)
                 if error is not None:
                     self._fail(rec.seq, f"drafter {self.name} {error}")
@@ -106,9 +121,29 @@ class DraftStage:
                 rec.tree, rec.no_kv, rec.num_proposed = outcome, req.no_kv, outcome.num_nodes
             self._prune([r for r in jobs if r.tree is not None and r.tree.num_nodes])
             for rec in jobs:
-                if rec.tree is not None:
+                if rec.seq.finish_reason is None:
                     self.kv.shrink(rec.seq.block_table, rec.computed_before + 1 + rec.num_nodes)
         return failed
+
+    def _proposals(self, requests: list[DraftRequest]) -> list:
+        """Per request a tree, an error string or ``_Unblamed`` (no draft this step). Requests
+        of an earlier call that raised for several at once propose alone, the others together."""
+        alone = [i for i, r in enumerate(requests) if r.request_id in self.suspects]
+        together = [i for i in range(len(requests)) if i not in set(alone)]
+        outcomes: list = [None] * len(requests)
+        for group in ([together] if together else []) + [[i] for i in alone]:
+            got = _isolate(self.drafter.propose, [requests[i] for i in group], _check_trees,
+                           self.replay_safe)
+            for i, outcome in zip(group, got):
+                outcomes[i] = outcome
+        self.suspects -= {r.request_id for r in requests}
+        unblamed = [r.request_id for r, o in zip(requests, outcomes) if isinstance(o, _Unblamed)]
+        if unblamed:
+            self.suspects.update(unblamed)
+            self._report(f"drafter {self.name} failed in propose for {len(unblamed)} requests at "
+                         f"once ({_first(outcomes)}); none of them is drafted for this step, "
+                         "and each proposes alone the next time")
+        return outcomes
 
     def _prune(self, records: list[StepRequest]) -> None:
         """The controller's second phase (optional ``prune``): verify only the nodes it keeps."""
@@ -137,7 +172,7 @@ class DraftStage:
             return failed
         for rec in records:
             seq = rec.seq
-            if seq.drafter_ready:
+            if seq.drafter_ready or seq.request_id in self.undrafted:
                 continue
             try:
                 seq.drafter_state = self.drafter.init_state(seq.request_id, seq.prompt_token_ids)
@@ -167,11 +202,20 @@ class DraftStage:
         if not live:
             return
         batch = self._verified_batch(live, hidden)
-        outcomes = _isolate(self.drafter.on_verified, batch, lambda out, n: None)
+        outcomes = _isolate(self.drafter.on_verified, batch, lambda out, n: None,
+                            self.replay_safe)
         for rec, outcome in zip(live, outcomes):
             if isinstance(outcome, str):
                 detail = outcome.removeprefix("failed: ")
                 self._fail(rec.seq, f"drafter {self.name} failed in on_verified: {detail}")
+        unblamed = [r.seq for r, o in zip(live, outcomes) if isinstance(o, _Unblamed)]
+        if unblamed:
+            self._report(f"drafter {self.name} failed in on_verified for {len(unblamed)} "
+                         f"requests at once ({_first(outcomes)}); their drafter state may be "
+                         "half updated and is not replayed: they decode on without drafts")
+            for seq in unblamed:
+                self._drop_state(seq)
+                self.undrafted.add(seq.request_id)
 
     def _verified_batch(self, records: list[StepRequest], hidden) -> VerifiedBatch:
         reqs, rows, start = [], [], 0
@@ -195,7 +239,13 @@ class DraftStage:
 
     def release(self, seq: Sequence) -> None:
         """Drop the request's drafter state; a drafter failing here fails a running request, and
-        is reported (not raised) for one that already finished."""
+        is reported (not raised) for one that already finished. The request ends, or restarts
+        from scratch (preemption: its drafter state is rebuilt, so it may draft again)."""
+        self.suspects.discard(seq.request_id)
+        self.undrafted.discard(seq.request_id)
+        self._drop_state(seq)
+
+    def _drop_state(self, seq: Sequence) -> None:
         if self.drafter is None or not seq.drafter_ready:
             return
         state, seq.drafter_state, seq.drafter_ready = seq.drafter_state, None, False
@@ -208,6 +258,21 @@ class DraftStage:
             else:
                 warnings.warn(message, RuntimeWarning, stacklevel=2)
                 self.errors.append(message)
+
+    def end(self, seq: Sequence) -> None:
+        """The request is over (finished, aborted, failed): its drafter state goes (``release``)
+        and the controller hears of it (its optional ``release(request_id)``; a failure there is
+        reported, not raised: the request has already ended)."""
+        self.release(seq)
+        release = getattr(self.controller, "release", None)
+        if release is None:
+            return
+        try:
+            release(seq.request_id)
+        except Exception as e:
+            message = f"controller {self.controller.name!r} failed in release: {e!r}"
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self.errors.append(message)
 
     def observe(self, records: list[StepRequest], stats: StepStats) -> None:
         """The controller hears the step's costs and, per asked request, asked/proposed/accepted."""
@@ -230,6 +295,11 @@ class DraftStage:
     def _fail(seq: Sequence, error: str) -> None:
         seq.finish_reason, seq.error = "error", error
 
+    def _report(self, message: str) -> None:
+        """A drafter failure no request could be failed for."""
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self.errors.append(message)
+
 
 def _composed(pm, spec: str, args: dict, target: TargetInfo) -> ComposedDrafter:
     """``"a+b"`` with drafter_args ``{"a": {...}, "b": {...}}``: the drafters merged in order."""
@@ -247,7 +317,7 @@ def _composed(pm, spec: str, args: dict, target: TargetInfo) -> ComposedDrafter:
 def _request(rec: StepRequest) -> DraftRequest:
     seq = rec.seq
     return DraftRequest(seq.request_id, TokenView(seq.token_ids), rec.budget, seq.params,
-                        seq.generator, seq.drafter_state)
+                        seq.seed, seq.drafter_state)
 
 
 def _check_trees(out, n: int) -> str | None:
@@ -257,26 +327,40 @@ def _check_trees(out, n: int) -> str | None:
     return None
 
 
-def _isolate(call: Callable, items, check: Callable) -> list:
-    """call(items) -> per-item results, or per-item error strings: when the batch call raises
-    (or ``check(out, n)`` rejects its output), it is retried item by item to find the bad one.
-    ``items`` is a list or a VerifiedBatch (whose per-item calls return None)."""
-    n = len(items.requests) if isinstance(items, VerifiedBatch) else len(items)
+class _Unblamed:
+    """The outcome for a request of a call that raised for several requests, which a drafter
+    that is not replay_safe cannot be asked about again."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _isolate(call: Callable, items, check: Callable, replay_safe: bool) -> list:
+    """call(items) -> per item its result, an error string (the item fails: the drafter marked
+    it with ``fail``, or its own call raised) or ``_Unblamed``. When the call raises (or
+    ``check(out, n)`` rejects its output), it is retried item by item only if ``replay_safe``.
+    ``items`` is a list of DraftRequest or a VerifiedBatch (whose calls return None)."""
+    reqs = items.requests if isinstance(items, VerifiedBatch) else items
+    n = len(reqs)
     try:
         out = call(items)
         problem = check(out, n)
-        if problem is None:
-            return out if isinstance(out, list) else [None] * n
-        if n == 1:
-            return [problem]
     except Exception as e:
-        if n == 1:
-            return [f"failed: {e!r}"]
-    results = []
-    for i in range(n):
-        one = items.select([i]) if isinstance(items, VerifiedBatch) else [items[i]]
-        results.append(_isolate(call, one, check)[0])
-    return results
+        problem = f"failed: {e!r}"
+    marked = [None if r.error is None else f"failed: {r.error}" for r in reqs]
+    if problem is None:
+        results = out if isinstance(out, list) else [None] * n
+        return [m or o for m, o in zip(marked, results)]
+    if n == 1:
+        return [marked[0] or problem]
+    if not replay_safe:
+        return [m or _Unblamed(problem) for m in marked]
+    return [_isolate(call, items.select([i]) if isinstance(items, VerifiedBatch) else [reqs[i]],
+                     check, True)[0] for i in range(n)]
+
+
+def _first(outcomes: list) -> str:
+    return next(o.problem for o in outcomes if isinstance(o, _Unblamed))
 
 
 def _view(seq: Sequence) -> RequestView:

@@ -22,7 +22,13 @@ from specdec import plugins
 from specdec.batch import build_forward_batch
 from specdec.config import EngineConfig
 from specdec.controllers.base import ControllerContext
-from specdec.costs import DEFAULT_GRID, StepCosts, profile_forward
+from specdec.costs import (
+    DEFAULT_CONTEXT,
+    DEFAULT_GRID,
+    StepCosts,
+    plan_profile,
+    profile_forward,
+)
 from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
 from specdec.memory import KVSplit, split_kv
@@ -33,7 +39,6 @@ from specdec.models.linear import LinearKernels, cache_key
 from specdec.models.loader import load_hf_config, load_model, resolve_model_path
 from specdec.models.tokenizer import load_tokenizer
 from specdec.runner import ModelRunner
-from specdec.sampling import make_generator
 from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
@@ -145,23 +150,55 @@ class LLMEngine:
 
     def step_costs(self) -> StepCosts:
         """The target's forward seconds by rows on this machine: profiled once (a few seconds
-        for SmolLM2 on a CPU) and cached per model, dtype, device, torch version and threads."""
-        cfg = self.model_config
-        shape = f"{cfg.num_layers}x{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.vocab_size}"
-        graphs = "graphs" if self.runner.graphs is not None else "eager"
-        key = (f"{shape} {self.dtype} {self.device} {self.runner.backend.name} {graphs} "
-               f"{cache_key(self.dtype, torch.get_num_threads())} {self.kernels.key}")
-        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-        path = cache_dir() / "step_costs" / f"{shape}-{digest}.json"
+        for SmolLM2 on a CPU) and cached per model, dtype, device, torch version, threads and
+        profile plan. The profile fits what this engine has (``plan_profile``: free KV slots,
+        max_model_len); the plan is part of the cache key, so a table profiled in a small
+        configuration is never taken for a full one. Where not even two grid points fit, a flat
+        curve (refined online) stands in, and is not cached."""
+        wanted = tuple(n for n in DEFAULT_GRID if n <= self.config.max_num_batched_tokens)
+        free = self.runner.kv.pool.num_free * self.config.page_size
+        context, grid = plan_profile(wanted, free, self.max_model_len)
+        if len(grid) < 2:
+            return self._flat_costs(wanted, context, grid, free)
+        if (context, grid) != (DEFAULT_CONTEXT, wanted):
+            logger.info("step costs: profiling rows %d..%d over a context of %d (the full profile "
+                        "is rows up to %d over %d, but the KV has %d free slots and max_model_len "
+                        "is %d); larger row counts extrapolate the last slope, refined online",
+                        grid[0], grid[-1], context, wanted[-1], DEFAULT_CONTEXT, free,
+                        self.max_model_len)
+        path = self._step_costs_path(context, grid)
         costs = StepCosts.load(path)
         if costs is None:
-            grid = tuple(n for n in DEFAULT_GRID if n <= self.config.max_num_batched_tokens)
             t0 = time.perf_counter()
-            costs = profile_forward(self.runner, grid)
+            costs = profile_forward(self.runner, grid, context, max_positions=self.max_model_len)
             logger.info("step costs profiled in %.1f s: %s", time.perf_counter() - t0,
                         costs.describe())
             costs.save(path)
         return costs
+
+    def _step_costs_path(self, context: int, grid: tuple[int, ...]):
+        cfg = self.model_config
+        shape = f"{cfg.num_layers}x{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.vocab_size}"
+        graphs = "graphs" if self.runner.graphs is not None else "eager"
+        plan = "" if (context, grid[-1]) == (DEFAULT_CONTEXT, DEFAULT_GRID[-1]) else \
+            f" context {context} rows {','.join(map(str, grid))}"
+        key = (f"{shape} {self.dtype} {self.device} {self.runner.backend.name} {graphs} "
+               f"{cache_key(self.dtype, torch.get_num_threads())} {self.kernels.key}{plan}")
+        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+        return cache_dir() / "step_costs" / f"{shape}-{digest}.json"
+
+    def _flat_costs(self, wanted, context: int, grid: tuple[int, ...], free: int) -> StepCosts:
+        """Too little room to profile a curve: every row count costs what one row measured (or
+        1 ms where not even that fits), refined online from the steps the engine runs."""
+        seconds = 1e-3
+        if grid:
+            seconds = profile_forward(self.runner, grid, context,
+                                      max_positions=self.max_model_len).seconds(1)
+        logger.warning("step costs: the KV has %d free slots and max_model_len is %d, too few to "
+                       "profile the forward by rows; assuming every row count costs %.1f ms "
+                       "(measured for %s), refined online", free, self.max_model_len,
+                       1e3 * seconds, "1 row" if grid else "nothing, a guess")
+        return StepCosts.flat(list(wanted), seconds)
 
     # ---- requests ---------------------------------------------------------------------------
 
@@ -172,10 +209,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        generator = None
-        if not params.greedy:
-            generator = make_generator(self._seed(params), self.device)
-        seq = Sequence(request_id, list(prompt_token_ids), params, generator)
+        seed = None if params.greedy else self._seed(params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -192,7 +227,7 @@ class LLMEngine:
         if not params.greedy and not self.verifying.supports_sampling:
             raise ValueError(f"verifier {self.verifying.name} verifies greedy requests only; "
                              f"temperature={params.temperature} needs a sampling verifier "
-                             "(e.g. verifier='rejection')")
+                             "(e.g. verifier='gumbel')")
         if not isinstance(ids, (list, tuple)) or not ids:
             raise ValueError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size
@@ -306,7 +341,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence) -> None:
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
-        self.drafting.release(seq)
+        self.drafting.end(seq)
         self.scheduler.finish(seq)
         seq.times.finished = time.perf_counter()
 

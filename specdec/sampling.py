@@ -1,9 +1,9 @@
 """Turning logits into a sampling distribution, and drawing tokens from it.
 
 Filtering follows vLLM / HF order: temperature, then top-k, then top-p (computed on the
-distribution renormalised after top-k), then min-p, then renormalise. Sampling uses the
-exponential race (argmax p / E with E ~ Exp(1)), which draws exactly from p and lets each row use
-its own ``torch.Generator``, so a seeded request gives the same tokens whatever batch it is in.
+distribution renormalised after top-k), then min-p, then renormalise. Drawing from the result is
+``specdec.randomness.draw``: the exponential race with noise that is a function of the request's
+seed and the token's position, so a seeded request gives the same tokens whatever batch it is in.
 """
 
 from __future__ import annotations
@@ -111,43 +111,6 @@ def _apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     threshold = min_p.to(probs.dtype).unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
     probs = probs.masked_fill(probs < threshold, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
-    """A generator on ``device`` seeded with ``seed``; None (use the global RNG) if seed is None."""
-    if seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """Draw one token per row: probs [N, V] (rows sum to 1) -> tokens [N] int64.
-
-    Row i uses generators[i] (None = global RNG). A row's draw depends only on its probs and its
-    generator's state, never on the other rows. Tokens with probability 0 are never drawn.
-    """
-    if probs.dim() != 2 or len(generators) != probs.shape[0]:
-        raise ValueError(
-            f"need probs [N, V] and N generators, got {tuple(probs.shape)} and {len(generators)}")
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        noise.exponential_()
-    elif unseeded:
-        noise[unseeded] = torch.empty_like(noise[unseeded]).exponential_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i].exponential_(generator=g)
-    # Exp(1) noise can (vanishingly rarely) be 0; clamping keeps 0/0 = nan out of the argmax.
-    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
-
-
-def sample_from(probs_row: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a single distribution probs_row [V]."""
-    if probs_row.dim() != 1:
-        raise ValueError(f"probs_row must be [V], got shape {tuple(probs_row.shape)}")
-    return int(sample(probs_row.unsqueeze(0), [generator])[0])
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from specdec.kv.block_table import BlockTable
 from specdec.sampling_params import SamplingParams
 
@@ -38,7 +36,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int | None  # a sampled request's seed (specdec.randomness); None when greedy
     token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: BlockTable = field(default_factory=BlockTable)

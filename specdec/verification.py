@@ -63,7 +63,8 @@ class VerifyStage:
         if not all(greedy):
             per_row = [p for p, t in zip(params, trees) for _ in range(1 + t.num_nodes)]
             probs = logits_to_probs(logits, *params_to_tensors(per_row, logits.device))
-        return VerifyBatch(trees, cu, logits, probs, greedy, [r.seq.generator for r in frontier])
+        return VerifyBatch(trees, cu, logits, probs, greedy, [r.seq.seed for r in frontier],
+                           [r.seq.num_tokens for r in frontier])
 
     def _run(self, batch: VerifyBatch) -> list[VerifyResult | str]:
         """Results (or error strings) for the requests of ``batch``; a failing call is retried

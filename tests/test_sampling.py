@@ -1,4 +1,5 @@
-"""Tests for specdec.sampling: filters against hand-worked distributions, exact sampling."""
+"""Tests for specdec.sampling: filters against hand-worked distributions (drawing from them:
+test_randomness.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import sampling
-from specdec.sampling import (
-    greedy,
-    logits_to_probs,
-    make_generator,
-    params_to_tensors,
-    sample,
-    sample_from,
-)
+from specdec.sampling import greedy, logits_to_probs, params_to_tensors
 from specdec.sampling_params import SamplingParams
 
 # A V=6 distribution with round numbers, stored out of sorted order so that the filters must map
@@ -230,10 +224,6 @@ def test_bad_shapes_raise() -> None:
         logits_to_probs(torch.zeros(2, 4, dtype=torch.int64), t, k, p, m)
     with pytest.raises(ValueError, match="top_k"):
         logits_to_probs(torch.zeros(2, 4), t, k[:1], p, m)
-    with pytest.raises(ValueError):
-        sample(torch.full((2, 4), 0.25), [None])
-    with pytest.raises(ValueError):
-        sample_from(torch.full((2, 4), 0.25), None)
 
 
 def _reference(logits: np.ndarray, t: float, k: int, p: float, m: float) -> np.ndarray:
@@ -265,72 +255,6 @@ def test_matches_row_by_row_reference(seed: int, v: int,
     got = logits_to_probs(torch.tensor(logits), *params_to_tensors(params, "cpu")).numpy()
     for i, (t, k, p, m) in enumerate(rows):
         np.testing.assert_allclose(got[i], _reference(logits[i], t, k, p, m), atol=1e-12)
-
-
-# ---- sampling -----------------------------------------------------------------------------------
-
-def test_sample_frequencies_match_probs() -> None:
-    probs = torch.tensor(P, dtype=torch.float32)
-    n = 20_000
-    g = make_generator(1234, "cpu")
-    tokens = sample(probs.expand(n, -1), [g] * n)
-    freq = np.bincount(tokens.numpy(), minlength=6) / n
-    assert 0.5 * np.abs(freq - P).sum() < 0.02
-
-
-def test_sample_frequencies_with_global_rng() -> None:
-    probs = torch.tensor(_keep([3, 0, 5]))  # float64, zeros must never be drawn
-    n = 20_000
-    with torch.random.fork_rng():
-        torch.manual_seed(99)
-        tokens = sample(probs.expand(n, -1), [None] * n)
-    freq = np.bincount(tokens.numpy(), minlength=6) / n
-    assert 0.5 * np.abs(freq - _keep([3, 0, 5])).sum() < 0.02
-    assert set(tokens.tolist()) == {0, 3, 5}
-
-
-def test_zero_probability_tokens_never_drawn() -> None:
-    probs = torch.zeros(4000, 1000)
-    probs[:, 7] = 1e-30
-    probs[:, 500] = 1.0 - 1e-30
-    g = make_generator(0, "cpu")
-    assert set(sample(probs, [g] * 4000).tolist()) <= {7, 500}
-
-
-def test_same_seed_same_tokens() -> None:
-    probs = torch.softmax(torch.randn(8, 100, generator=torch.Generator().manual_seed(3)), -1)
-    a = [sample_from(probs[i % 8], make_generator(42 + i, "cpu")) for i in range(64)]
-    b = [sample_from(probs[i % 8], make_generator(42 + i, "cpu")) for i in range(64)]
-    assert a == b
-    g1, g2 = make_generator(7, "cpu"), make_generator(7, "cpu")
-    seq1 = [sample_from(probs[0], g1) for _ in range(50)]
-    seq2 = [sample_from(probs[0], g2) for _ in range(50)]
-    assert seq1 == seq2
-
-
-def test_different_seeds_differ() -> None:
-    probs = torch.full((1, 1000), 1e-3)
-    g1, g2 = make_generator(1, "cpu"), make_generator(2, "cpu")
-    seq1 = [int(sample(probs, [g1])[0]) for _ in range(50)]
-    seq2 = [int(sample(probs, [g2])[0]) for _ in range(50)]
-    assert sum(a != b for a, b in zip(seq1, seq2)) > 40
-
-
-def test_seeded_row_does_not_depend_on_batch() -> None:
-    probs = torch.softmax(torch.randn(5, 300, generator=torch.Generator().manual_seed(4)), -1)
-    alone = sample_from(probs[2], make_generator(11, "cpu"))
-    gens = [None, make_generator(5, "cpu"), make_generator(11, "cpu"), None,
-            make_generator(6, "cpu")]
-    with torch.random.fork_rng():
-        batched = sample(probs, gens)
-    assert batched.shape == (5,) and batched.dtype == torch.int64
-    assert int(batched[2]) == alone
-
-
-def test_make_generator() -> None:
-    assert make_generator(None, "cpu") is None
-    g = make_generator(5, torch.device("cpu"))
-    assert isinstance(g, torch.Generator) and g.initial_seed() == 5
 
 
 def test_greedy() -> None:

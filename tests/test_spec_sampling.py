@@ -74,13 +74,16 @@ def sample_tokens(llm: LLM) -> torch.Tensor:
         sum(o.metrics.accepted_by_depth) for o in outs)
 
 
-@pytest.mark.parametrize("drafter", ["draft_model", "ngram", None])
-def test_speculative_sampling_follows_target(small_vocab_models, drafter):
+@pytest.mark.parametrize("drafter, verifier", [("draft_model", "gumbel"),
+                                               ("draft_model", "rejection"), ("ngram", "gumbel"),
+                                               (None, "gumbel")])
+def test_speculative_sampling_follows_target(small_vocab_models, drafter, verifier):
     target, draft = small_vocab_models
     args = {"draft_model": {"model": str(draft)},
             "ngram": {"max_matches": 3, "min_ngram": 1}}.get(drafter, {})
-    llm = LLM(model=str(target), dtype="float64", controller="static", drafter=drafter, drafter_args=args,
-              controller_args={"budget": 3}, max_num_seqs=512, max_num_batched_tokens=4096)
+    llm = LLM(model=str(target), dtype="float64", controller="static", drafter=drafter,
+              drafter_args=args, verifier=verifier, controller_args={"budget": 3},
+              max_num_seqs=512, max_num_batched_tokens=4096)
     grid, proposed, accepted = sample_tokens(llm)
     exact = exact_joint(target, PROMPT).sum(dim=0)  # marginal of (x2, x3)
     assert chi_square_pvalue(grid.flatten(), exact.flatten()) > 1e-3
@@ -93,7 +96,7 @@ def test_speculative_sampling_follows_target(small_vocab_models, drafter):
 
 def test_seeded_speculative_sampling_is_independent_of_the_batch(small_vocab_models):
     """A seeded request samples the same tokens alone and beside requests whose draft trees have
-    other sizes (its verifier randomness is its own, drawn for its own tree)."""
+    other sizes (its randomness is a function of its seed and the positions it samples)."""
     target, _ = small_vocab_models
     llm = LLM(model=str(target), dtype="float64", controller="static", drafter="ngram",
               drafter_args={"max_matches": 3, "min_ngram": 1}, controller_args={"budget": 4})
@@ -111,15 +114,16 @@ def test_seeded_speculative_sampling_is_independent_of_the_batch(small_vocab_mod
 
 def test_sampling_under_goodput_with_pruning_follows_target(small_vocab_models):
     """The goodput controller's pruning on sampled drafts (draft_model chains carry their draft
-    distributions): what is verified is a parent- and earlier-sibling-closed part of each draft,
-    and the sampled tokens still follow the target exactly."""
+    distributions) under the rejection verifier, which reads them: what is verified is a parent-
+    and earlier-sibling-closed part of each draft, and the sampled tokens still follow the
+    target exactly."""
     from specdec.costs import StepCosts
 
     target, draft = small_vocab_models
     grid_rows = [1, 2, 4, 8, 16, 64, 512]
     costs = StepCosts(grid_rows, [1.0 + 1e-4 * n for n in grid_rows], rate=0.0, local_rate=0.0)
     llm = LLM(model=str(target), dtype="float64", drafter="draft_model",
-              drafter_args={"model": str(draft)}, controller="goodput",
+              drafter_args={"model": str(draft)}, controller="goodput", verifier="rejection",
               controller_args={"budget": 3, "costs": costs}, max_num_seqs=512,
               max_num_batched_tokens=4096)
     grid, proposed, accepted = sample_tokens(llm)

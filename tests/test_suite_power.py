@@ -1,9 +1,12 @@
 """The suite's power: deliberately broken engines must fail the losslessness checks.
 
 - Sampling: a target with a peaked distribution, sampled at a temperature far from 1, so that
-  computing the target's probabilities at temperature 1 in the speculative path, or keeping the
-  rejected token's mass in the q = 1 residual, shifts the distribution of speculative tokens
-  enough for the chi-square test to reject it; the unbroken engine passes the same test.
+  computing the target's probabilities at temperature 1 in the speculative path, racing every
+  row with the same noise (gumbel verifier), keeping the rejected token's mass in the q = 1
+  residual, or drawing the correction after a rejected q-draft from p instead of
+  norm(max(0, p - q)) (rejection verifier, a uniform q far from p), shifts the distribution of
+  speculative tokens enough for the chi-square test to reject it; the unbroken engine passes the
+  same test with each verifier.
 - Greedy: an oracle drafter whose accepted nodes never sit in their final KV slots; with the KV
   move disabled the speculative output parts from plain decoding, with it they are identical.
 """
@@ -25,6 +28,7 @@ V = 16
 PROMPT = [1, 5, 2, 5, 2, 5, 2, 5]
 PARAMS = dict(temperature=0.5, max_tokens=5, ignore_eos=True)
 N = 2500
+N_BROKEN = 1000  # each mutant shifts the distribution far more than the correct engine's test sees
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +84,27 @@ class FixedTree:
         return None
 
 
-def sampled_grid(folder) -> tuple[torch.Tensor, int]:
-    """Counts of (x1, x2) over N seeded requests; x2 always comes out of a verified tree of three
-    deterministic siblings. Also returns how many draft nodes were accepted."""
+class UniformQ(FixedTree):
+    """Proposes one node drawn from the uniform distribution (far from the peaked target) with
+    the noise of its position, and says so in draft_probs: the rejection verifier's q rule, with
+    most drafts rejected, so that the correction decides most second tokens."""
+
+    name = "uniform_q"
+
+    def propose(self, requests):
+        from specdec import randomness
+        from specdec.tree import DraftTree
+
+        q = torch.full((1, V), 1.0 / V, dtype=torch.float64)
+        keys = [randomness.key(r.seed, len(r.token_ids)) for r in requests]
+        tokens = randomness.draw(q.expand(len(requests), V), keys)
+        return [DraftTree.chain(tokens[i:i + 1], q) for i in range(len(requests))]
+
+
+def sampled_grid(folder, verifier: str = "gumbel", drafter: str = "fixed", n: int = N):
+    """Counts of (x1, x2) over N seeded requests; x2 always comes out of a verified tree (three
+    deterministic siblings, or one node drawn from a uniform q). Also returns how many draft
+    nodes were accepted."""
     from specdec.hookspecs import hookimpl
 
     top3 = exact_x1_x2(folder).sum(0).topk(3).indices.tolist()
@@ -90,20 +112,24 @@ def sampled_grid(folder) -> tuple[torch.Tensor, int]:
     class Plugin:
         @hookimpl
         def specdec_drafters(self):
-            return {"fixed": lambda target: FixedTree(target, top3)}
+            return {"fixed": lambda target: FixedTree(target, top3),
+                    "uniform_q": lambda target: UniformQ(target, top3)}
 
-    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter="fixed", plugins=(Plugin(),),
-              controller_args={"budget": 3}, max_num_seqs=512, max_num_batched_tokens=4096)
-    outs = llm.generate([PROMPT] * N, [SamplingParams(**PARAMS, seed=s) for s in range(N)])
+    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter=drafter,
+              plugins=(Plugin(),), verifier=verifier, controller_args={"budget": 3},
+              max_num_seqs=512, max_num_batched_tokens=4096)
+    outs = llm.generate([PROMPT] * n, [SamplingParams(**PARAMS, seed=s) for s in range(n)])
     grid = torch.zeros(V, V, dtype=torch.float64)
     for (a, b), c in Counter(tuple(o.token_ids[:2]) for o in outs).items():
         grid[a, b] = c
     return grid, sum(sum(o.metrics.accepted_by_depth) for o in outs)
 
 
-def test_correct_engine_passes(peaked_target):
-    grid, accepted = sampled_grid(peaked_target)
-    assert accepted > N // 5  # speculation really decides most of these tokens
+@pytest.mark.parametrize("verifier, drafter", [("gumbel", "fixed"), ("rejection", "fixed"),
+                                               ("rejection", "uniform_q")])
+def test_correct_engine_passes(peaked_target, verifier, drafter):
+    grid, accepted = sampled_grid(peaked_target, verifier, drafter)
+    assert accepted > (N // 5 if drafter == "fixed" else 20)  # speculation really decides
     assert chi_square_pvalue(grid.flatten(), exact_x1_x2(peaked_target).flatten()) > 1e-3
 
 
@@ -116,13 +142,27 @@ def _keep_rejected_mass(r, x):
     return r.clone()
 
 
-@pytest.mark.parametrize("target, replacement", [
-    ("specdec.verification.params_to_tensors", _temperature_one),
-    ("specdec.verifiers.rejection.residual_without", _keep_rejected_mass),
-], ids=["target-probs-at-temperature-1", "q1-residual-keeps-rejected-token"])
-def test_broken_sampling_is_caught(peaked_target, monkeypatch, target, replacement):
+def _correction_from_p(r, q):
+    return r.clone()
+
+
+def _one_noise_for_every_position(self):
+    """Every logits row raced with the same noise (keyed by the seed alone)."""
+    return [0] * self.cu_rows[-1]
+
+
+@pytest.mark.parametrize("verifier, drafter, target, replacement", [
+    ("gumbel", "fixed", "specdec.verification.params_to_tensors", _temperature_one),
+    ("gumbel", "fixed", "specdec.verifiers.base.VerifyBatch.row_positions",
+     _one_noise_for_every_position),
+    ("rejection", "fixed", "specdec.verifiers.rejection.residual_without", _keep_rejected_mass),
+    ("rejection", "uniform_q", "specdec.verifiers.rejection.residual_with_q", _correction_from_p),
+], ids=["target-probs-at-temperature-1", "gumbel-noise-not-per-position",
+        "q1-residual-keeps-rejected-token", "q-rule-correction-drawn-from-p"])
+def test_broken_sampling_is_caught(peaked_target, monkeypatch, verifier, drafter, target,
+                                   replacement):
     monkeypatch.setattr(target, replacement)
-    grid, _ = sampled_grid(peaked_target)
+    grid, _ = sampled_grid(peaked_target, verifier, drafter, n=N_BROKEN)
     assert chi_square_pvalue(grid.flatten(), exact_x1_x2(peaked_target).flatten()) < 1e-6
 
 

@@ -134,5 +134,5 @@ def test_greedy_verifier_refuses_sampled_requests_when_added(tiny_llama):
 
 
 def test_unknown_verifier_is_a_value_error(tiny_llama):
-    with pytest.raises(ValueError, match="unknown verifier 'nope'; registered: greedy, rejection"):
+    with pytest.raises(ValueError, match="unknown verifier 'nope'; registered: greedy, gumbel, rejection"):
         LLM(model=str(tiny_llama), verifier="nope")

@@ -11,6 +11,11 @@ nodes (0 for a plain decode row) and 1 + n_b logits rows, stored back to back::
 every request is greedy; rows of greedy requests are then unused). Draft probabilities travel
 with each tree (``DraftTree.draft_probs``, None for deterministic drafts).
 
+Randomness is per position (``specdec.randomness``): request b's first logits row decides the
+token at position ``positions[b]`` (its index in prompt + output), the row after node i the token
+at ``positions[b] + depth(i) + 1``; a verifier draws what it needs from (``seeds[b]``, position,
+stream), never from a stream whose consumption depends on the tree or the batch.
+
 The output is padded with -1: ``accepted[b, :k_b]`` are the accepted node indices (a root-to-leaf
 path prefix, in depth order) and ``tokens[b, :k_b + 1]`` the emitted tokens (the accepted nodes'
 tokens, then one corrected or bonus token). Example, B = 2: request 0 chain [7, 8, 9] with target
@@ -36,7 +41,8 @@ class VerifyBatch:
     logits: torch.Tensor  # [cu_rows[-1], V] float target logits
     probs: torch.Tensor | None  # [cu_rows[-1], V] float processed target probs, or None
     greedy: list[bool]  # [B] request decodes greedily
-    generators: list[torch.Generator | None]  # [B] each request's RNG (None: global RNG)
+    seeds: list[int | None]  # [B] each sampled request's seed (None for greedy requests)
+    positions: list[int]  # [B] position of the first token each request emits this step
 
     @property
     def batch_size(self) -> int:
@@ -52,7 +58,16 @@ class VerifyBatch:
         return VerifyBatch(
             [self.trees[b] for b in index], cu, self.logits.index_select(0, rows),
             None if self.probs is None else self.probs.index_select(0, rows),
-            [self.greedy[b] for b in index], [self.generators[b] for b in index])
+            [self.greedy[b] for b in index], [self.seeds[b] for b in index],
+            [self.positions[b] for b in index])
+
+    def row_positions(self) -> list[int]:
+        """[cu_rows[-1]] the position of the token each logits row decides (host ints)."""
+        out = []
+        for tree, start in zip(self.trees, self.positions):
+            out.append(start)
+            out.extend(start + 1 + d for d in tree.depths.tolist())
+        return out
 
 
 @dataclass
@@ -114,8 +129,9 @@ class Verifier(Protocol):
 def check_batch(batch: VerifyBatch) -> None:
     """Validate a batch's layout (for direct callers and tests; the engine builds it right)."""
     b = batch.batch_size
-    if len(batch.cu_rows) != b + 1 or len(batch.greedy) != b or len(batch.generators) != b:
-        raise ValueError(f"cu_rows needs B + 1 = {b + 1} entries and greedy/generators B")
+    if len(batch.cu_rows) != b + 1 or any(len(x) != b for x in (batch.greedy, batch.seeds,
+                                                                 batch.positions)):
+        raise ValueError(f"cu_rows needs B + 1 = {b + 1} entries and greedy/seeds/positions B")
     for i, tree in enumerate(batch.trees):
         if batch.cu_rows[i + 1] - batch.cu_rows[i] != tree.num_nodes + 1:
             raise ValueError(
@@ -128,10 +144,14 @@ def check_batch(batch: VerifyBatch) -> None:
         raise ValueError(f"probs must match logits' shape {tuple(batch.logits.shape)}")
     if batch.probs is None and not all(batch.greedy):
         raise ValueError("probs are required when a request samples (greedy False)")
+    for i, (g, seed) in enumerate(zip(batch.greedy, batch.seeds)):
+        if not g and not (isinstance(seed, int) and 0 <= seed < 2**63):
+            raise ValueError(f"request {i} samples but its seed is {seed!r}: sampled requests "
+                             "need an int seed in [0, 2^63)")
 
 
 def single(tree: DraftTree, logits: torch.Tensor, probs: torch.Tensor | None = None,
-           generator: torch.Generator | None = None) -> VerifyBatch:
-    """A batch of one request (tests, and callers verifying one tree)."""
+           seed: int | None = None, position: int = 0) -> VerifyBatch:
+    """A batch of one request (tests, and callers verifying one tree); sampled iff probs."""
     return VerifyBatch([tree], [0, tree.num_nodes + 1], logits, probs, [probs is None],
-                       [generator])
+                       [seed], [position])

@@ -24,21 +24,27 @@ class GreedyVerifier:
     def verify(self, batch: VerifyBatch) -> VerifyOutput:
         if not all(batch.greedy):
             raise ValueError("verifier 'greedy' verifies greedy requests only (temperature 0); "
-                             "use 'rejection' for sampled requests")
+                             "use 'gumbel' or 'rejection' for sampled requests")
         return verify_greedy(batch)
 
 
 def verify_greedy(batch: VerifyBatch) -> VerifyOutput:
     """Greedy verification of a whole batch (every request greedy)."""
-    argmax = batch.logits.argmax(dim=-1)
+    return verify_targets(batch, batch.logits.argmax(dim=-1))
+
+
+def verify_targets(batch: VerifyBatch, targets: torch.Tensor) -> VerifyOutput:
+    """The longest path of each tree whose nodes carry their parent row's target token:
+    targets [cu_rows[-1]] int64, the one token each logits row emits (the argmax for greedy
+    rows; the ``gumbel`` verifier's perturbed argmax for sampled ones)."""
     if all(t.num_nodes == 0 for t in batch.trees):
-        # plain decode rows (one logits row each): the argmax is the token, no tree to walk
+        # plain decode rows (one logits row each): the target is the token, no tree to walk
         b = batch.batch_size
-        return VerifyOutput(torch.zeros(b, 0, dtype=torch.int64, device=argmax.device),
-                            argmax.unsqueeze(1), torch.zeros(b, dtype=torch.int64,
-                                                             device=argmax.device))
+        return VerifyOutput(torch.zeros(b, 0, dtype=torch.int64, device=targets.device),
+                            targets.unsqueeze(1), torch.zeros(b, dtype=torch.int64,
+                                                              device=targets.device))
     layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
-    return greedy_verify(argmax, layout)
+    return greedy_verify(targets, layout)
 
 
 def greedy_verify(argmax: torch.Tensor, layout: TreeLayout) -> VerifyOutput:

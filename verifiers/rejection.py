@@ -19,17 +19,22 @@ siblings), as long as ``draft_probs[c]`` is exactly that distribution. The q = 1
 for any draft tokens whatsoever; q only raises acceptance.
 
 Batched: every request walks its tree at once, one tree level and one sibling rank per round of
-tensor ops (rounds = deepest tree x widest node, both known on the host). Each request's
-randomness is drawn up front from its own generator: one uniform per node (node c's coin) and one
-Exp(1) noise row for the final draw (argmax r / E, an exact draw from r). A seed therefore
-reproduces a request's tokens whatever batch it runs in. The only host sync is the final check
-that no accepted coin divided by a zero draft probability.
+tensor ops (rounds = deepest tree x widest node, both known on the host). Randomness is per
+position (``specdec.randomness``): the coin of the child of rank s tried at position n is the
+uniform of (seed, n, COIN + s), the final draw at position n is argmax r / E with E the noise of
+(seed, n, RESIDUAL) — streams no drafter sees, so they are independent of the drafts even when a
+drafter sampled its drafts with the SAMPLE noise (coupled drafts). A seed reproduces a request's
+tokens for the same drafts whatever batch it runs in; unlike the ``gumbel`` verifier, the text
+depends on the drafts (its distribution does not). One host sync reads the accepted depths (the
+final draw's position), and with it the check that no accepted coin divided by a zero draft
+probability.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdec import randomness
 from specdec.verifiers.base import VerifyBatch, VerifyOutput
 from specdec.verifiers.greedy import assemble, verify_greedy
 from specdec.verifiers.layout import TreeLayout
@@ -58,9 +63,9 @@ def _sample(batch: VerifyBatch) -> VerifyOutput:
     p = batch.probs.to(torch.float64)
     p = p / p.sum(-1, keepdim=True)
     q_rows, q_index = _draft_probs(batch, layout, device)
-    coins, noise = _randomness(batch, layout, p.shape[1], device)
+    coins, final_noise = _randomness(batch, layout, p.shape[1], device)
     ok, r = _walk(p, q_rows, q_index, coins, layout)
-    return assemble(ok, layout, (r / noise).argmax(-1))
+    return assemble(ok, layout, final_draw(r, final_noise(ok.sum(-1))))
 
 
 def _walk(p, q_rows, q_index, coins, layout: TreeLayout):
@@ -90,7 +95,7 @@ def _walk(p, q_rows, q_index, coins, layout: TreeLayout):
                 qx = q.gather(1, x)[:, 0]
                 bad |= act & has_q & ~(qx > 0)
                 prob = torch.where(has_q, (rx / qx).clamp(max=1.0), rx)
-                residual = torch.where(has_q[:, None], (r - q).clamp(min=0.0), residual)
+                residual = torch.where(has_q[:, None], residual_with_q(r, q), residual)
             take = act & (coins[rows, c] < prob)
             total = residual.sum(-1, keepdim=True)
             # total 0: r == q up to rounding, so the rejection was a float artifact; keep r
@@ -106,6 +111,18 @@ def _walk(p, q_rows, q_index, coins, layout: TreeLayout):
         raise ValueError("a drafted token has draft probability 0 in its own draft_probs row: a "
                          "drafter can only propose tokens its distribution gives mass to")
     return ok, r
+
+
+def residual_with_q(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The residual after rejecting a draft drawn from q: max(0, r - q) ([B, V]); the caller
+    renormalises."""
+    return (r - q).clamp(min=0.0)
+
+
+def final_draw(r: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The token after the accepted path: argmax r / E, an exact draw from the walk's final
+    distribution r [B, V] with Exp(1) noise [B, V] -> [B] int64."""
+    return (r / noise).argmax(-1)
 
 
 def residual_without(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -132,15 +149,32 @@ def _draft_probs(batch: VerifyBatch, layout: TreeLayout, device):
 
 
 def _randomness(batch: VerifyBatch, layout: TreeLayout, vocab: int, device):
-    """Per request from its own generator: coins [B, max(N, 1)] U[0, 1) and noise [B, V] Exp(1).
+    """(coins [B, max(N, 1)] U(0, 1), final_noise) from each request's (seed, position) keys.
 
-    Request b draws exactly its own tree's n_b coins, then its noise, so what it draws does not
-    depend on the other trees of the batch (padding coins are 1: never accepted, never read)."""
+    Node c's coin is the uniform of (seed, position of c, COIN + its rank among its siblings);
+    padding coins are 1 (never accepted, never read). ``final_noise(k)`` with k [B] the accepted
+    depths gives the Exp(1) rows [B, V] of (seed, position after the accepted path, RESIDUAL)."""
     n = max(layout.tokens.shape[1], 1)
-    coins = torch.ones(batch.batch_size, n, dtype=torch.float64, device=device)
-    noise = torch.empty(batch.batch_size, vocab, dtype=torch.float64, device=device)
-    for b, (g, tree) in enumerate(zip(batch.generators, batch.trees)):
-        coins[b, :tree.num_nodes].uniform_(generator=g)
-        noise[b].exponential_(generator=g)
-    # Exp(1) can (vanishingly rarely) be 0; keep 0 / 0 = nan out of the argmax
-    return coins, noise.clamp_min_(torch.finfo(torch.float64).tiny)
+    coins = torch.ones(batch.batch_size, n, dtype=torch.float64)
+    for b, (seed, start, tree) in enumerate(zip(batch.seeds, batch.positions, batch.trees)):
+        if tree.num_nodes:
+            keys = [randomness.key(seed, start + d, randomness.COIN + s)
+                    for d, s in zip(tree.depths.tolist(), _sibling_ranks(tree))]
+            coins[b, :tree.num_nodes] = randomness.coins(keys)
+
+    def final_noise(k: torch.Tensor) -> torch.Tensor:
+        keys = [randomness.key(seed, start + d, randomness.RESIDUAL)
+                for seed, start, d in zip(batch.seeds, batch.positions, k.tolist())]
+        return randomness.noise(keys, vocab, device)
+
+    return coins.to(device), final_noise
+
+
+def _sibling_ranks(tree) -> list[int]:
+    """[n] each node's index among its parent's children (nodes are in topological order)."""
+    seen: dict[int, int] = {}
+    ranks = []
+    for p in tree.parents.tolist():
+        ranks.append(seen.get(p, 0))
+        seen[p] = ranks[-1] + 1
+    return ranks

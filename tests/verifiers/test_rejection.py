@@ -5,7 +5,8 @@ Every random choice it makes (a node's coin, the final draw) is enumerated by sc
 assignments weighted by q. Outputs shorter than K tokens are completed with the target's own
 conditionals (what the next, lossless step would do), and the resulting distribution of the first
 K tokens must equal the target's joint p(x1) p(x2 | x1) ... to 1e-9. A seeded empirical run
-checks the real torch.Generator path, and deliberately broken verifiers show the checks have power.
+checks the real per-position randomness, and deliberately broken verifiers show the checks have
+power.
 """
 
 from __future__ import annotations
@@ -139,14 +140,24 @@ def test_q1_residual_keeping_the_rejected_token_fails_the_exact_check(monkeypatc
     assert max_diff(got, target_joint(target, 3)) > 0.01
 
 
-# ---- the real generator path -------------------------------------------------------------------
+def test_correction_drawn_from_p_instead_of_the_residual_fails_the_exact_check(monkeypatch):
+    """After rejecting a draft drawn from q, the correction must come from norm(max(0, p - q)):
+    drawing it from p (the residual left as r) over-weights the tokens q favours."""
+    monkeypatch.setattr(rejection, "residual_with_q", lambda r, q: r.clone())
+    target, draft = Toy(V, 1), Toy(V, 2)
+    got = exact_output(sampled_trees([-1], draft), target, 2)
+    assert max_diff(got, target_joint(target, 2)) > 0.01
+
+
+# ---- the real randomness ----------------------------------------------------------------------
 
 def empirical_tv(trials: int, seed: int) -> float:
     """TV distance between sampled (x1, x2) and the target joint, depth-2 tree with q; every
-    trial is one request of one batched verifier call, all drawing from one generator."""
+    trial is one request (its own seed) of one batched verifier call."""
     target, draft, g = Toy(V, 11), Toy(V, 12), torch.Generator().manual_seed(seed)
     trees = [sample_tree([-1, -1, 0, 1], draft, g) for _ in range(trials)]
-    batch = make_batch(trees, [target_rows(t, target) for t in trees], [g] * trials)
+    seeds = [seed * trials + i for i in range(trials)]
+    batch = make_batch(trees, [target_rows(t, target) for t in trees], seeds)
     counts: Dist = defaultdict(float)
     for res in RejectionVerifier().verify(batch).to_results():
         toks = res.tokens
@@ -176,12 +187,12 @@ SHAPES = [[], [-1], [-1, -1, 0], [-1, 0, 1, 2], [-1, -1, -1, 0, 1]]
 
 
 def _seeded_requests(seeds: list[int], target: Toy, draft: Toy):
-    """One sampled tree per seed (its shape and tokens fixed by the seed, shapes of 0 to 5 nodes),
-    and the generators, seeded afresh, that the verifier then uses."""
+    """One sampled tree per seed (its shape and tokens fixed by the seed, shapes of 0 to 5
+    nodes), their target rows and the seeds."""
     trees = [sample_tree(SHAPES[s % len(SHAPES)], draft, torch.Generator().manual_seed(1000 + s))
              if s % len(SHAPES) else DraftTree.empty() for s in seeds]
     rows = [target_rows(t, target) for t in trees]
-    return trees, rows, [torch.Generator().manual_seed(s) for s in seeds]
+    return trees, rows, list(seeds)
 
 
 def test_seed_reproduces_result_whatever_the_batch():
@@ -208,8 +219,8 @@ def test_seeded_request_is_unaffected_by_greedy_neighbours():
     plain = DraftTree.chain([1, 2])
     mixed_trees = [plain, trees[0], plain, trees[1]]
     mixed_rows = [target_rows(plain, target), rows[0], target_rows(plain, target), rows[1]]
-    gens = [None, torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(8)]
-    batch = make_batch(mixed_trees, mixed_rows, gens, greedy=[True, False, True, False])
+    batch = make_batch(mixed_trees, mixed_rows, [None, 7, None, 8],
+                       greedy=[True, False, True, False])
     mixed = RejectionVerifier().verify(batch).to_results()
     assert [mixed[1], mixed[3]] == alone
 
@@ -221,8 +232,7 @@ def test_zero_draft_prob_for_drafted_token_is_an_error():
     tree = DraftTree.chain([2], draft_probs=q)
     probs = torch.full((2, 4), 0.25)
     with pytest.raises(ValueError, match="draft probability 0"):
-        RejectionVerifier().verify(single(tree, probs.log(), probs,
-                                          torch.Generator().manual_seed(0)))
+        RejectionVerifier().verify(single(tree, probs.log(), probs, seed=0))
     with pytest.raises(ValueError, match=r"draft_probs\[0, 2\]"):  # the engine's check first
         tree.validate(check_probs=True)
 
@@ -232,7 +242,7 @@ def test_low_precision_inputs(dtype):
     q = torch.softmax(torch.randn(2, 6), -1).to(dtype)
     tree = DraftTree.chain([1, 4], draft_probs=q)
     probs = torch.softmax(torch.randn(3, 6), -1).to(dtype)
-    batch = single(tree, probs.log(), probs, torch.Generator().manual_seed(0))
+    batch = single(tree, probs.log(), probs, seed=0)
     (result,) = RejectionVerifier().verify(batch).to_results()
     assert len(result.tokens) == len(result.accepted) + 1 and all(0 <= t < 6 for t in result.tokens)
 

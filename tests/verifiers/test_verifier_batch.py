@@ -3,11 +3,12 @@
 - greedy, batched, equals a plain per-request walk (first matching child wins) on random trees
   with duplicate sibling tokens, for both built-in verifiers;
 - a mixed batch (greedy and sampled requests) equals verifying each subset, and each request,
-  alone with generators seeded the same.
+  alone with the same seeds (both sampling verifiers).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,6 +17,7 @@ from verifier_oracles import Toy, make_batch, sample_tree, target_rows
 from specdec.tree import DraftTree
 from specdec.verifiers.base import VerifyBatch, VerifyResult, check_batch, single
 from specdec.verifiers.greedy import GreedyVerifier
+from specdec.verifiers.gumbel import GumbelVerifier
 from specdec.verifiers.rejection import RejectionVerifier
 
 VOCAB = 3  # small, so that siblings often carry the same token and argmaxes often match
@@ -52,7 +54,8 @@ def test_batched_greedy_equals_reference_walk(batch, seed):
     cu = [0]
     for t in batch:
         cu.append(cu[-1] + 1 + t.num_nodes)
-    vb = VerifyBatch(batch, cu, torch.cat(rows), None, [True] * len(batch), [None] * len(batch))
+    vb = VerifyBatch(batch, cu, torch.cat(rows), None, [True] * len(batch), [None] * len(batch),
+                     [0] * len(batch))
     check_batch(vb)
     want = [reference_greedy(t, r) for t, r in zip(batch, rows)]
     assert GreedyVerifier().verify(vb).to_results() == want
@@ -77,24 +80,26 @@ def _mixed_requests(seed: int):
     return trees, rows, greedy
 
 
-def _gens(greedy: list[bool], index: list[int]) -> list:
-    return [None if greedy[i] else torch.Generator().manual_seed(100 + i) for i in index]
+def _seeds(greedy: list[bool], index: list[int]) -> list:
+    return [None if greedy[i] else 100 + i for i in index]
 
 
-def test_mixed_batch_equals_each_subset_and_each_request_alone():
+@pytest.mark.parametrize("verifier", [RejectionVerifier(), GumbelVerifier()],
+                         ids=lambda v: v.name)
+def test_mixed_batch_equals_each_subset_and_each_request_alone(verifier):
     for seed in range(5):
         trees, rows, greedy = _mixed_requests(seed)
         everyone = list(range(len(trees)))
-        mixed = RejectionVerifier().verify(
-            make_batch(trees, rows, _gens(greedy, everyone), greedy)).to_results()
+        mixed = verifier.verify(
+            make_batch(trees, rows, _seeds(greedy, everyone), greedy)).to_results()
         for subset in ([i for i in everyone if greedy[i]], [i for i in everyone if not greedy[i]]):
-            alone = RejectionVerifier().verify(make_batch(
-                [trees[i] for i in subset], [rows[i] for i in subset], _gens(greedy, subset),
+            alone = verifier.verify(make_batch(
+                [trees[i] for i in subset], [rows[i] for i in subset], _seeds(greedy, subset),
                 [greedy[i] for i in subset])).to_results()
             assert alone == [mixed[i] for i in subset]
         for i in everyone:
-            (one,) = RejectionVerifier().verify(make_batch(
-                [trees[i]], [rows[i]], _gens(greedy, [i]), [greedy[i]])).to_results()
+            (one,) = verifier.verify(make_batch(
+                [trees[i]], [rows[i]], _seeds(greedy, [i]), [greedy[i]])).to_results()
             assert one == mixed[i]
         greedy_rows = [i for i in everyone if greedy[i]]
         assert [mixed[i] for i in greedy_rows] == [

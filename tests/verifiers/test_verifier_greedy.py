@@ -61,7 +61,7 @@ def test_greedy_refuses_sampled_requests():
     tree = DraftTree.chain([1])
     probs = torch.full((2, 4), 0.25)
     with pytest.raises(ValueError, match="greedy requests only"):
-        GreedyVerifier().verify(single(tree, probs.log(), probs, torch.Generator()))
+        GreedyVerifier().verify(single(tree, probs.log(), probs, seed=0))
 
 
 # ---- batch output --------------------------------------------------------------------------------
@@ -71,7 +71,8 @@ def test_batch_output_pads_with_minus_one():
                                                                        torch.tensor([-1, -1]))]
     # request 0 accepts [0, 1] then 4; request 1 plain 9; request 2 accepts node 1 then 8
     targets = [5, 6, 4, 0] + [9] + [3, 0, 8]
-    batch = VerifyBatch(trees, [0, 4, 5, 8], argmax_logits(targets), None, [True] * 3, [None] * 3)
+    batch = VerifyBatch(trees, [0, 4, 5, 8], argmax_logits(targets), None, [True] * 3, [None] * 3,
+                        [0] * 3)
     check_batch(batch)
     out = GreedyVerifier().verify(batch)
     assert out.accepted.dtype == out.tokens.dtype == out.num_accepted.dtype == torch.int64
@@ -104,30 +105,34 @@ def test_check_batch_errors():
     tokens are the engine's tree validation (DraftTree.validate, tests/test_tree.py)."""
     tree = DraftTree.chain([1, 2])
     with pytest.raises(ValueError, match="1 \\+ n rows"):
-        check_batch(VerifyBatch([tree], [0, 2], torch.zeros(2, 4), None, [True], [None]))
+        check_batch(VerifyBatch([tree], [0, 2], torch.zeros(2, 4), None, [True], [None], [0]))
     with pytest.raises(ValueError, match="probs must match"):
         check_batch(single(tree, torch.zeros(3, 4), torch.zeros(3, 5)))
     with pytest.raises(ValueError, match=r"logits must be \[3, V\]"):
-        check_batch(VerifyBatch([tree], [0, 3], torch.zeros(4, 4), None, [True], [None]))
+        check_batch(VerifyBatch([tree], [0, 3], torch.zeros(4, 4), None, [True], [None], [0]))
     with pytest.raises(ValueError, match="probs are required"):
-        check_batch(VerifyBatch([tree], [0, 3], torch.zeros(3, 4), None, [False], [None]))
+        check_batch(VerifyBatch([tree], [0, 3], torch.zeros(3, 4), None, [False], [None], [0]))
     with pytest.raises(ValueError, match="B \\+ 1"):
-        check_batch(VerifyBatch([tree], [0, 3], torch.zeros(3, 4), None, [True, True], [None]))
+        check_batch(VerifyBatch([tree], [0, 3], torch.zeros(3, 4), None, [True, True], [None], [0]))
+    with pytest.raises(ValueError, match="need an int seed"):
+        check_batch(single(tree, torch.zeros(3, 4), torch.zeros(3, 4)))
+    with pytest.raises(ValueError, match="seeds/positions"):
+        check_batch(VerifyBatch([tree], [0, 3], torch.zeros(3, 4), None, [True], [None], []))
     check_batch(single(tree, torch.zeros(3, 4)))
 
 
 def test_select_takes_rows_and_fields_in_order():
     trees = [DraftTree.chain([1]), DraftTree.empty(), DraftTree.chain([2, 3])]
     logits = torch.arange(6 * 4, dtype=torch.float64).view(6, 4)
-    gens = [torch.Generator(), None, torch.Generator()]
     batch = VerifyBatch(trees, [0, 2, 3, 6], logits, logits.softmax(-1), [False, True, False],
-                        gens)
+                        [5, None, 7], [10, 20, 30])
     sub = batch.select([2, 0])
     check_batch(sub)
     assert sub.trees == [trees[2], trees[0]] and sub.cu_rows == [0, 3, 5]
     assert torch.equal(sub.logits, logits[[3, 4, 5, 0, 1]])
     assert torch.equal(sub.probs, logits.softmax(-1)[[3, 4, 5, 0, 1]])
-    assert sub.greedy == [False, False] and sub.generators == [gens[2], gens[0]]
+    assert sub.greedy == [False, False] and sub.seeds == [7, 5] and sub.positions == [30, 10]
+    assert sub.row_positions() == [30, 31, 32, 10, 11]
 
 
 def test_plain_rows_take_the_argmax_without_a_tree_walk():
@@ -139,7 +144,7 @@ def test_plain_rows_take_the_argmax_without_a_tree_walk():
 
     logits = torch.randn(4, 11, generator=torch.Generator().manual_seed(0))
     trees = [DraftTree.empty()] * 4
-    batch = VerifyBatch(trees, [0, 1, 2, 3, 4], logits, None, [True] * 4, [None] * 4)
+    batch = VerifyBatch(trees, [0, 1, 2, 3, 4], logits, None, [True] * 4, [None] * 4, [0] * 4)
     fast = verify_greedy(batch)
     walked = greedy_verify(logits.argmax(-1), TreeLayout.build(trees, batch.cu_rows, "cpu"))
     for name in ("accepted", "tokens", "num_accepted"):

@@ -4,7 +4,8 @@ sample, and the exact output distribution of one verification.
 How ``exact_verify`` gets the verifier's exact distribution. The rejection verifier draws, per
 request, one coin per node (node c is accepted iff ``coins[b, c]`` is below its acceptance
 probability) and one Exp(1) noise row for the final draw (``argmax r / E``, a draw from the walk's
-final distribution r). Both are replaced (``rejection._randomness``):
+final distribution r, at the position after the accepted path). Both are replaced
+(``rejection._randomness``):
 
 - the coins become a tensor whose comparison answers from a script, "accept exactly the nodes of
   the root path P", and records the probability each node was compared against (its threshold t);
@@ -12,9 +13,10 @@ final distribution r). Both are replaced (``rejection._randomness``):
 
 One batched call runs every (tree, P, x). The walk tries children in index order, so the
 probability of P is the product, over the nodes the walk tried, of t (accepted) or 1 - t
-(rejected); times r_P(x), the walk's final distribution (recorded by wrapping ``_walk``). The
-thresholds and r come from the verifier itself, so a wrong acceptance rule or residual shows up
-in the distribution; the scripted outcomes are checked against what the verifier emitted.
+(rejected); times r_P(x), the distribution the final draw is made from (recorded by wrapping
+``final_draw``). The thresholds and r come from the verifier itself, so a wrong acceptance rule,
+residual or final draw shows up in the distribution; the scripted outcomes are checked against
+what the verifier emitted.
 """
 
 from __future__ import annotations
@@ -66,15 +68,17 @@ def target_rows(tree: DraftTree, target: Toy) -> torch.Tensor:  # [1 + n, V]
     return torch.stack([target(())] + [target(pre) for pre in node_prefixes(tree)])
 
 
-def make_batch(trees: list[DraftTree], probs: list[torch.Tensor], generators: list,
-               greedy: list[bool] | None = None) -> VerifyBatch:
-    """A VerifyBatch of requests with the given trees and [1 + n, V] target probs rows."""
+def make_batch(trees: list[DraftTree], probs: list[torch.Tensor], seeds: list,
+               greedy: list[bool] | None = None, positions: list[int] | None = None) -> VerifyBatch:
+    """A VerifyBatch of requests with the given trees and [1 + n, V] target probs rows (every
+    request at position 0 unless ``positions`` says otherwise)."""
     cu = [0]
     for t in trees:
         cu.append(cu[-1] + 1 + t.num_nodes)
     rows = torch.cat(probs)
     greedy = [False] * len(trees) if greedy is None else greedy
-    return VerifyBatch(list(trees), cu, rows.log(), rows, greedy, list(generators))
+    positions = [0] * len(trees) if positions is None else positions
+    return VerifyBatch(list(trees), cu, rows.log(), rows, greedy, list(seeds), list(positions))
 
 
 # ---- exact distribution of one verification ----------------------------------------------------
@@ -122,30 +126,31 @@ def _coins_class(accept: torch.Tensor, thresholds: torch.Tensor, seen: torch.Ten
 
 @contextlib.contextmanager
 def _scripted(record: dict):
-    """Scripted coins and noise from the batch's generator slots (``_Script``s); records the
-    thresholds and each walk's final r in ``record``."""
-    walk = rejection._walk
+    """Scripted coins and noise from the batch's seed slots (``_Script``s); records the
+    thresholds and the distribution each final draw is made from in ``record``."""
 
     def randomness(batch, layout, vocab, device):
         b, n = batch.batch_size, max(layout.tokens.shape[1], 1)
         accept = torch.zeros(b, n, dtype=torch.bool)
         noise = torch.ones(b, vocab, dtype=torch.float64)
-        for i, s in enumerate(batch.generators):
+        for i, s in enumerate(batch.seeds):
             accept[i, s.accept] = True
             noise[i, s.token] = TINY
         record["thresholds"] = torch.full((b, n), float("nan"), dtype=torch.float64)
         record["seen"] = torch.zeros(b, n, dtype=torch.bool)
         coins = torch.arange(n, dtype=torch.float64).expand(b, n).clone()
         cls = _coins_class(accept, record["thresholds"], record["seen"])
-        return coins.as_subclass(cls), noise.to(device)
+        return coins.as_subclass(cls), lambda k: noise.to(device)
 
-    def recording_walk(*args):
-        ok, r = walk(*args)
+    def recording_draw(r, noise):
+        # the distribution really drawn from (not the walk's r: a verifier that draws the last
+        # token from anything else must show up in the distribution)
         record["r"] = torch.Tensor.as_subclass(r, torch.Tensor).detach().clone()
-        return ok, r
+        return draw(r, noise)
 
+    draw = rejection.final_draw
     with mock.patch.object(rejection, "_randomness", randomness), \
-            mock.patch.object(rejection, "_walk", recording_walk):
+            mock.patch.object(rejection, "final_draw", recording_draw):
         yield
 
 
