@@ -43,6 +43,9 @@ class BlockState:
 
 class BlockDiffusionDrafter(BaseDrafter):
     name = "block_diffusion"
+    # on_verified appends features (twice on a repeat); a propose that raises has changed only
+    # `last` (the next one sets it again) and reserved KV slots (the next one truncates them)
+    replay_safe = False
 
     def __init__(self, target: TargetInfo, path: str | None = None, topk: int = 4,
                  model: BlockDiffusionModel | None = None) -> None:

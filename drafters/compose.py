@@ -7,6 +7,10 @@ the verified step that concerns its own nodes (the longest prefix of the accepte
 nodes it proposed, in its own node indices), so a drafter that keeps KV for its drafts stays
 consistent. Merged trees carry no draft probabilities (the verifier then uses the q = 1 rule,
 lossless for any tokens): sampled drafts from different drafters are not one distribution.
+
+Failures (drafters/base.py): a member marking a request failed fails it (the message names the
+member); the composition is replay_safe only when every member is, since a raising member leaves
+the members before it having proposed or updated already.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class ComposedDrafter:
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
         self.hidden_layers = tuple(sorted({i for d in drafters for i in d.hidden_layers}))
+        self.replay_safe = all(getattr(d, "replay_safe", False) for d in drafters)
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> ComposedState:
         return ComposedState([d.init_state(request_id, prompt_token_ids) for d in self.drafters],
@@ -37,8 +42,10 @@ class ComposedDrafter:
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         per_drafter = []
         for k, d in enumerate(self.drafters):
-            subs = [replace(r, state=r.state.states[k], no_kv=False) for r in requests]
+            subs = [replace(r, state=r.state.states[k], no_kv=False, error=None)
+                    for r in requests]
             trees = d.propose(subs)
+            _pass_failures(d, subs, requests)
             if not isinstance(trees, list) or len(trees) != len(requests):
                 raise TypeError(f"drafter {d.name!r} returned {type(trees).__name__} for "
                                 f"{len(requests)} requests")
@@ -61,9 +68,10 @@ class ComposedDrafter:
             for r in batch.requests:
                 own = _own_prefix(r.accepted, r.state.maps[k] if r.num_proposed else [])
                 # what it proposed, kept or not: its own draft state (e.g. KV) covered all of it
-                reqs.append(replace(r, state=r.state.states[k], accepted=own,
+                reqs.append(replace(r, state=r.state.states[k], accepted=own, error=None,
                                     num_proposed=len(r.state.maps[k]) if r.num_proposed else 0))
             d.on_verified(VerifiedBatch(reqs, batch.hidden))
+            _pass_failures(d, reqs, batch.requests)
         for r in batch.requests:
             r.state.maps = [[] for _ in self.drafters]
 
@@ -76,6 +84,13 @@ class ComposedDrafter:
                 errors.append(f"{d.name}: {e!r}")
         if errors:
             raise RuntimeError("; ".join(errors))
+
+
+def _pass_failures(drafter, subs: list, requests: list) -> None:
+    """A member's ``fail`` marks on its copies of the requests, onto the requests themselves."""
+    for sub, r in zip(subs, requests):
+        if sub.error is not None and r.error is None:
+            r.fail(f"{drafter.name}: {sub.error}")
 
 
 def _own_prefix(accepted: list[int], node_map: list[int]) -> list[int]:

@@ -54,6 +54,9 @@ class _Level:
 
 class Eagle3Drafter(BaseDrafter):
     name = "eagle3"
+    # propose moves num_cached on and clears pending; on_verified appends features (twice on a
+    # repeat). Raising anywhere leaves num_cached + num_pending right for the next on_verified
+    replay_safe = False
 
     def __init__(self, target: TargetInfo, path: str | None = None, depth: int = 6,
                  topk: int = 4, head: Eagle3Head | None = None, variant: str = "general") -> None:

@@ -30,6 +30,8 @@ class MTPState:
 
 class MTPDrafter(BaseDrafter):
     name = "mtp"
+    # propose only reads the state; on_verified overwrites it with the step's last row
+    replay_safe = True
 
     def __init__(self, target: TargetInfo, path: str | None = None, topk: int = 4,
                  heads: MTPHeads | None = None) -> None:

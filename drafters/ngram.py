@@ -41,6 +41,9 @@ class NgramDrafter(BaseDrafter):
     """
 
     name = "ngram"
+    # propose and on_verified only extend the index past num_indexed (a repeat finds nothing
+    # new) and read it: calling them twice for a request is as calling them once
+    replay_safe = True
 
     def __init__(self, target: TargetInfo, max_ngram: int = 4, min_ngram: int = 2,
                  max_depth: int = 8, max_matches: int = 1) -> None:

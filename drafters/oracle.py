@@ -107,6 +107,7 @@ class OracleDrafter(BaseDrafter):
 
     name = "oracle"
     hidden_layers: tuple[int, ...] = ()
+    replay_safe = False  # each propose draws coins from the request's generator
 
     def __init__(self, target: TargetInfo, continuations: Mapping[tuple[int, ...], list[int]],
                  error_rate: float, depth: int, seed: int = 0) -> None:

@@ -118,6 +118,9 @@ class Scripted(BaseDrafter):
 
     name = "scripted"
     BAD = {12: "nan", 13: "negative", 14: "zero-row", 15: "zero-at-token"}
+    # propose is pure and on_verified raises before it records anything: calling either twice is
+    # harmless, so the engine may retry a raising call request by request (drafters/base.py)
+    replay_safe = True
 
     def __init__(self, target, **kwargs):
         self.heard: list[str] = []
@@ -156,7 +159,8 @@ class ScriptedPlugin:
 
 def scripted_llm(tiny_llama, **kw) -> LLM:
     return LLM(model=str(tiny_llama), dtype="float64", drafter="scripted",
-               plugins=(ScriptedPlugin(),), controller_args={"budget": 3, "max_depth": 2}, **kw)
+               plugins=(ScriptedPlugin(),), controller="static",
+               controller_args={"budget": 3, "max_depth": 2}, **kw)
 
 
 @pytest.fixture(scope="module")

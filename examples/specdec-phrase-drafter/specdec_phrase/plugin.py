@@ -20,6 +20,7 @@ class PhraseState:
 
 class PhraseDrafter(BaseDrafter):
     name = "phrase"
+    replay_safe = True  # propose only reads: the engine may retry a raising call per request
 
     def __init__(self, target: TargetInfo, phrases: list[str] | None = None,
                  token_phrases: list[list[int]] | None = None, min_match: int = 1) -> None:
