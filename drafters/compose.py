@@ -33,6 +33,7 @@ class ComposedDrafter:
         self.drafters = drafters
         self.name = "+".join(d.name for d in drafters)
         self.hidden_layers = tuple(sorted({i for d in drafters for i in d.hidden_layers}))
+        self.matmul_models = tuple(m for d in drafters for m in getattr(d, "matmul_models", ()))
         self.replay_safe = all(getattr(d, "replay_safe", False) for d in drafters)
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> ComposedState:

@@ -43,6 +43,7 @@ class MTPDrafter(BaseDrafter):
         self.heads = heads if heads is not None else load_heads(path, target)
         self.heads.config.check_target(target.model_config)
         self.heads.requires_grad_(False)
+        self.matmul_models = (self.heads,)  # the engine installs its linear kernels on these
         n = self.heads.config.num_heads
         rates = getattr(self.heads, "rank_acceptance", None) or default_rates(n, topk)
         self.rates = tuple(tuple(row[:topk]) for row in rates)

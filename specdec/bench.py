@@ -140,7 +140,7 @@ def make_systems(args) -> dict:
     """{"baseline"?, "plain"?, "engine"}: in the order they run on each batch."""
     common = dict(model=args.model, dtype=args.dtype, device=args.device,
                   max_num_seqs=max(32, args.batch_size),
-                  linear_kernels=getattr(args, "linear_kernels", "tuned"),
+                  linear_kernels=getattr(args, "linear_kernels", "invariant"),
                   attention_backend=getattr(args, "attention_backend", "auto"),
                   cuda_graphs=getattr(args, "cuda_graphs", True))
     engine = LLM(drafter=args.drafter, drafter_args=args.drafter_args,

@@ -82,8 +82,10 @@ def _add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
     p.add_argument("--controller-args", type=_json_object, default={}, metavar="JSON")
     p.add_argument("--verifier", default="gumbel",
                    help="registered verifier name: gumbel (default), rejection, greedy")
-    p.add_argument("--linear-kernels", choices=("tuned", "plain"), default="tuned",
-                   help="CPU matmul paths: timed at start-up (default) or F.linear only")
+    p.add_argument("--linear-kernels", choices=("invariant", "tuned", "plain"),
+                   default="invariant",
+                   help="CPU matmul paths: the compiled row-invariant kernels (default), a "
+                        "table timed at start-up, or F.linear only")
 
 
 def _generate_parser(sub) -> None:

@@ -9,6 +9,7 @@ from specdec.attention import CHOICES as ATTENTION_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
+LINEAR_CHOICES = ("invariant", "tuned", "plain")
 
 @dataclass
 class EngineConfig:
@@ -36,9 +37,11 @@ class EngineConfig:
     cuda_graphs: bool = True
     # a registered verifier ("gumbel", "rejection", "greedy", or a plugin's)
     verifier: str = "gumbel"
-    # CPU matmul paths: "tuned" times the candidates at start-up (cached per machine, torch
-    # version, dtype and threads) and keeps the fastest, F.linear among them; "plain": F.linear
-    linear_kernels: str = "tuned"
+    # CPU matmul paths: "invariant" (the compiled row-invariant kernels, weights prepared once
+    # at load; falls back to "tuned" where they are not built or cannot run); "tuned" times the
+    # candidates at start-up (cached per machine, torch version, dtype and threads) and keeps
+    # the fastest, F.linear among them; "plain": F.linear
+    linear_kernels: str = "invariant"
     drafter: str | None = None
     drafter_args: dict[str, Any] = field(default_factory=dict)
     controller: str | None = None  # None: "goodput" with a drafter, "static" without
@@ -70,8 +73,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.linear_kernels not in ("tuned", "plain"):
-            raise ValueError(f"linear_kernels must be 'tuned' or 'plain', got {self.linear_kernels!r}")
+        if self.linear_kernels not in LINEAR_CHOICES:
+            raise ValueError(f"linear_kernels must be one of {', '.join(LINEAR_CHOICES)}, got "
+                             f"{self.linear_kernels!r}")
         _positive("page_size", self.page_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

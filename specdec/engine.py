@@ -33,10 +33,12 @@ from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
 from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
+from specdec.models import native
 from specdec.models.aliases import cache_dir
 from specdec.models.config import model_config_from_hf
 from specdec.models.linear import LinearKernels, cache_key
 from specdec.models.loader import load_hf_config, load_model, resolve_model_path
+from specdec.models.prepared import PreparedLinears
 from specdec.models.tokenizer import load_tokenizer
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
@@ -79,7 +81,7 @@ class LLMEngine:
         drafter, controller = DraftStage.plugins(self.pm, config, target)  # may add runners
         self.kv_split = self._allocate_kv()
         self._enable_cuda_graphs()
-        self.kernels = self._install_kernels()
+        self.kernels = self._install_kernels(getattr(drafter, "matmul_models", ()))
         self.kv = self.runner.kv
         self.drafting = DraftStage(drafter, controller, cfg.vocab_size, self.max_model_len,
                                    self.kv)
@@ -134,13 +136,27 @@ class LLMEngine:
                 runner.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
                                           self.max_model_len)
 
-    def _install_kernels(self) -> LinearKernels:
-        """The matmul paths every runner's model uses, timed here on CPU (see EngineConfig)."""
-        models = list(dict.fromkeys(r.model for r in [self.runner, *self.drafter_runners]))
-        if self.device.type != "cpu" or self.config.linear_kernels == "plain":
+    def _install_kernels(self, extra_models=()) -> LinearKernels | PreparedLinears:
+        """The matmul paths every runner's model (and a drafter's ``matmul_models``, e.g. MTP
+        heads) uses on CPU (see EngineConfig.linear_kernels): the row-invariant prepared
+        kernels, a table timed here, or F.linear."""
+        models = list(dict.fromkeys([*(r.model for r in [self.runner, *self.drafter_runners]),
+                                     *extra_models]))
+        choice = self.config.linear_kernels
+        compiled = native.load() if self.device.type == "cpu" and choice == "invariant" else None
+        if choice == "invariant" and self.device.type == "cpu" and compiled is None:
+            logger.info("linear kernels: the compiled ones are not available here, timing the "
+                        "F.linear-based table instead (not row-invariant)")
+        if compiled is not None:
+            kernels = PreparedLinears(compiled)
+            for m in models:
+                kernels.prepare_all(getattr(m, "matrices", list)())
+            logger.info("linear kernels: %s, %d weights prepared (%.0f MB)", kernels.key,
+                        len(kernels._panels), kernels.weight_bytes / 1e6)
+        elif self.device.type != "cpu" or choice == "plain":
             kernels = LinearKernels.plain()
         else:
-            shapes = list(dict.fromkeys(s for m in models for s in m.weight_shapes()))
+            shapes = list(dict.fromkeys(s for m in models for s in getattr(m, "weight_shapes", list)()))
             kernels = LinearKernels.tune(shapes, self.dtype, cache_dir=cache_dir() / "kernels")
             logger.info("linear kernels: %s (%.2f s%s)", kernels.key, kernels.tuned_seconds,
                         ", cached" if kernels.from_cache else "")

@@ -9,6 +9,13 @@ lengths differ (a 1,000-token prompt beside 15 short ones made a batch-16 decode
 So the plan splits the requests into groups of similar shape (`_groups`: an exact partition of
 the requests sorted by shape, minimising padded work plus a per-call cost) and runs one SDPA call
 per group; a batch of equal shapes stays one call.
+
+On a CPU with the compiled kernels (specdec/native/cpu_kernels.c) every row instead goes
+through one row-invariant kernel: the plan lists, per query row, the cache rows of the keys it
+may see (causal or its tree mask) in position order, and the kernel reduces over exactly those,
+in that order. A decode row, the same position as a tree row, or as a row of a prefill chunk,
+sees the same keys in the same order and gets bitwise the same output, whatever else is in the
+step; SDPA's paths (decode vs masked, batch padding) do not promise that.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch.nn.functional as F
 
 from specdec.attention.kv_rows import kv_write_index, write_kv
 from specdec.attention.metadata import AttentionMetadata
+from specdec.models import native
 from specdec.tree import causal_mask
 
 # Per-call cost of one extra SDPA call, in padded (query row x KV slot) cells: measured on CPU,
@@ -29,16 +37,28 @@ class TorchAttentionBackend:
     name = "torch"
     supports_cuda_graphs = False  # its plan makes new index tensors and shapes every step
 
-    def __init__(self, spec=None) -> None:
-        self._plan: _Plan | None = None
+    def __init__(self, spec=None, kernels="auto") -> None:
+        self._plan: _Plan | _KeyLists | None = None
+        # the compiled kernels ("auto": if they load here), or None: SDPA only
+        self.kernels = native.load() if kernels == "auto" else kernels
 
     def plan(self, metadata: AttentionMetadata) -> None:
-        self._plan = _Plan(metadata)
+        if self.kernels is not None and metadata.slot_mapping.is_cpu:
+            self._plan = _KeyLists(metadata)
+        else:
+            self._plan = _Plan(metadata)
 
     def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
         plan = self._plan
         assert plan is not None, "plan() must be called before run()"
         rows = write_kv(kv_cache, plan.write_index, k, v)
+        if isinstance(plan, _KeyLists) and q.dtype in native.FORMATS \
+                and kv_cache.dtype in native.FORMATS:
+            out = self.kernels.attention(q.float().contiguous(), rows, plan.page_size,
+                                         plan.indptr, plan.index, plan.max_keys, scale)
+            return out if q.dtype == torch.float32 else out.to(q.dtype)
+        if isinstance(plan, _KeyLists):  # float64: SDPA
+            plan = self._plan = _Plan(plan.metadata)
         if plan.fresh_causal:
             # one request whose KV is all new: attend to k/v directly, no gather
             out = F.scaled_dot_product_attention(
@@ -91,6 +111,36 @@ class _Group:
         )
         out = out.transpose(1, 2).reshape(self.n * self.qmax, q.shape[1], q.shape[2])
         return out if self.padded is None else out.index_select(0, self.padded)
+
+
+class _KeyLists:
+    """Per query row, the cache rows (K rows; V rows are page_size later) of the keys it sees,
+    in position order: index[indptr[t]:indptr[t + 1]] for packed row t (shared by all layers).
+
+    Example, one request with 3 cached tokens and a 2-node chain (rows 0, 1: its tree mask is
+    causal): row 0 sees positions 0..3, row 1 positions 0..4."""
+
+    def __init__(self, md: AttentionMetadata) -> None:
+        self.metadata, self.page_size = md, md.page_size
+        self.write_index = kv_write_index(md.slot_mapping, md.page_size)
+        host = md.on_host()
+        qo_lens, kv_lens = md.qo_lens(), md.kv_lens()
+        indptr, pages = host.kv_indptr.tolist(), host.kv_indices.long()
+        counts, index = [], []
+        for b, (qo, kv) in enumerate(zip(qo_lens, kv_lens)):
+            pos = torch.arange(kv)
+            slots = pages[indptr[b]:indptr[b + 1]][pos // md.page_size] * md.page_size \
+                + pos % md.page_size
+            k_rows = kv_write_index(slots, md.page_size)[:kv]
+            mask = md.custom_masks[b]
+            mask = causal_mask(qo, kv, "cpu") if mask is None else mask.cpu().bool()
+            rows, cols = mask.nonzero(as_tuple=True)  # row-major: each row's keys ascending
+            index.append(k_rows[cols])
+            counts.append(torch.bincount(rows, minlength=qo))
+        counts = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64)
+        self.indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        self.index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+        self.max_keys = int(counts.max()) if counts.numel() else 1
 
 
 class _Plan:

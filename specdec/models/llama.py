@@ -180,6 +180,13 @@ class LlamaDecoder(nn.Module):
         """[vocab, hidden]: the LM head (the embedding when tied)."""
         return self.embed if self.lm_head is None else self.lm_head
 
+    def matrices(self) -> list[torch.Tensor]:
+        """Every weight matrix the forward multiplies by (prepared once at load)."""
+        mats = [w for layer in self.layers
+                for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
+                          layer.down_weight)]
+        return [*mats, self.head_weight]
+
     def weight_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of every matrix the forward multiplies by (for kernel tuning)."""
         layer = self.layers[0]

@@ -57,6 +57,7 @@ class MTPHeads(TokenMap):
         self.lm_head = nn.Parameter(torch.zeros(config.draft_vocab_size, h, **kw),
                                     requires_grad=trainable)
         self.register_vocab(config.draft_vocab_size, config.vocab_size, device)
+        self.matmul = F.linear  # the engine installs its kernels (specdec.models.prepared)
 
     def init_from_target(self, head_weight: torch.Tensor, used_ids: torch.Tensor) -> None:
         """A new head: zero blocks, the target's LM-head rows of the draft vocabulary."""
@@ -72,10 +73,14 @@ class MTPHeads(TokenMap):
     def head(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Head i's residual blocks: x [..., H] -> [..., H]."""
         for layer in range(self.config.num_layers):
-            x = x + F.silu(F.linear(x, self.blocks[i, layer]))
+            x = x + F.silu(self._mm(x, self.blocks[i, layer]))
         return x
+
+    def _mm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [..., in] @ weight.T through the matmul hook (which takes 2-d rows)."""
+        return self.matmul(x.reshape(-1, x.shape[-1]), weight, None).view(*x.shape[:-1], -1)
 
     def compute_logits(self, y: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., draft_vocab_size], float32 at least."""
-        logits = F.linear(y, self.lm_head)
+        logits = self._mm(y, self.lm_head)
         return logits if logits.dtype == torch.float64 else logits.float()

@@ -1,0 +1,115 @@
+"""The compiled CPU kernels (specdec/native/cpu_kernels.c) as Python callables, or None.
+
+``load()`` finds the extension built at install (``specdec._cpu_kernels``), checks its ABI and
+this CPU's features, and returns a ``Kernels`` object, or None — with one log line saying why —
+when it is missing, stale or cannot run here; callers then take their pure-torch path.
+
+    k = load()
+    w = k.prepare(weight)            # [out, in] fp32 / bf16 / fp16 -> panels [P, in, 8]
+    y = k.linear(x, w, out_features) # x [T, in] fp32 -> [T, out] fp32, row-invariant
+
+Panels: output rows 8p .. 8p + 7 of the weight, transposed, so that a panel streams once for
+all rows of a call. Example: a [10, 3] weight becomes 2 panels [2, 3, 8] (rows 10..15 zero).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+ABI = 2
+PANEL = 8
+FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+logger = logging.getLogger("specdec")
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@dataclass(frozen=True)
+class Panels:
+    data: torch.Tensor  # [P, in, 8] the weight's dtype
+    out_features: int
+
+    @property
+    def in_features(self) -> int:
+        return self.data.shape[1]
+
+
+class Kernels:
+    """ctypes bindings of one loaded library (see module docstring)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.sd_linear.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _P, _I, ctypes.c_int]
+        lib.sd_attention.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _F,
+                                     _P, _P, ctypes.c_int]
+
+    @staticmethod
+    def prepare(weight: torch.Tensor) -> Panels:
+        """weight [out, in] (a dtype in FORMATS) -> its panels (a copy, made once at load)."""
+        if weight.dtype not in FORMATS or weight.dim() != 2:
+            raise ValueError(f"panels need a 2-d weight of {sorted(map(str, FORMATS))}, got "
+                             f"{tuple(weight.shape)} {weight.dtype}")
+        out, inp = weight.shape
+        p = -(-out // PANEL)
+        padded = weight.new_zeros(p * PANEL, inp)
+        padded[:out] = weight
+        return Panels(padded.view(p, PANEL, inp).transpose(1, 2).contiguous(), out)
+
+    def linear(self, x: torch.Tensor, w: Panels) -> torch.Tensor:
+        """x [T, in] float32 contiguous -> [T, out] float32 (x @ weight.T)."""
+        t, k = x.shape
+        assert x.dtype == torch.float32 and x.is_contiguous() and k == w.in_features
+        p = w.data.shape[0]
+        y = torch.empty(t, p * PANEL, dtype=torch.float32)
+        rc = self.lib.sd_linear(x.data_ptr(), t, k, w.data.data_ptr(), FORMATS[w.data.dtype],
+                                p, y.data_ptr(), p * PANEL, torch.get_num_threads())
+        assert rc == 0, "sd_linear refused its arguments"
+        return y if w.out_features == p * PANEL else y[:, :w.out_features]
+
+    def attention(self, q: torch.Tensor, kv_rows: torch.Tensor, v_offset: int,
+                  key_indptr: torch.Tensor, key_index: torch.Tensor, max_keys: int,
+                  scale: float) -> torch.Tensor:
+        """q [T, H, D] fp32; kv_rows [R, Hkv, D] fp32 / bf16 / fp16 (K rows; V rows
+        ``v_offset`` later);
+        key_indptr [T + 1] / key_index int64: the K rows row t attends to, in summation order.
+        -> [T, H, D] fp32."""
+        t, h, d = q.shape
+        out = torch.empty_like(q)
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads * max(max_keys, 1), dtype=torch.float32)
+        assert q.dtype == torch.float32 and q.is_contiguous() and kv_rows.is_contiguous()
+        rc = self.lib.sd_attention(q.data_ptr(), t, h, d, kv_rows.data_ptr(),
+                                   FORMATS[kv_rows.dtype], kv_rows.shape[1], v_offset, key_indptr.data_ptr(), key_index.data_ptr(),
+                                   max_keys, scale, out.data_ptr(), scratch.data_ptr(), threads)
+        assert rc == 0, "sd_attention refused its arguments"
+        return out
+
+
+@functools.cache  # the process's one handle on the library (and one log line)
+def load() -> Kernels | None:
+    """The compiled kernels, or None, said once in the log with the reason."""
+    spec = importlib.util.find_spec("specdec._cpu_kernels")
+    if spec is None or spec.origin is None:
+        logger.info("specdec CPU kernels not built (reinstall with a C compiler): using the "
+                    "pure-torch path, which is not row-invariant")
+        return None
+    try:
+        lib = ctypes.CDLL(spec.origin)
+        abi, features = lib.sd_abi_version(), lib.sd_cpu_features()
+    except (OSError, AttributeError) as e:
+        logger.warning("specdec CPU kernels at %s cannot be loaded (%s): using the pure-torch "
+                       "path", spec.origin, e)
+        return None
+    if abi != ABI:
+        logger.warning("specdec CPU kernels at %s are ABI %s, this specdec expects %s (rebuild: "
+                       "pip install -e .): using the pure-torch path", spec.origin, abi, ABI)
+        return None
+    if not features & 1:
+        logger.info("this CPU has no AVX2/FMA: using the pure-torch path")
+        return None
+    return Kernels(lib)
