@@ -22,11 +22,12 @@ class AdaptiveController:
         self.length: dict[str, int] = {}
 
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
-        live = {r.request_id for r in requests}
-        if len(self.length) > 4 * max(len(live), 64):  # forget finished requests
-            self.length = {k: v for k, v in self.length.items() if k in live}
         return [DraftBudget(self.length.setdefault(r.request_id, self.start), None)
                 for r in requests]
+
+    def release(self, request_id: str) -> None:
+        """The request ended: a request reusing the id starts again from ``start``."""
+        self.length.pop(request_id, None)
 
     def observe(self, report: StepReport) -> None:
         for o in report.outcomes:

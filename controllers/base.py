@@ -6,7 +6,7 @@ Each step the engine first schedules the batch (decode rows, prefill chunks), th
 composition; after the step it calls ``observe(report)`` with the step's costs and, per
 request, the budget asked, the nodes proposed and the nodes accepted, kept apart.
 
-Two optional methods:
+Three optional methods:
 
 * ``setup(context)`` once, after the engine is built: a ``ControllerContext`` that can measure
   the target's forward time by rows on this machine (``step_costs()``, cached).
@@ -14,6 +14,14 @@ Two optional methods:
   (ascending, closed under parents; None keeps the whole tree). The second phase of a two-phase
   controller: the drafted trees carry per-node confidences the budget could not know. Pruning is
   invisible to drafters (their ``on_verified`` gets node indices of the tree they proposed).
+* ``release(request_id)`` once a request has ended (finished, aborted or failed): drop what was
+  kept for it, so that a later request reusing the id starts from fresh estimates (what was
+  learned of the drafter as a whole may stay). Called after the ``observe`` of the step in which
+  the request ended (that report still carries its last outcome), or at once for an abort
+  between steps. Not called on preemption: a preempted request comes back under the same id
+  with the same text, and its estimates still hold. It may be called for an id the controller
+  never saw (a request that ended before its first decode step), or without a drafter; a
+  controller that raises there is reported, not fatal.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ expected gain and keep the prefix with the highest expected tokens per second.
    accepted path; admissible once its parent is (and, for sampled trees, its earlier siblings:
    the rejection walk needs them). Draft time is spent by then, so only rows count.
 
+What is kept per request (its acceptance counts, its exploration clock) goes in ``release`` when
+the request ends; what was learned of the drafter and the machine stays.
+
 Every decision and the figures behind it are in ``decision`` (shown in the step stats and the
 bench report): estimated acceptance, expected tokens, predicted and measured step time.
 """
@@ -108,8 +111,6 @@ class GoodputController:
         self.overhead = 0.0
         self._overhead_n = 0
         self.decision: dict = {}
-        self._seen: dict[str, int] = {}
-        self._steps = 0
         self._predicted = 0.0
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -129,10 +130,6 @@ class GoodputController:
     # ---- phase 1: budgets -------------------------------------------------------------------
 
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
-        self._steps += 1
-        for r in requests:
-            self._seen[r.request_id] = self._steps
-        self._forget_old()
         base_rows = batch.num_prefill_tokens + len(requests)
         cap = max(0, batch.max_draft_rows)
         gains = {i: self.depth.chain_gains(r.request_id, self.max_depth)
@@ -260,13 +257,12 @@ class GoodputController:
         self.decision["measured_step_seconds"] = report.step_seconds
         self.decision["predicted_step_seconds"] = self._predicted
 
-    def _forget_old(self, horizon: int = 512) -> None:
-        if self._steps % horizon:
-            return
-        for rid in [r for r, s in self._seen.items() if self._steps - s > horizon]:
-            del self._seen[rid]
-            self._idle.pop(rid, None)
-            self.depth.forget(rid)
+    def release(self, request_id: str) -> None:
+        """The request ended: its own acceptance counts and exploration clock go (the
+        drafter-wide estimates, the confidence calibration and the cost model stay), so a request
+        reusing the id starts from the drafter's history. Not called on preemption."""
+        self._idle.pop(request_id, None)
+        self.depth.forget(request_id)
 
 
 def _admissible_roots(tree) -> list[int]:

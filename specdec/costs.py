@@ -9,6 +9,11 @@ machine it runs on, so it is measured there:
   (one request feeding n tokens over a short context: the matmuls, which dominate, see n rows);
   a second or two for SmolLM2 on a CPU. The engine caches the table per model/device/dtype/threads
   (``StepCosts.load`` / ``save``).
+* ``plan_profile(grid, free_slots, max_len)`` fits the profile into what the engine has: the KV
+  slots free at start-up and the model's length bound both context + rows, so a small KV budget or
+  a short ``max_model_len`` profiles fewer grid points over a shorter context (rows past the
+  profiled ones extrapolate the last slope, and are refined online like the rest); where not even
+  two points fit, ``StepCosts.flat`` stands in (rows cost alike, refined online).
 * ``StepCosts`` interpolates the table (linear between grid points, the last slope beyond) and
   is refined online from every step's measured forward time: a scale on the whole curve moves
   towards the observed ratio (exponential average), and more slowly the two grid points around
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_CONTEXT = 64  # cached slots each profiled forward attends over
 
 
 class StepCosts:
@@ -96,6 +102,12 @@ class StepCosts:
                 blocks[-1][1] += c
         self.times = [s / c for s, c in blocks for _ in range(int(c))]
 
+    @classmethod
+    def flat(cls, rows: list[int], seconds: float) -> StepCosts:
+        """Every row count costs ``seconds`` (the memory-bound guess, where nothing better could
+        be measured); ``observe`` then shapes it from the steps the engine runs."""
+        return cls(list(rows), [float(seconds)] * len(rows))
+
     def to_dict(self) -> dict:
         return {"rows": self.rows, "seconds": [self.scale * t for t in self.times]}
 
@@ -119,13 +131,34 @@ class StepCosts:
         os.replace(tmp, path)
 
 
-def profile_forward(runner, grid: tuple[int, ...], context: int = 64, repeats: int = 3,
-                    min_seconds: float = 0.03, vocab_size: int | None = None) -> StepCosts:
+def plan_profile(grid: tuple[int, ...], free_slots: int, max_len: int,
+                 context: int = DEFAULT_CONTEXT) -> tuple[int, tuple[int, ...]]:
+    """(context, grid points) of a profile that fits: context + n <= min(free_slots, max_len)
+    for every point n (the KV slots it reserves, and positions 0 .. context + n - 1 the model
+    has). The full ``context`` when the largest point fits beside it; otherwise an eighth of the
+    room is context and the points that fit after it stay (possibly none).
+
+    Example: grid (1, 2, 4, ..., 256), 96 free slots, max_len 80 -> (10, (1, 2, 4, ..., 64)).
+    """
+    grid = tuple(sorted(set(int(n) for n in grid)))
+    if not grid or grid[0] < 1 or context < 0:
+        raise ValueError(f"plan_profile needs grid points >= 1 and context >= 0, got {grid}, "
+                         f"{context}")
+    room = max(min(int(free_slots), int(max_len)), 0)
+    if context + grid[-1] > room:
+        context = min(context, room // 8)
+    return context, tuple(n for n in grid if context + n <= room)
+
+
+def profile_forward(runner, grid: tuple[int, ...], context: int = DEFAULT_CONTEXT,
+                    repeats: int = 3, min_seconds: float = 0.03, vocab_size: int | None = None,
+                    max_positions: int | None = None) -> StepCosts:
     """Time ``runner``'s forward of n new rows (over ``context`` cached slots) for n in ``grid``:
     after a warm-up, at least ``repeats`` runs and ``min_seconds`` per point (at most 25 runs),
     keeping the fastest (interference only ever adds time). Needs free KV pages for
-    context + max(grid) slots; they are returned afterwards. Logits are computed for every row,
-    as verification does.
+    context + max(grid) slots (returned afterwards) and, where ``max_positions`` is given, that
+    many positions (``plan_profile`` picks a grid that fits both). Logits are computed for every
+    row, as verification does.
     """
     from specdec.kv.block_table import BlockTable
 
@@ -133,6 +166,9 @@ def profile_forward(runner, grid: tuple[int, ...], context: int = 64, repeats: i
     grid = tuple(sorted(set(int(n) for n in grid)))
     table = BlockTable()
     total = context + grid[-1]
+    if max_positions is not None and total > max_positions:
+        raise ValueError(f"profiling {grid[-1]} rows over a context of {context} reaches "
+                         f"position {total - 1}, past max_positions={max_positions}")
     if not kv.try_reserve(table, total):
         raise ValueError(f"profiling needs {total} free KV slots")
     vocab = vocab_size or runner.cfg.vocab_size

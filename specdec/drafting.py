@@ -47,6 +47,7 @@ class DraftStage:
         self.max_model_len = max_model_len
         self.kv = kv  # the target's KV: draft slots a tree does not use go back here
         self.errors: list[str] = []  # failures that could not fail a request (release at finish)
+        self.ended: list[str] = []  # requests ended this step: the controller's release is due
         # this step's budgets as the controller asked for them (before clipping), by request id
         self.asked: dict[str, DraftBudget] = {}
         self.batch: BatchComposition | None = None  # this step's composition (for pruning)
@@ -260,24 +261,33 @@ class DraftStage:
                 self.errors.append(message)
 
     def end(self, seq: Sequence) -> None:
-        """The request is over (finished, aborted, failed): its drafter state goes (``release``)
-        and the controller hears of it (its optional ``release(request_id)``; a failure there is
-        reported, not raised: the request has already ended)."""
+        """The request is over (finished, aborted, failed): its drafter state goes now
+        (``release``); the controller hears of it in ``release_ended``, after the step's
+        ``observe`` (whose report still carries the request's last outcome)."""
         self.release(seq)
+        self.ended.append(seq.request_id)
+
+    def release_ended(self) -> None:
+        """The controller's optional ``release(request_id)`` for every request ended since the
+        last call; a failure there is reported, not raised (the request has already ended)."""
+        ended, self.ended = self.ended, []
         release = getattr(self.controller, "release", None)
-        if release is None:
-            return
-        try:
-            release(seq.request_id)
-        except Exception as e:
-            message = f"controller {self.controller.name!r} failed in release: {e!r}"
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
-            self.errors.append(message)
+        for request_id in ended if release is not None else ():
+            try:
+                release(request_id)
+            except Exception as e:
+                message = f"controller {self.controller.name!r} failed in release: {e!r}"
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                self.errors.append(message)
 
     def observe(self, records: list[StepRequest], stats: StepStats) -> None:
-        """The controller hears the step's costs and, per asked request, asked/proposed/accepted."""
-        if self.drafter is None:
-            return
+        """The controller hears the step's costs and, per asked request, asked/proposed/accepted;
+        then the release of the requests that ended."""
+        if self.drafter is not None:
+            self._report_step(records, stats)
+        self.release_ended()
+
+    def _report_step(self, records: list[StepRequest], stats: StepStats) -> None:
         asked, self.asked = self.asked, {}
         outcomes = tuple(RequestOutcome(r.seq.request_id, asked.get(r.seq.request_id, r.asked),
                                         r.num_proposed if r.tree is not None else 0,

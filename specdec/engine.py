@@ -261,6 +261,7 @@ class LLMEngine:
         if seq is not None and not seq.is_finished:
             seq.finish_reason = "abort"
             self._finish(seq)
+            self.drafting.release_ended()  # between steps: no step's observe comes first
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

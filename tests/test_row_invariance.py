@@ -3,13 +3,12 @@ else is in the forward. The same step of a request, run through the engine's Mod
 and inside a batch with other requests' tree rows, must give bitwise the same logits, in float32,
 with either matmul setting.
 
-Today it does not: the matmul path depends on the step's total rows (F.linear runs a GEMV for
-one row and a GEMM for several; the tuned kernels are chosen per bucket of the total rows), so
-a decode row alone and the same row among 19 others are reduced in a different order. That is
-why float32 speculation is exact only up to near-ties (README, "dtypes"). This file is the check
-the row-invariance work (issue 17) must turn green; until then it is a strict xfail, and it must
-keep failing for that reason on every CPU: a single decode row (the GEMV path) against the same
-row in a batch of 19, over a model wide enough (hidden 384) for the paths to differ.
+The compiled kernels (linear_kernels="invariant", the default on CPU) keep it: every row is
+reduced in one fixed order whatever the call's other rows. F.linear and the timed table do not
+(F.linear runs a GEMV for one row and a GEMM for several; the table picks per bucket of the
+total rows), so for those settings this check is a strict xfail that must keep failing for that
+reason on every CPU: a single decode row against the same row in a batch of 19, over a model
+wide enough (hidden 384) for the paths to differ.
 """
 
 from __future__ import annotations

@@ -68,7 +68,8 @@ def plain(tiny_llama) -> LLM:
 
 @pytest.fixture(scope="module")
 def spec_llm(tiny_llama):
-    """spec_llm(max_matches, budget) -> a speculative LLM, built once per module and config."""
+    """spec_llm(max_matches, budget) -> a speculative LLM (static controller: what is drafted
+    does not depend on the machine's speed), built once per module and config."""
     cache: dict[tuple[int, int], LLM] = {}
 
     def get(max_matches: int, budget: int) -> LLM:
@@ -77,7 +78,7 @@ def spec_llm(tiny_llama):
             cache[key] = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
                              drafter_args={"max_matches": max_matches, "max_depth": 8,
                                            "min_ngram": 1},
-                             controller_args={"budget": budget})
+                             controller="static", controller_args={"budget": budget})
         return cache[key]
 
     return get
@@ -125,7 +126,8 @@ def test_each_architecture(tiny_models):
     for arch, folder in tiny_models.items():
         plain = LLM(model=str(folder), dtype="float64")
         spec = LLM(model=str(folder), dtype="float64", drafter="ngram",
-                   drafter_args={"max_matches": 2}, controller_args={"budget": 8})
+                   drafter_args={"max_matches": 2}, controller="static",
+                   controller_args={"budget": 8})
         try:
             assert_lossless(plain, spec, PROMPTS[:4], _params(4))
         except AssertionError as e:
@@ -137,7 +139,7 @@ def test_max_model_len_and_preemption(tiny_llama):
     kw = dict(model=str(tiny_llama), dtype="float64", max_model_len=64, num_pages=6,
               page_size=16)
     plain = LLM(**kw)
-    spec = LLM(**kw, drafter="ngram", controller_args={"budget": 16})
+    spec = LLM(**kw, drafter="ngram", controller="static", controller_args={"budget": 16})
     prompts = PROMPTS[:4] + PROMPTS[5:]  # all shorter than max_model_len
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     outs = assert_lossless(plain, spec, prompts, params)
@@ -184,19 +186,22 @@ def test_smollm2_greedy_identical_with_tau_above_1_2(smollm2_dir):
     assert tau > 1.2
 
 
-# the goodput controller with a cost curve under which pruning bites: every verified row costs
-# a fifth of a step, so only likely nodes are kept
-def _steep():
+# the goodput controller on injected cost curves, fixed (not refined from measured times), so
+# that what it drafts does not depend on this machine's speed: "flat", rows all but free (it
+# drafts deep); "steep", every verified row costs a fifth of a step (pruning bites: only likely
+# nodes are kept)
+def _fixed_costs(shape: str):
     from specdec.costs import StepCosts
 
-    return StepCosts([1, 2, 4, 8, 16, 32, 64], [1.0 + 0.2 * n for n in (1, 2, 4, 8, 16, 32, 64)],
-                     rate=0.0, local_rate=0.0)  # fixed: not refined from measured times
+    rows = [1, 2, 4, 8, 16, 32, 64]
+    per_row = {"flat": 1e-4, "steep": 0.2}[shape]
+    return StepCosts(rows, [1.0 + per_row * n for n in rows], rate=0.0, local_rate=0.0)
 
 
 CONTROLLERS = {
     "static": ("static", {"budget": 8}),
-    "goodput": ("goodput", {"budget": 8}),
-    "goodput_pruning": ("goodput", {"budget": 8, "costs": None}),
+    "goodput": ("goodput", {"budget": 8, "costs": "flat"}),
+    "goodput_pruning": ("goodput", {"budget": 8, "costs": "steep"}),
     "adaptive": ("adaptive", {"budget": 8}),
 }
 
@@ -204,7 +209,7 @@ CONTROLLERS = {
 @pytest.mark.parametrize("name", sorted(CONTROLLERS))
 def test_greedy_identical_under_every_controller(plain, tiny_llama, name):
     controller, args = CONTROLLERS[name]
-    args = {**args, "costs": _steep()} if "costs" in args else args
+    args = {**args, "costs": _fixed_costs(args["costs"])} if "costs" in args else args
     spec = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
                drafter_args={"max_matches": 4, "max_depth": 8, "min_ngram": 1},
                controller=controller, controller_args=args)

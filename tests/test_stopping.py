@@ -93,7 +93,8 @@ def test_engine_cuts_accepted_drafts_at_max_tokens_and_stop_ids(tiny_llama):
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     truth = LLM(model=str(tiny_llama), dtype="float64").generate([prompt], long)[0].token_ids
     spec = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
-               plugins=(oracle_plugin(prompt + truth, depth=4),), controller_args={"budget": 5})
+               plugins=(oracle_plugin(prompt + truth, depth=4),), controller="static",
+               controller_args={"budget": 5})
     for n in (7, 10, 13):
         out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=n,
                                                      ignore_eos=True))[0]

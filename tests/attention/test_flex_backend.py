@@ -224,7 +224,7 @@ def test_engine_greedy_and_speculative_equal_torch_backend(tiny_llama):
     assert isinstance(flex.engine.runner.backend, FlexAttentionBackend)
     assert [o.token_ids for o in flex.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
     ngram = LLM(**kw, attention_backend="flex", drafter="ngram", drafter_args={"max_matches": 2},
-                controller_args={"budget": 8})
+                controller="static", controller_args={"budget": 8})
     got = ngram.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert _accepted(got) > 0, "no draft was accepted: the test would pass vacuously"

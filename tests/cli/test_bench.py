@@ -87,7 +87,7 @@ def check_speculative(report: dict) -> None:
 
 def test_bench_with_drafter(tmp_path, chat_model, dataset, repeat_drafter):
     report = run_bench(tmp_path, chat_model, dataset, "--baseline", "hf", "--drafter", "repeat",
-                       "--budget", "3", "--batch-size", "2")
+                       "--controller", "static", "--budget", "3", "--batch-size", "2")
     check_speculative(report)
     assert report["tau"] > 1.0  # the tiny model repeats itself, so repeats get accepted
     assert report["config"]["controller_args"] == {"budget": 3}

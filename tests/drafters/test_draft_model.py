@@ -125,7 +125,8 @@ def test_smollm2_early_exit_is_lossless(smollm2_dir):
     tok_prompts = ["List the days of the week.", "Count from one to ten in words."]
     plain = LLM(model=str(smollm2_dir), max_model_len=512)
     spec = LLM(model=str(smollm2_dir), max_model_len=512, drafter="draft_model",
-               drafter_args={"early_exit_layers": 8}, controller_args={"budget": 3})
+               drafter_args={"early_exit_layers": 8}, controller="static",
+               controller_args={"budget": 3})
     chats = [[{"role": "user", "content": p}] for p in tok_prompts]
     params = SamplingParams(temperature=0, max_tokens=40)
     a, b = plain.generate(chats, params), spec.generate(chats, params)

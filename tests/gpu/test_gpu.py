@@ -266,8 +266,9 @@ def test_greedy_speculation_equals_plain_torch_backend(gpu_model, dtype):
     runs = {
         "oracle": _llm(gpu_model, drafter="oracle", plugins=(oracle_plugin(truth, 0.3, depth=4),),
                        controller="static", controller_args={"budget": 4}, **kw),
-        "ngram": _llm(gpu_model, drafter="ngram", **kw),
-        "eagle3": _llm(gpu_model, drafter="eagle3", controller_args={"budget": 5},
+        "ngram": _llm(gpu_model, drafter="ngram", controller="static", **kw),
+        "eagle3": _llm(gpu_model, drafter="eagle3", controller="static",
+                       controller_args={"budget": 5},
                        drafter_args={"head": _random_head(gpu_model, dtype), "depth": 3,
                                      "topk": 2}, **kw),
     }
@@ -305,7 +306,7 @@ def test_eagle3_head_runs_in_cuda_graphs(gpu_model):
     speculative tokens against plain are reported."""
     prompts = _prompts(4, SHAPES["tiny-gpu"]["vocab_size"])
     want = [o.token_ids for o in _llm(gpu_model).generate(prompts, _greedy())]
-    spec = _llm(gpu_model, drafter="eagle3", controller_args={"budget": 5},
+    spec = _llm(gpu_model, drafter="eagle3", controller="static", controller_args={"budget": 5},
                 drafter_args={"head": _random_head(gpu_model, "bfloat16"), "depth": 3,
                               "topk": 2})
     got = spec.generate(prompts, _greedy())

@@ -37,7 +37,8 @@ def test_kv_and_next_logits_after_tree_acceptance(tiny_llama, monkeypatch):
     plain = LLM(model=str(tiny_llama), dtype="float64")
     truth = PROMPT + plain.generate([PROMPT], params)[0].token_ids
     spec = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
-               plugins=(oracle_plugin(truth),), controller_args={"budget": 4})
+               plugins=(oracle_plugin(truth),), controller="static",
+               controller_args={"budget": 4})
     moves = []
     move = spec.engine.kv.cache.move_slots
     monkeypatch.setattr(spec.engine.kv.cache, "move_slots",

@@ -33,7 +33,8 @@ def test_hidden_states_of_committed_tokens_match_hf(tiny_llama):
     plain = LLM(model=str(tiny_llama), dtype="float64")
     truth = PROMPT + plain.generate([PROMPT], params)[0].token_ids
     llm = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
-              plugins=(oracle_plugin(truth, depth=2, cls=Recorder),), controller_args={"budget": 3},
+              plugins=(oracle_plugin(truth, depth=2, cls=Recorder),), controller="static",
+              controller_args={"budget": 3},
               max_num_batched_tokens=16)  # the 37-token prompt comes in three chunks
     out = llm.generate([PROMPT], params)[0]
     recorded = llm.engine.drafting.drafter.steps
@@ -60,8 +61,8 @@ def test_hidden_rows_of_each_request_in_a_batch(tiny_llama):
     plain = LLM(model=str(tiny_llama), dtype="float64")
     truth = PROMPT + plain.generate([PROMPT], params)[0].token_ids
     llm = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle",
-              plugins=(oracle_plugin(truth, depth=2, cls=Recorder),), controller_args={"budget": 3},
-              max_num_batched_tokens=16)
+              plugins=(oracle_plugin(truth, depth=2, cls=Recorder),), controller="static",
+              controller_args={"budget": 3}, max_num_batched_tokens=16)
     outs = llm.generate(prompts, params)
     recorded = llm.engine.drafting.drafter.steps
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float64)

@@ -40,7 +40,7 @@ def test_train_lowers_loss_and_drafts_well(chat_target, prompts_file, tmp_path):
     rows = [json.loads(line) for line in (out / "regenerated.jsonl").read_text().splitlines()]
     prompts = [[m for m in r["messages"] if m["role"] == "user"][:1] for r in rows[:8]]
     llm = LLM(model=chat_target, drafter="eagle3", drafter_args={"path": str(drafter)},
-              controller_args={"budget": 6})
+              controller="static", controller_args={"budget": 6})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
     taus = [o.metrics.tau for o in outs if o.metrics.tau is not None]
     assert sum(taus) / len(taus) > 1.5, taus
