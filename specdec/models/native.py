@@ -9,7 +9,8 @@ when it is missing, stale or cannot run here; callers then take their pure-torch
     y = k.linear(x, w, out_features) # x [T, in] fp32 -> [T, out] fp32, row-invariant
 
 Panels: output rows 8p .. 8p + 7 of the weight, transposed, so that a panel streams once for
-all rows of a call. Example: a [10, 3] weight becomes 2 panels [2, 3, 8] (rows 10..15 zero).
+all rows of a call; an even number of them. Example: a [10, 3] weight becomes 2 panels
+[2, 3, 8] (rows 10..15 zero); a [20, 3] one 4 panels (rows 20..31 zero).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Kernels:
             raise ValueError(f"panels need a 2-d weight of {sorted(map(str, FORMATS))}, got "
                              f"{tuple(weight.shape)} {weight.dtype}")
         out, inp = weight.shape
-        p = -(-out // PANEL)
+        p = 2 * -(-out // (2 * PANEL))  # an even number: the kernel takes panels in pairs
         padded = weight.new_zeros(p * PANEL, inp)
         padded[:out] = weight
         return Panels(padded.view(p, PANEL, inp).transpose(1, 2).contiguous(), out)

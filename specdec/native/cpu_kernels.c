@@ -4,7 +4,8 @@
  * share the call, because every reduction runs in one fixed order per output element:
  *
  *   linear     y[t, n] = fma chain over k = 0 .. K-1 in ascending order, from 0, then + bias.
- *              Weights are prepared once into panels of 8 output rows ([panels][K][8]), so
+ *              Weights are prepared once into panels of 8 output rows ([panels][K][8], an
+ *              even number of panels: the microkernel takes two at a time), so
  *              one weight panel is streamed from memory once for every row of the call (rows
  *              are tiled by 4 in registers; the tile size does not touch any element's order).
  *   attention  per (row, head): scores over the row's visible keys in the order given, max,
@@ -50,63 +51,59 @@ AVX2 static inline __m256 load_f16(const void* w, int64_t i) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + i)));
 }
 
-/* R rows x[0 .. R-1] (row stride K) times panels p0 .. p0 + np - 1 (np 1 or 2) -> y rows. */
-#define MICRO(NAME, LOADW, R)                                                                  \
+/* R rows x[0 .. R-1] (row stride K) times the panel pair p0, p0 + 1 -> y rows. The
+ * accumulators are named registers (an array of them is kept on the stack by gcc). */
+#define ROW(r) const __m256 xb##r = _mm256_broadcast_ss(x + r * K + k);                        \
+    a##r = _mm256_fmadd_ps(xb##r, w0, a##r);                                                   \
+    b##r = _mm256_fmadd_ps(xb##r, w1, b##r);
+#define STORE(r) _mm256_storeu_ps(y + r * ldy + p0 * PW, a##r);                                \
+    _mm256_storeu_ps(y + r * ldy + (p0 + 1) * PW, b##r);
+#define ZERO(r) __m256 a##r = _mm256_setzero_ps(), b##r = _mm256_setzero_ps();
+#define MICRO(NAME, LOADW, R, EACH)                                                            \
     AVX2 static void NAME##_r##R(const float* x, int64_t K, const void* w, int64_t p0,        \
-                                 int64_t np, float* y, int64_t ldy) {                         \
-        __m256 a0[R], a1[R];                                                                   \
-        for (int r = 0; r < R; r++) a0[r] = a1[r] = _mm256_setzero_ps();                       \
+                                 float* y, int64_t ldy) {                                     \
+        EACH(ZERO)                                                                             \
         const int64_t o0 = p0 * K * PW, o1 = (p0 + 1) * K * PW;                                \
-        if (np == 2) {                                                                         \
-            for (int64_t k = 0; k < K; k++) {                                                  \
-                const __m256 w0 = LOADW(w, o0 + k * PW), w1 = LOADW(w, o1 + k * PW);           \
-                for (int r = 0; r < R; r++) {                                                  \
-                    const __m256 xb = _mm256_broadcast_ss(x + r * K + k);                      \
-                    a0[r] = _mm256_fmadd_ps(xb, w0, a0[r]);                                    \
-                    a1[r] = _mm256_fmadd_ps(xb, w1, a1[r]);                                    \
-                }                                                                              \
-            }                                                                                  \
-        } else {                                                                               \
-            for (int64_t k = 0; k < K; k++) {                                                  \
-                const __m256 w0 = LOADW(w, o0 + k * PW);                                       \
-                for (int r = 0; r < R; r++)                                                    \
-                    a0[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(x + r * K + k), w0, a0[r]);    \
-            }                                                                                  \
+        for (int64_t k = 0; k < K; k++) {                                                      \
+            const __m256 w0 = LOADW(w, o0 + k * PW), w1 = LOADW(w, o1 + k * PW);               \
+            EACH(ROW)                                                                          \
         }                                                                                      \
-        for (int r = 0; r < R; r++) {                                                          \
-            _mm256_storeu_ps(y + r * ldy + p0 * PW, a0[r]);                                    \
-            if (np == 2) _mm256_storeu_ps(y + r * ldy + (p0 + 1) * PW, a1[r]);                 \
-        }                                                                                      \
+        EACH(STORE)                                                                            \
     }
+#define EACH1(F) F(0)
+#define EACH2(F) F(0) F(1)
+#define EACH3(F) F(0) F(1) F(2)
+#define EACH4(F) F(0) F(1) F(2) F(3)
 
-#define MICROS(NAME, LOADW) \
-    MICRO(NAME, LOADW, 1) MICRO(NAME, LOADW, 2) MICRO(NAME, LOADW, 3) MICRO(NAME, LOADW, 4)
+#define MICROS(NAME, LOADW)                                                  \
+    MICRO(NAME, LOADW, 1, EACH1) MICRO(NAME, LOADW, 2, EACH2) MICRO(NAME, LOADW, 3, EACH3) \
+    MICRO(NAME, LOADW, 4, EACH4)
 MICROS(f32, load_f32)
 MICROS(bf16, load_bf16)
 MICROS(f16, load_f16)
 
-typedef void (*micro_fn)(const float*, int64_t, const void*, int64_t, int64_t, float*, int64_t);
+typedef void (*micro_fn)(const float*, int64_t, const void*, int64_t, float*, int64_t);
 static const micro_fn MICRO_TABLE[3][4] = {
     {f32_r1, f32_r2, f32_r3, f32_r4},
     {bf16_r1, bf16_r2, bf16_r3, bf16_r4},
     {f16_r1, f16_r2, f16_r3, f16_r4},
 };
 
-/* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels of format `fmt` (0 f32, 1 bf16,
- * 2 f16); columns up to 8 * panels are written (ldy >= 8 * panels). Returns 0, or -1 when this
- * CPU lacks AVX2/FMA or the arguments are invalid (nothing written). */
+/* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
+ * (0 f32, 1 bf16, 2 f16); columns up to 8 * panels are written (ldy >= 8 * panels). Returns 0,
+ * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). */
 int sd_linear(const float* x, int64_t T, int64_t K, const void* w, int fmt, int64_t panels,
               float* y, int64_t ldy, int nthreads) {
-    if (!(sd_cpu_features() & 1) || fmt < 0 || fmt > 2 || T < 0 || K < 1 || ldy < PW * panels)
+    if (!(sd_cpu_features() & 1) || fmt < 0 || fmt > 2 || T < 0 || K < 1 || ldy < PW * panels
+        || panels % 2)
         return -1;
     const micro_fn* micro = MICRO_TABLE[fmt];
-    const int64_t pairs = (panels + 1) / 2;
+    const int64_t pairs = panels / 2;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (int64_t q = 0; q < pairs; q++) {
-        const int64_t p0 = 2 * q, np = panels - p0 < 2 ? panels - p0 : 2;
         for (int64_t t = 0; t < T; t += 4) {
             const int64_t r = T - t < 4 ? T - t : 4;
-            micro[r - 1](x + t * K, K, w, p0, np, y + t * ldy, ldy);
+            micro[r - 1](x + t * K, K, w, 2 * q, y + t * ldy, ldy);
         }
     }
     return 0;
