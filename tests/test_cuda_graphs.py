@@ -23,6 +23,7 @@ from specdec.runner import ModelRunner
 from specdec.tree import DraftTree, step_mask
 
 PAGE = 4
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models only
 
 
 def test_graph_shapes_cover_the_batch_sizes_up_to_the_limits():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 
 import pytest
 
@@ -166,23 +165,12 @@ def test_smollm2_greedy_identical_with_tau_above_1_2(smollm2_dir):
                drafter_args={"max_matches": 4}, controller_args={"budget": 8})
     prompts = [[{"role": "user", "content": c}] for c in CHATS]
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    times = {"plain": [], "spec": []}
-    for _ in range(2):  # interleaved, side by side: the machine is shared and noisy
-        for name, llm in (("plain", plain), ("spec", spec)):
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            times[name].append(time.perf_counter() - t0)
-            if name == "plain":
-                want = outs
-            else:
-                got = outs
+    # one run each: the speed ratio is the bench's to measure (`specdec bench`), not a test's
+    want, got = plain.generate(prompts, params), spec.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     tau = sum(o.metrics.num_output_tokens for o in got) / sum(
         o.metrics.num_target_forwards for o in got)
-    ratio = statistics.median(times["spec"]) / statistics.median(times["plain"])
-    print(f"\nsmollm2 ngram: tau {tau:.2f} (per prompt "
-          f"{[round(o.metrics.tau, 2) for o in got]}), wall spec/plain {ratio:.2f} "
-          f"(seconds spec {times['spec']}, plain {times['plain']})")
+    print(f"\nsmollm2 ngram: tau {tau:.2f} (per prompt {[round(o.metrics.tau, 2) for o in got]})")
     assert tau > 1.2
 
 

@@ -26,7 +26,8 @@ def test_shipped_folders_exist_and_are_small(kind):
 @pytest.mark.slow
 def test_shipped_learned_drafters_are_lossless_on_smollm2(smollm2_dir):
     prompts = [[{"role": "user", "content": c}] for c in CHATS]
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    # 24 tokens: each drafter has drafts accepted on both prompts (3 to 11 each)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(model=str(smollm2_dir)).generate(prompts, params)]
     for kind in ("mtp", "block_diffusion", "eagle3"):
         llm = LLM(model=str(smollm2_dir), drafter=kind, controller="static",

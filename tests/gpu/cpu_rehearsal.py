@@ -6,6 +6,13 @@ engine behaves as on CUDA (dtype "auto" is bfloat16, backend "auto" is flashinfe
 on). What runs is the tests' own logic and the engine's GPU-path orchestration, not kernels: the
 two tests that call CUDA's graph and sync-debug APIs directly are left out.
 
+Since no kernel speed or accuracy is at stake here, the rehearsal is sized for a slow shared CPU:
+one torch thread (the shapes are small: with two threads on two busy cores each op waits on an
+OpenMP barrier, measured 7-10x slower), and the "smollm2-135m" shape is replaced by
+``REHEARSAL_SMOLLM2``, SmolLM2's layout (GQA group 3, head_dim 64, tied embeddings) at 2 layers
+and a 512-token vocabulary (30 layers and 49152 tokens in bf16 on the CPU took most of the
+rehearsal's minutes, for the same code paths).
+
     SPECDEC_TEST_DEVICE=cpu PYTHONPATH=tests/gpu python -m pytest -p cpu_rehearsal tests/gpu/test_gpu.py
 """
 
@@ -18,10 +25,14 @@ import torch
 
 CUDA_ONLY = ("test_flashinfer_graph_shape_replays_after_each_plan",
              "test_host_syncs_per_step_do_not_grow_with_the_batch")
+REHEARSAL_SMOLLM2 = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, vocab_size=512,
+                         rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
 
 
 def _install() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
+    import gpu_helpers
     from attention import flashinfer_api_model
     from graph_helpers import RerunCapture
 
@@ -50,6 +61,8 @@ def _install() -> None:
                 r.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
                                      self.max_model_len)
 
+    torch.set_num_threads(1)
+    gpu_helpers.SHAPES["smollm2-135m"] = REHEARSAL_SMOLLM2
     attention.resolve_backend = resolve
     runner.ModelRunner.enable_cuda_graphs = enable_runner
     engine.LLMEngine._enable_cuda_graphs = enable_engine

@@ -4,6 +4,7 @@ elsewhere cannot break the script that GPU time is spent on: every section runs 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,13 @@ from pathlib import Path
 def test_bench_gpu_dry_run_on_the_cpu(tmp_path):
     script = Path(__file__).with_name("bench_gpu.py")
     out = tmp_path / "out"
+    # one thread: the tiny shape's ops are too small to share, and on two busy cores each op
+    # waits on an OpenMP barrier (the dry run measured 38-54 s with two threads, 12-15 s with one)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, str(script), "--device", "cpu", "--shapes", "tiny-gpu", "--quick",
          "--tokens", "8", "--out", str(out), "--models", str(tmp_path / "models")],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())["tiny-gpu"]
     for section in ("plain", "hf_b1", "step_costs", "speculation"):
