@@ -1,8 +1,9 @@
 """Speculation is exact in every precision the CPU kernels cover: with the row-invariant prepared
 linears and attention (the default), greedy speculative output equals plain output token for
-token in float32 and bfloat16, and a seed's sampled text (gumbel verifier) is the same with and
-without speculation — not only in float64. Batch 1 and 8, every built-in drafter kind.
-(Row invariance itself, logits bitwise: test_row_invariance.py.)"""
+token in float32, bfloat16 and float16, and a seed's sampled text (gumbel verifier) is the same
+with and without speculation — not only in float64. Batch 1 and 8, a chain drafter (the
+target's first layer) and a tree drafter (EAGLE-3). (Row invariance itself, logits bitwise:
+test_row_invariance.py.)"""
 
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _tokens(folder, dtype, params, batch, **kw) -> list[list[int]]:
 
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("drafter", ["draft_model", "eagle3"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_greedy_and_seeded_speculation_equal_plain(wide, dtype, drafter, batch):
     spec = dict(drafter=drafter, drafter_args=_drafter_args(wide, dtype, drafter),
                 controller="static", controller_args={"budget": 4})
