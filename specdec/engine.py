@@ -10,7 +10,6 @@ Every request's part in a step is one record (`specdec.step.StepRequest`).
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import time
@@ -22,21 +21,14 @@ from specdec import plugins
 from specdec.batch import build_forward_batch
 from specdec.config import EngineConfig
 from specdec.controllers.base import ControllerContext
-from specdec.costs import (
-    DEFAULT_CONTEXT,
-    DEFAULT_GRID,
-    StepCosts,
-    plan_profile,
-    profile_forward,
-)
+from specdec.costs import StepCosts
 from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
 from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
-from specdec.models import native
-from specdec.models.aliases import cache_dir
 from specdec.models.config import model_config_from_hf
-from specdec.models.linear import LinearKernels, cache_key
+from specdec.models.kernel_choice import install_kernels
+from specdec.models.linear import LinearKernels
 from specdec.models.loader import load_hf_config, load_model, resolve_model_path
 from specdec.models.prepared import PreparedLinears
 from specdec.models.tokenizer import load_tokenizer
@@ -45,6 +37,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.scheduler import Scheduler
 from specdec.sequence import Sequence
 from specdec.step import StepRequest
+from specdec.step_profile import engine_step_costs
 from specdec.stopping import StopChecker
 from specdec.verification import VerifyStage
 
@@ -137,84 +130,15 @@ class LLMEngine:
                                           self.max_model_len)
 
     def _install_kernels(self, extra_models=()) -> LinearKernels | PreparedLinears:
-        """The matmul paths every runner's model (and a drafter's ``matmul_models``, e.g. MTP
-        heads) uses on CPU (see EngineConfig.linear_kernels): the row-invariant prepared
-        kernels, a table timed here, or F.linear."""
-        models = list(dict.fromkeys([*(r.model for r in [self.runner, *self.drafter_runners]),
-                                     *extra_models]))
-        choice = self.config.linear_kernels
-        compiled = native.load() if self.device.type == "cpu" and choice == "invariant" else None
-        if choice == "invariant" and self.device.type == "cpu" and compiled is None:
-            logger.info("linear kernels: the compiled ones are not available here, timing the "
-                        "F.linear-based table instead (not row-invariant)")
-        if compiled is not None:
-            kernels = PreparedLinears(compiled)
-            for m in models:
-                kernels.prepare_all(getattr(m, "matrices", list)())
-            logger.info("linear kernels: %s, %d weights prepared (%.0f MB)", kernels.key,
-                        len(kernels._panels), kernels.weight_bytes / 1e6)
-        elif self.device.type != "cpu" or choice == "plain":
-            kernels = LinearKernels.plain()
-        else:
-            shapes = list(dict.fromkeys(s for m in models for s in getattr(m, "weight_shapes", list)()))
-            kernels = LinearKernels.tune(shapes, self.dtype, cache_dir=cache_dir() / "kernels")
-            logger.info("linear kernels: %s (%.2f s%s)", kernels.key, kernels.tuned_seconds,
-                        ", cached" if kernels.from_cache else "")
-        for m in models:
-            m.matmul = kernels
-        return kernels
+        """The matmul hook of every runner's model and of a drafter's ``matmul_models`` (e.g. MTP
+        heads), chosen by ``EngineConfig.linear_kernels`` (specdec.models.kernel_choice)."""
+        models = [*(r.model for r in [self.runner, *self.drafter_runners]), *extra_models]
+        return install_kernels(models, self.config.linear_kernels, self.dtype, self.device)
 
     def step_costs(self) -> StepCosts:
-        """The target's forward seconds by rows on this machine: profiled once (a few seconds
-        for SmolLM2 on a CPU) and cached per model, dtype, device, torch version, threads and
-        profile plan. The profile fits what this engine has (``plan_profile``: free KV slots,
-        max_model_len); the plan is part of the cache key, so a table profiled in a small
-        configuration is never taken for a full one. Where not even two grid points fit, a flat
-        curve (refined online) stands in, and is not cached."""
-        wanted = tuple(n for n in DEFAULT_GRID if n <= self.config.max_num_batched_tokens)
-        free = self.runner.kv.pool.num_free * self.config.page_size
-        context, grid = plan_profile(wanted, free, self.max_model_len)
-        if len(grid) < 2:
-            return self._flat_costs(wanted, context, grid, free)
-        if (context, grid) != (DEFAULT_CONTEXT, wanted):
-            logger.info("step costs: profiling rows %d..%d over a context of %d (the full profile "
-                        "is rows up to %d over %d, but the KV has %d free slots and max_model_len "
-                        "is %d); larger row counts extrapolate the last slope, refined online",
-                        grid[0], grid[-1], context, wanted[-1], DEFAULT_CONTEXT, free,
-                        self.max_model_len)
-        path = self._step_costs_path(context, grid)
-        costs = StepCosts.load(path)
-        if costs is None:
-            t0 = time.perf_counter()
-            costs = profile_forward(self.runner, grid, context, max_positions=self.max_model_len)
-            logger.info("step costs profiled in %.1f s: %s", time.perf_counter() - t0,
-                        costs.describe())
-            costs.save(path)
-        return costs
-
-    def _step_costs_path(self, context: int, grid: tuple[int, ...]):
-        cfg = self.model_config
-        shape = f"{cfg.num_layers}x{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.vocab_size}"
-        graphs = "graphs" if self.runner.graphs is not None else "eager"
-        plan = "" if (context, grid[-1]) == (DEFAULT_CONTEXT, DEFAULT_GRID[-1]) else \
-            f" context {context} rows {','.join(map(str, grid))}"
-        key = (f"{shape} {self.dtype} {self.device} {self.runner.backend.name} {graphs} "
-               f"{cache_key(self.dtype, torch.get_num_threads())} {self.kernels.key}{plan}")
-        digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-        return cache_dir() / "step_costs" / f"{shape}-{digest}.json"
-
-    def _flat_costs(self, wanted, context: int, grid: tuple[int, ...], free: int) -> StepCosts:
-        """Too little room to profile a curve: every row count costs what one row measured (or
-        1 ms where not even that fits), refined online from the steps the engine runs."""
-        seconds = 1e-3
-        if grid:
-            seconds = profile_forward(self.runner, grid, context,
-                                      max_positions=self.max_model_len).seconds(1)
-        logger.warning("step costs: the KV has %d free slots and max_model_len is %d, too few to "
-                       "profile the forward by rows; assuming every row count costs %.1f ms "
-                       "(measured for %s), refined online", free, self.max_model_len,
-                       1e3 * seconds, "1 row" if grid else "nothing, a guess")
-        return StepCosts.flat(list(wanted), seconds)
+        """The target's forward seconds by rows on this machine (specdec.step_profile: profiled
+        once within what this engine's KV and max_model_len allow, cached)."""
+        return engine_step_costs(self)
 
     # ---- requests ---------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ def test_profile_times_every_grid_point_and_gives_pages_back(tiny_llama):
 
 def test_engine_profiles_once_then_reads_the_cache(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
-    import specdec.engine as engine_mod
+    import specdec.step_profile as engine_mod
 
     calls = []
     real = engine_mod.profile_forward
@@ -138,7 +138,7 @@ def test_a_small_profile_is_not_reused_for_a_large_engine(tiny_llama, tmp_path, 
 
 def test_no_room_for_a_curve_gives_a_flat_one(tiny_llama, monkeypatch, caplog):
     """Where not even two grid points fit, every row count costs the one measured row."""
-    import specdec.engine as engine_mod
+    import specdec.step_profile as engine_mod
 
     llm = LLM(model=str(tiny_llama), dtype="float32")
     eng = llm.engine

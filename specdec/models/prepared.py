@@ -74,6 +74,10 @@ class PreparedLinears:
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     @property
+    def num_prepared(self) -> int:
+        return len(self._panels)
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of prepared weights (what one forward streams through the kernel)."""
         return sum(p.data.numel() * p.data.element_size() for p in self._panels.values())

@@ -1,0 +1,52 @@
+"""Which matmul hook a model gets (``EngineConfig.linear_kernels``), made and installed once.
+
+* ``"invariant"`` on a CPU: the compiled row-invariant kernels (``PreparedLinears``), every
+  weight prepared now; where they do not load, the timed table below, said in the log.
+* ``"tuned"`` on a CPU: ``LinearKernels.tune`` (F.linear-based paths timed here, cached).
+* ``"plain"``, or any other device: F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specdec.models import native
+from specdec.models.aliases import cache_dir
+from specdec.models.linear import LinearKernels
+from specdec.models.prepared import PreparedLinears
+
+logger = logging.getLogger("specdec")
+
+
+def install_kernels(models: list, choice: str, dtype: torch.dtype,
+                    device: torch.device) -> LinearKernels | PreparedLinears:
+    """Set ``m.matmul`` on every model (each once) to the hook ``choice`` names; returns it."""
+    models = list(dict.fromkeys(models))
+    kernels = _choose(models, choice, dtype, device)
+    for m in models:
+        m.matmul = kernels
+    return kernels
+
+
+def _choose(models: list, choice: str, dtype: torch.dtype, device: torch.device):
+    on_cpu = device.type == "cpu"
+    compiled = native.load() if on_cpu and choice == "invariant" else None
+    if compiled is not None:
+        kernels = PreparedLinears(compiled)
+        for m in models:
+            kernels.prepare_all(getattr(m, "matrices", list)())
+        logger.info("linear kernels: %s, %d weights prepared (%.0f MB)", kernels.key,
+                    kernels.num_prepared, kernels.weight_bytes / 1e6)
+        return kernels
+    if not on_cpu or choice == "plain":
+        return LinearKernels.plain()
+    if choice == "invariant":
+        logger.info("linear kernels: the compiled ones are not available here, timing the "
+                    "F.linear-based table instead (not row-invariant)")
+    shapes = list(dict.fromkeys(s for m in models for s in getattr(m, "weight_shapes", list)()))
+    kernels = LinearKernels.tune(shapes, dtype, cache_dir=cache_dir() / "kernels")
+    logger.info("linear kernels: %s (%.2f s%s)", kernels.key, kernels.tuned_seconds,
+                ", cached" if kernels.from_cache else "")
+    return kernels
