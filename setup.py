@@ -1,4 +1,4 @@
-"""Builds specdec's optional CPU kernels (specdec/native/cpu_kernels.c) at install.
+"""Builds specdec's optional CPU kernels (specdec/native/*.c) at install.
 
 Everything else is in pyproject.toml. The kernels need a C compiler with OpenMP (gcc): without
 one the install stops with a message saying so; ``SPECDEC_NO_NATIVE=1`` installs without them,
@@ -31,9 +31,13 @@ class BuildKernels(build_ext):
             raise
 
 
+SOURCES = ("cpu_kernels", "linear", "attention", "layer")
 ext_modules = [Extension(
-    "specdec._cpu_kernels", ["specdec/native/cpu_kernels.c"],
-    extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-std=c11"],
+    "specdec._cpu_kernels", [f"specdec/native/{name}.c" for name in SOURCES],
+    depends=["specdec/native/kernels.h"],
+    # no contraction of a * b + c into an FMA where the C code does not ask for one: the
+    # rounding of every scalar expression is what the source says, on every compiler
+    extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c11"],
     extra_link_args=["-fopenmp"],
 )] if NATIVE else []
 

@@ -10,6 +10,7 @@ from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
 LINEAR_CHOICES = ("invariant", "tuned", "plain")
+WEIGHT_CHOICES = ("auto", "native", "dequantized")
 
 @dataclass
 class EngineConfig:
@@ -42,6 +43,11 @@ class EngineConfig:
     # candidates at start-up (cached per machine, torch version, dtype and threads) and keeps
     # the fastest, F.linear among them; "plain": F.linear
     linear_kernels: str = "invariant"
+    # a GGUF model's weights: "native" computes with the file's own Q4_1 / Q8_0 blocks (the
+    # compiled kernels dequantize in registers, bitwise to the fp32 weights: the same tokens,
+    # a sixth of the bytes streamed; float32, CPU, linear_kernels="invariant"); "dequantized"
+    # with the fp32 weights transformers makes of them; "auto": native wherever it can run
+    weights: str = "auto"
     drafter: str | None = None
     drafter_args: dict[str, Any] = field(default_factory=dict)
     controller: str | None = None  # None: "goodput" with a drafter, "static" without
@@ -76,6 +82,9 @@ class EngineConfig:
         if self.linear_kernels not in LINEAR_CHOICES:
             raise ValueError(f"linear_kernels must be one of {', '.join(LINEAR_CHOICES)}, got "
                              f"{self.linear_kernels!r}")
+        if self.weights not in WEIGHT_CHOICES:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got "
+                             f"{self.weights!r}")
         _positive("page_size", self.page_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

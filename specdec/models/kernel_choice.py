@@ -1,7 +1,8 @@
 """Which matmul hook a model gets (``EngineConfig.linear_kernels``), made and installed once.
 
 * ``"invariant"`` on a CPU: the compiled row-invariant kernels (``PreparedLinears``), every
-  weight prepared now; where they do not load, the timed table below, said in the log.
+  weight prepared now, and on each decoder they cover its layers as compiled calls
+  (``FusedLayers``); where they do not load, the timed table below, said in the log.
 * ``"tuned"`` on a CPU: ``LinearKernels.tune`` (F.linear-based paths timed here, cached).
 * ``"plain"``, or any other device: F.linear.
 """
@@ -14,27 +15,38 @@ import torch
 
 from specdec.models import native
 from specdec.models.aliases import cache_dir
+from specdec.models.fused import FusedLayers
 from specdec.models.linear import LinearKernels
 from specdec.models.prepared import PreparedLinears
 
 logger = logging.getLogger("specdec")
 
 
-def install_kernels(models: list, choice: str, dtype: torch.dtype,
-                    device: torch.device) -> LinearKernels | PreparedLinears:
-    """Set ``m.matmul`` on every model (each once) to the hook ``choice`` names; returns it."""
+def install_kernels(models: list, choice: str, dtype: torch.dtype, device: torch.device,
+                    adopted: list[tuple[torch.Tensor, native.Panels]] = ()
+                    ) -> LinearKernels | PreparedLinears:
+    """Set ``m.matmul`` on every model (each once) to the hook ``choice`` names; returns it.
+    ``adopted``: (weight, panels made for it elsewhere), for the compiled kernels only."""
     models = list(dict.fromkeys(models))
-    kernels = _choose(models, choice, dtype, device)
+    kernels = _choose(models, choice, dtype, device, adopted)
     for m in models:
         m.matmul = kernels
+        if hasattr(m, "fused"):  # a decoder: its layers as compiled calls where covered
+            m.fused = (FusedLayers(kernels.kernels, kernels, m)
+                       if isinstance(kernels, PreparedLinears) and FusedLayers.covers(m) else None)
     return kernels
 
 
-def _choose(models: list, choice: str, dtype: torch.dtype, device: torch.device):
+def _choose(models: list, choice: str, dtype: torch.dtype, device: torch.device, adopted):
     on_cpu = device.type == "cpu"
     compiled = native.load() if on_cpu and choice == "invariant" else None
+    if adopted and compiled is None:
+        raise ValueError("native weights need the compiled kernels (linear_kernels='invariant' "
+                         "on a CPU where they are built)")
     if compiled is not None:
         kernels = PreparedLinears(compiled)
+        for weight, panels in adopted:
+            kernels.adopt(weight, panels)
         for m in models:
             kernels.prepare_all(getattr(m, "matrices", list)())
         logger.info("linear kernels: %s, %d weights prepared (%.0f MB)", kernels.key,

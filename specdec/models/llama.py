@@ -2,8 +2,10 @@
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into another) so that a layer
 is a handful of large ops. Every matmul goes through ``LlamaDecoder.matmul``: F.linear by
-default; the engine installs the kernels it measured fastest on the machine it runs on
-(``specdec.models.linear.LinearKernels``).
+default; the engine installs its kernels (``specdec.models.kernel_choice``). With the compiled
+row-invariant kernels on a CPU it also installs ``LlamaDecoder.fused``, which runs each layer
+as one compiled call (``specdec.models.fused``) wherever the attention backend offers per-row
+key lists; this module's layers are then the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class LlamaDecoder(nn.Module):
         )
         self.rope = RotaryEmbedding(hf_config, cfg.head_dim, max_positions, dtype, device)
         self.matmul: Matmul = F.linear  # the runner installs the kernels it measured fastest
+        # the compiled layers (specdec.models.fused), installed with the row-invariant kernels
+        self.fused = None
         self.to(dtype=dtype, device=device)
 
     def forward(
@@ -134,6 +138,12 @@ class LlamaDecoder(nn.Module):
     ) -> ForwardOutput:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rope.lookup(positions)
+        key_lists = getattr(backend, "key_lists", None)
+        plan = (key_lists() if self.fused is not None and key_lists and kv_cache is not None
+                else None)
+        if plan is not None and x.shape[0] > 0:
+            x, captured = self.fused.run(x, cos, sin, plan, kv_cache, num_layers, capture_layers)
+            return ForwardOutput(self.norm(x), captured)
         captured = {}
         for i, layer in enumerate(self.layers[:num_layers]):
             kv_layer = None if kv_cache is None else kv_cache.layer(i)

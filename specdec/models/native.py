@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (specdec/native/cpu_kernels.c) as Python callables, or None.
+"""The compiled CPU kernels (specdec/native/*.c) as Python callables, or None.
 
 ``load()`` finds the extension built at install (``specdec._cpu_kernels``), checks its ABI and
 this CPU's features, and returns a ``Kernels`` object, or None — with one log line saying why —
@@ -6,7 +6,8 @@ when it is missing, stale or cannot run here; callers then take their pure-torch
 
     k = load()
     w = k.prepare(weight)            # [out, in] fp32 / bf16 / fp16 -> panels [P, in, 8]
-    y = k.linear(x, w, out_features) # x [T, in] fp32 -> [T, out] fp32, row-invariant
+    y = k.linear(x, w)               # x [T, in] fp32 -> [T, out] fp32, row-invariant
+    k.layer(args)                    # one decoder layer in one call (specdec.models.fused)
 
 Panels: output rows 8p .. 8p + 7 of the weight, transposed, so that a panel streams once for
 all rows of a call; an even number of them. Example: a [10, 3] weight becomes 2 panels
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-ABI = 2
+ABI = 3
 PANEL = 8
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 logger = logging.getLogger("specdec")
@@ -32,12 +33,40 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 @dataclass(frozen=True)
 class Panels:
-    data: torch.Tensor  # [P, in, 8] the weight's dtype
+    """A weight in the kernel's layout: float formats [panels, in, 8] in the weight's dtype;
+    GGUF formats [panels / 2, in / 32, block bytes] uint8 (specdec.models.gguf_weights)."""
+    data: torch.Tensor
     out_features: int
+    in_features: int
+    fmt: int  # the kernel's format code: FORMATS[dtype], or gguf_weights.FORMATS[kind]
+    panels: int  # of 8 output rows, an even number
 
     @property
-    def in_features(self) -> int:
-        return self.data.shape[1]
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class Weight(ctypes.Structure):
+    """sd_weight (kernels.h): one prepared weight as the C side sees it."""
+    _fields_ = [("data", _P), ("fmt", _I), ("panels", _I), ("out", _I), ("bias", _P)]
+
+    @classmethod
+    def of(cls, w: Panels, bias: torch.Tensor | None = None) -> Weight:
+        """The C view of ``w`` (and an fp32 contiguous ``bias``, kept alive by the caller)."""
+        return cls(w.data.data_ptr(), w.fmt, w.panels, w.out_features,
+                   None if bias is None else bias.data_ptr())
+
+
+class LayerArgs(ctypes.Structure):
+    """sd_layer_args (specdec/native/layer.c): one decoder layer's weights and one step."""
+    _fields_ = [*((n, _I) for n in ("T", "hidden", "heads", "kv_heads", "head_dim", "inter")),
+                ("eps", _F), ("scale", _F),
+                *((n, Weight) for n in ("qkv", "o", "gate_up", "down")),
+                *((n, _P) for n in ("input_norm", "post_norm", "q_norm", "k_norm", "x", "cos",
+                                    "sin", "kv")),
+                ("kv_fmt", _I), ("page_size", _I),
+                *((n, _P) for n in ("write_index", "key_indptr", "key_index")),
+                ("max_keys", _I), ("scratch", _P), ("nthreads", _I)]
 
 
 class Kernels:
@@ -48,6 +77,8 @@ class Kernels:
         lib.sd_linear.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _P, _I, ctypes.c_int]
         lib.sd_attention.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _F,
                                      _P, _P, ctypes.c_int]
+        lib.sd_layer.argtypes = lib.sd_layer_scratch.argtypes = [ctypes.POINTER(LayerArgs)]
+        lib.sd_layer_scratch.restype = _I
 
     @staticmethod
     def prepare(weight: torch.Tensor) -> Panels:
@@ -59,15 +90,16 @@ class Kernels:
         p = 2 * -(-out // (2 * PANEL))  # an even number: the kernel takes panels in pairs
         padded = weight.new_zeros(p * PANEL, inp)
         padded[:out] = weight
-        return Panels(padded.view(p, PANEL, inp).transpose(1, 2).contiguous(), out)
+        return Panels(padded.view(p, PANEL, inp).transpose(1, 2).contiguous(), out, inp,
+                      FORMATS[weight.dtype], p)
 
     def linear(self, x: torch.Tensor, w: Panels) -> torch.Tensor:
         """x [T, in] float32 contiguous -> [T, out] float32 (x @ weight.T)."""
         t, k = x.shape
         assert x.dtype == torch.float32 and x.is_contiguous() and k == w.in_features
-        p = w.data.shape[0]
+        p = w.panels
         y = torch.empty(t, p * PANEL, dtype=torch.float32)
-        rc = self.lib.sd_linear(x.data_ptr(), t, k, w.data.data_ptr(), FORMATS[w.data.dtype],
+        rc = self.lib.sd_linear(x.data_ptr(), t, k, w.data.data_ptr(), w.fmt,
                                 p, y.data_ptr(), p * PANEL, torch.get_num_threads())
         assert rc == 0, "sd_linear refused its arguments"
         return y if w.out_features == p * PANEL else y[:, :w.out_features]
@@ -89,6 +121,15 @@ class Kernels:
                                    max_keys, scale, out.data_ptr(), scratch.data_ptr(), threads)
         assert rc == 0, "sd_attention refused its arguments"
         return out
+
+    def layer_scratch(self, args: LayerArgs) -> int:
+        """Floats of scratch ``layer(args)`` needs (for args.T rows, args.max_keys keys)."""
+        return self.lib.sd_layer_scratch(ctypes.byref(args))
+
+    def layer(self, args: LayerArgs) -> None:
+        """Run one decoder layer on args.x in place (specdec/native/layer.c)."""
+        rc = self.lib.sd_layer(ctypes.byref(args))
+        assert rc == 0, "sd_layer refused its arguments"
 
 
 @functools.cache  # the process's one handle on the library (and one log line)

@@ -44,13 +44,22 @@ class PreparedLinears:
     def _key(weight: torch.Tensor) -> tuple:
         return weight.data_ptr(), tuple(weight.shape), weight.dtype, weight._version
 
+    def adopt(self, weight: torch.Tensor, panels: Panels) -> None:
+        """Compute ``weight`` with ``panels`` made elsewhere (a GGUF's own blocks, whose values
+        are bitwise ``weight``'s: specdec.models.gguf_weights); a weight changed in place later
+        is prepared again from its new values."""
+        if (panels.out_features, panels.in_features) != tuple(weight.shape):
+            raise ValueError(f"panels of {panels.out_features}x{panels.in_features} for a "
+                             f"weight of {tuple(weight.shape)}")
+        self._panels[self._key(weight)] = panels
+
     def prepare_all(self, weights: list[torch.Tensor]) -> None:
         """Prepare now the weights the kernel will run (others go to F.linear anyway)."""
         for w in weights:
             if w.is_cpu and w.dtype in FORMATS:
-                self._prepared(w)
+                self.prepared(w)
 
-    def _prepared(self, weight: torch.Tensor) -> Panels:
+    def prepared(self, weight: torch.Tensor) -> Panels:
         key = self._key(weight)
         panels = self._panels.get(key)
         if panels is None:
@@ -68,7 +77,7 @@ class PreparedLinears:
         """x [T, in], weight [out, in], bias [out] | None -> [T, out] in x's dtype."""
         if not self.covers(x, weight):
             return F.linear(x, weight, bias)
-        y = self.kernels.linear(x.float().contiguous(), self._prepared(weight))
+        y = self.kernels.linear(x.float().contiguous(), self.prepared(weight))
         if bias is not None:
             y = y + bias.float()
         return y if x.dtype == torch.float32 else y.to(x.dtype)
@@ -80,7 +89,7 @@ class PreparedLinears:
     @property
     def weight_bytes(self) -> int:
         """Bytes of prepared weights (what one forward streams through the kernel)."""
-        return sum(p.data.numel() * p.data.element_size() for p in self._panels.values())
+        return sum(p.nbytes for p in self._panels.values())
 
     def describe(self) -> dict:
         return {"key": self.key, "choices": {}, "tuned_seconds": 0.0, "from_cache": False,

@@ -1,0 +1,192 @@
+"""A GGUF file's own quantized weights (Q4_1, Q8_0), prepared for the compiled kernels.
+
+The engine's fp32 weights of a GGUF model are what transformers dequantizes from it (gguf-py:
+``(d * q) + m`` for Q4_1, ``q * d`` for Q8_0, float32, two roundings). Streaming them costs
+5.6x the bytes the file holds (SmolLM2-135M: 540 MB of fp32 against 96 MB of blocks), and a
+one-row decode step is bound by that stream. Here the blocks are read as they are, put in the
+model's matrix order (q and k rows un-permuted as transformers does, q|k|v and gate|up
+concatenated, as ``LlamaDecoder`` fuses them), and laid out for ``sd_linear`` (panel pairs of 16
+output rows, block by block; specdec/native/linear.c), which dequantizes in registers exactly
+as gguf-py does. So a matmul over them uses bitwise the weights of the fp32 model, and its rows
+are bitwise those of the fp32 panels (same fma chain per element): ``weights="native"`` and
+``"dequantized"`` give the same tokens, the native ones streaming a sixth of the bytes.
+
+    blocks = read_matrices(gguf_path, cfg)        # {"layers.0.qkv": Blocks, ..., "head": ...}
+    panels = prepare(blocks["layers.0.qkv"])      # -> native.Panels (fmt Q4_1)
+    dequantize(blocks["head"])                    # [out, in] float32, bitwise gguf-py's
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specdec.models.native import PANEL, Panels
+
+BLOCK = 32  # weights per block, along the input dimension
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes of one block in the file
+FORMATS = {"Q4_1": 3, "Q8_0": 4}  # the kernel's format codes (kernels.h)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One weight matrix as the file stores it: ``rows`` [out, in / 32 * block bytes] uint8."""
+    kind: str  # "Q4_1" | "Q8_0"
+    rows: torch.Tensor
+    in_features: int
+
+    @property
+    def out_features(self) -> int:
+        return self.rows.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.numel()
+
+
+def _split(b: Blocks) -> tuple[torch.Tensor, ...]:
+    """(d fp16 [out, nb], m fp16 | None, q [out, nb, 32] uint8 0..15 / int8)."""
+    out, nb = b.out_features, b.in_features // BLOCK
+    blk = b.rows.reshape(out, nb, BLOCK_BYTES[b.kind])
+    d = blk[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if b.kind == "Q8_0":
+        return d, None, blk[..., 2:].contiguous().view(torch.int8)
+    m = blk[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+    qs = blk[..., 4:]  # low nibbles: weights 0..15 of the block, high nibbles: 16..31
+    return d, m, torch.cat([qs & 15, qs >> 4], dim=-1)
+
+
+def dequantize(b: Blocks) -> torch.Tensor:
+    """[out, in] float32, bitwise gguf-py's dequantization (two roundings, no fma)."""
+    d, m, q = _split(b)
+    w = d.float().unsqueeze(-1) * q.float()  # Q4_1: (d * q) + m ; Q8_0: q * d (commutes)
+    if m is not None:
+        w = w + m.float().unsqueeze(-1)
+    return w.reshape(b.out_features, b.in_features)
+
+
+def prepare(b: Blocks) -> Panels:
+    """The kernel's layout: per pair of 8-row panels and block of 32 inputs, the 16 rows' fp16
+    scales, then their quants k-major (Q4_1: per k one uint32 per panel, row i at bits 4i;
+    Q8_0: per k the 16 rows' int8). Rows are padded with zero blocks to a multiple of 16."""
+    d, m, q = _split(b)
+    out, nb = b.out_features, b.in_features // BLOCK
+    pairs = -(-out // (2 * PANEL))
+    pad = pairs * 2 * PANEL - out
+
+    def rows_padded(t: torch.Tensor) -> torch.Tensor:  # [out, ...] -> [pairs, 16, ...]
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+        return t.reshape(pairs, 2 * PANEL, *t.shape[1:])
+
+    def scales(s: torch.Tensor) -> torch.Tensor:  # fp16 [out, nb] -> bytes [pairs, nb, 32]
+        return rows_padded(s).transpose(1, 2).contiguous().view(torch.uint8)
+
+    q = rows_padded(q).permute(0, 2, 3, 1)  # [pairs, nb, 32 k, 16 rows]
+    if b.kind == "Q8_0":
+        parts = [scales(d), q.contiguous().view(torch.uint8).reshape(pairs, nb, -1)]
+    else:
+        shifts = torch.arange(PANEL, dtype=torch.int64) * 4
+        words = (q.reshape(pairs, nb, BLOCK, 2, PANEL).long() << shifts).sum(-1)  # [.., 2]
+        as_bytes = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1)
+        parts = [scales(d), scales(m), as_bytes.to(torch.uint8).reshape(pairs, nb, -1)]
+    data = torch.cat(parts, dim=-1).contiguous()
+    return Panels(data, out, in_features=b.in_features, fmt=FORMATS[b.kind], panels=2 * pairs)
+
+
+def _unpermute(n_head: int, out: int) -> torch.Tensor:
+    """Row order transformers gives llama's q / k after GGUF's rope permutation (its
+    ``_reverse_permute_weights``): new row r is file row index[r]."""
+    return torch.arange(out).reshape(n_head, out // n_head // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def _cat(parts: list[Blocks]) -> Blocks:
+    kinds = {p.kind for p in parts}
+    if len(kinds) != 1:
+        raise ValueError(f"fused matrices need one block type, got {sorted(kinds)}")
+    return Blocks(parts[0].kind, torch.cat([p.rows for p in parts]), parts[0].in_features)
+
+
+def read_matrices(path: Path, cfg) -> dict[str, Blocks]:
+    """Every matrix ``LlamaDecoder.matrices()`` multiplies by, as the file's blocks:
+    ``layers.{i}.{qkv,o,gate_up,down}`` and ``head`` (the LM head, or the tied embedding).
+    Raises ValueError naming a tensor whose type the kernels do not take."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+
+    def get(name: str, permute_heads: int | None = None) -> Blocks:
+        t = tensors.get(name)
+        if t is None:
+            raise ValueError(f"{path}: no tensor {name!r}")
+        kind = t.tensor_type.name
+        if kind not in BLOCK_BYTES:
+            raise ValueError(f"{path}: {name} is {kind}; native weights take "
+                             f"{', '.join(BLOCK_BYTES)} (use weights='dequantized')")
+        rows = torch.from_numpy(np.array(t.data))  # a copy: the reader maps the file read-only
+        if permute_heads is not None:
+            rows = rows[_unpermute(permute_heads, rows.shape[0])]
+        return Blocks(kind, rows, int(t.shape[0]))
+
+    out = {}
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        out[f"layers.{i}.qkv"] = _cat([get(p + "attn_q.weight", cfg.num_heads),
+                                       get(p + "attn_k.weight", cfg.num_kv_heads),
+                                       get(p + "attn_v.weight")])
+        out[f"layers.{i}.o"] = get(p + "attn_output.weight")
+        out[f"layers.{i}.gate_up"] = _cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")])
+        out[f"layers.{i}.down"] = get(p + "ffn_down.weight")
+    out["head"] = get("token_embd.weight" if cfg.tie_word_embeddings else "output.weight")
+    return out
+
+
+def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torch.device,
+                  linear_kernels: str) -> list[tuple[torch.Tensor, Panels]]:
+    """What ``weights=mode`` ("auto" | "native" | "dequantized") gives ``model`` (loaded from
+    the folder holding ``gguf``): [] for its dequantized weights, else (weight, panels) for
+    every matrix it multiplies by, each checked bitwise against the weight at load. "native"
+    raises ValueError saying why it cannot run; "auto" then logs why and returns []."""
+    import logging
+
+    from specdec.models import native
+
+    if mode == "dequantized":
+        return []
+    reason = None
+    if not gguf.exists():
+        reason = "the model does not come from a GGUF file"
+    elif dtype != torch.float32:
+        reason = f"they compute in float32, not {str(dtype).removeprefix('torch.')}"
+    elif device.type != "cpu" or linear_kernels != "invariant" or native.load() is None:
+        reason = "they need the compiled CPU kernels (linear_kernels='invariant' on a CPU)"
+    out = []
+    if reason is None:
+        try:
+            out = _checked_panels(model, read_matrices(gguf, model.cfg))
+        except ValueError as e:
+            reason = str(e)
+    if reason is not None:
+        if mode == "native":
+            raise ValueError(f"weights='native' cannot run here: {reason}")
+        logging.getLogger("specdec").info("weights: dequantized (native GGUF weights: %s)",
+                                          reason)
+    return out
+
+
+def _checked_panels(model, blocks: dict[str, Blocks]) -> list[tuple[torch.Tensor, Panels]]:
+    params = {"head": model.head_weight}
+    for i, layer in enumerate(model.layers):
+        params.update({f"layers.{i}.qkv": layer.qkv_weight, f"layers.{i}.o": layer.o_weight,
+                       f"layers.{i}.gate_up": layer.gate_up_weight,
+                       f"layers.{i}.down": layer.down_weight})
+    out = []
+    for name, b in blocks.items():
+        weight = params[name]
+        if not torch.equal(dequantize(b), weight):
+            raise ValueError(f"the file's {name} blocks do not dequantize to the model's weights "
+                             "bitwise (a layout this loader does not know)")
+        out.append((weight, prepare(b)))
+    return out

@@ -1,0 +1,83 @@
+/* Row-invariant attention over per-row key lists.
+ *
+ * Per (row, head): scores over the row's visible keys in the order given, max, exp, then sums
+ * over keys in that order; dot products over head_dim in 8 fixed lanes summed pairwise. A decode
+ * row and a tree row over the same keys reduce in the same order, whatever else is in the call.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "kernels.h"
+
+/* dot over D (D % 8 == 0): 8 lanes, ascending chunks, lanes summed pairwise */
+#define ATTEND(NAME, LOADKV)                                                                   \
+    AVX2 static inline float NAME##_dot(const float* a, const void* b, int64_t i, int64_t D) { \
+        __m256 acc = _mm256_setzero_ps();                                                      \
+        for (int64_t d = 0; d < D; d += 8)                                                     \
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), LOADKV(b, i + d), acc);              \
+        return sd_hsum8(acc);                                                                  \
+    }                                                                                          \
+    /* one (row, head): scores over its keys in the given order, max, exp, sums in order */  \
+    AVX2 static void NAME##_row(const float* q, const void* kv, int64_t base,                 \
+                                int64_t v_offset, const int64_t* keys, int64_t n, int64_t Hkv,\
+                                int64_t D, float scale, float* out, float* s) {                \
+        float m = -INFINITY;                                                                   \
+        for (int64_t j = 0; j < n; j++) {                                                      \
+            s[j] = scale * NAME##_dot(q, kv, base + keys[j] * Hkv * D, D);                     \
+            m = s[j] > m ? s[j] : m;                                                           \
+        }                                                                                      \
+        float l = 0.0f;                                                                        \
+        for (int64_t j = 0; j < n; j++) {                                                      \
+            s[j] = expf(s[j] - m);                                                             \
+            l += s[j];                                                                         \
+        }                                                                                      \
+        for (int64_t d = 0; d < D; d += 8) {                                                   \
+            __m256 acc = _mm256_setzero_ps();                                                  \
+            for (int64_t j = 0; j < n; j++) {                                                  \
+                const __m256 v = LOADKV(kv, base + (keys[j] + v_offset) * Hkv * D + d);        \
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), v, acc);                           \
+            }                                                                                  \
+            _mm256_storeu_ps(out + d, _mm256_div_ps(acc, _mm256_set1_ps(l)));                  \
+        }                                                                                      \
+    }
+ATTEND(att_f32, sd_load_f32)
+ATTEND(att_bf16, sd_load_bf16)
+ATTEND(att_f16, sd_load_f16)
+
+typedef void (*attend_fn)(const float*, const void*, int64_t, int64_t, const int64_t*, int64_t,
+                          int64_t, int64_t, float, float*, float*);
+static const attend_fn ATTEND_TABLE[SD_NUM_FLOAT_FORMATS] = {att_f32_row, att_bf16_row, att_f16_row};
+
+void sd_attention_for(const float* q, int64_t T, int64_t H, int64_t D, const void* kv,
+                      int kv_fmt, int64_t Hkv, int64_t v_offset, const int64_t* key_indptr,
+                      const int64_t* key_index, int64_t max_keys, float scale, float* out,
+                      float* scratch) {
+    const int64_t group = H / Hkv;
+    const attend_fn attend = ATTEND_TABLE[kv_fmt];
+#pragma omp for schedule(static)
+    for (int64_t th = 0; th < T * H; th++) {
+        const int64_t t = th / H, h = th % H;
+        const int64_t a = key_indptr[t], n = key_indptr[t + 1] - a;
+        float* s = scratch + (int64_t)omp_get_thread_num() * max_keys;
+        attend(q + (t * H + h) * D, kv, (h / group) * D, v_offset, key_index + a, n, Hkv, D,
+               scale, out + (t * H + h) * D, s);
+    }
+}
+
+/* out[t, h, :] = softmax(scale * q[t, h] . K[j]) @ V[j] over the keys j of row t:
+ * key_index[key_indptr[t] .. key_indptr[t + 1]) are rows of `kv` (K rows; V rows sit at
+ * + v_offset rows), in the order the sums run. q [T, H, D] fp32, kv rows [*, Hkv, D] of format
+ * kv_fmt (0 f32, 1 bf16, 2 f16), out [T, H, D] fp32; head h reads kv head h / (H / Hkv).
+ * scratch: nthreads * max_keys floats. Returns 0, or -1 (nothing written). */
+int sd_attention(const float* q, int64_t T, int64_t H, int64_t D, const void* kv, int kv_fmt,
+                 int64_t Hkv, int64_t v_offset, const int64_t* key_indptr,
+                 const int64_t* key_index, int64_t max_keys, float scale, float* out,
+                 float* scratch, int nthreads) {
+    if (!(sd_cpu_features() & 1) || D % 8 || H % Hkv || T < 0 || kv_fmt < 0
+        || kv_fmt >= SD_NUM_FLOAT_FORMATS)
+        return -1;
+#pragma omp parallel num_threads(nthreads)
+    sd_attention_for(q, T, H, D, kv, kv_fmt, Hkv, v_offset, key_indptr, key_index, max_keys,
+                     scale, out, scratch);
+    return 0;
+}

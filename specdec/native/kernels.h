@@ -1,0 +1,70 @@
+/* Shared declarations of specdec's CPU kernels (cpu_kernels.c, linear.c, attention.c, layer.c).
+ *
+ * Row invariance is the contract of every kernel here: the output of a row is bitwise the same
+ * whatever other rows share the call, because every reduction runs in one fixed order per
+ * output element (see each file). Vector code is compiled per function for the ISA it needs
+ * (target attributes), never with -march=native, and chosen at run time (sd_cpu_features).
+ */
+#ifndef SD_KERNELS_H
+#define SD_KERNELS_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#define SD_ABI 3
+#define PW 8 /* panel width: output rows per weight panel */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+/* weight formats; the first three are also the K/V cache's (SD_NUM_FLOAT_FORMATS) */
+enum { SD_F32 = 0, SD_BF16 = 1, SD_F16 = 2, SD_NUM_FLOAT_FORMATS = 3, SD_Q4_1 = 3, SD_Q8_0 = 4,
+       SD_NUM_FORMATS = 5 };
+#define SD_QBLOCK 32 /* weights per GGUF block (along K) */
+/* bytes of one block of a panel pair (16 output rows x 32 k): fp16 scales, then the quants */
+#define SD_Q4_1_PAIR_BYTES (16 * 2 + 16 * 2 + 32 * 8)
+#define SD_Q8_0_PAIR_BYTES (16 * 2 + 32 * 16)
+
+int sd_cpu_features(void); /* bit 0: AVX2 + FMA + F16C */
+
+/* One prepared weight: `panels` panels (an even number) of 8 output rows in format `fmt`;
+ * `out` real output rows (<= 8 * panels); bias [out] fp32 or NULL. Float formats: [panels][K][8].
+ * GGUF formats (K % 32 == 0): [panels / 2][K / 32] blocks of a panel pair (see linear.c). */
+typedef struct {
+    const void* data;
+    int64_t fmt, panels, out;
+    const float* bias;
+} sd_weight;
+
+/* 0 when w is a valid weight of `K` inputs, else -1 */
+int sd_check_weight(const sd_weight* w, int64_t K);
+
+/* y[T, ldy] = x[T, K] @ W.T (columns up to 8 * panels written), as an OpenMP work-sharing loop:
+ * call it inside a parallel region (every thread of the team calls it; it ends in a barrier). */
+void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
+                   int64_t ldy);
+
+/* out[t, h, :] over the keys key_index[key_indptr[t] .. key_indptr[t + 1]) (cache rows of K; V
+ * rows v_offset later), as a work-sharing loop over (row, head); scratch: max_keys floats per
+ * thread of the team. */
+void sd_attention_for(const float* q, int64_t T, int64_t H, int64_t D, const void* kv,
+                      int kv_fmt, int64_t Hkv, int64_t v_offset, const int64_t* key_indptr,
+                      const int64_t* key_index, int64_t max_keys, float scale, float* out,
+                      float* scratch);
+
+AVX2 static inline __m256 sd_load_f32(const void* w, int64_t i) {
+    return _mm256_loadu_ps((const float*)w + i);
+}
+AVX2 static inline __m256 sd_load_bf16(const void* w, int64_t i) {
+    __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)w + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AVX2 static inline __m256 sd_load_f16(const void* w, int64_t i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const uint16_t*)w + i)));
+}
+AVX2 static inline float sd_hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+#endif

@@ -1,0 +1,241 @@
+/* Row-invariant linear layers over prepared weight panels.
+ *
+ *   y[t, n] = fma chain over k = 0 .. K-1 in ascending order, from 0 (then + bias, by the caller).
+ *
+ * Weights are prepared once into panels of 8 output rows ([panels][K][8], an even number of
+ * panels: the microkernel takes two at a time), so one weight panel is streamed from memory
+ * once for every row of the call (rows are tiled by up to 6 in registers; the tile size does
+ * not touch any element's order). K runs in blocks, each reused by every row tile from cache
+ * while the next one streams in. Threads split the panel pairs.
+ */
+#include <omp.h>
+
+#include "kernels.h"
+
+#ifndef KBLOCK
+#define KBLOCK 64 /* k per block: one block of a panel pair is reused by every row tile */
+#endif
+#ifndef DIST
+#define DIST 64 /* prefetch distance in k: the next block */
+#endif
+
+/* R rows x[0 .. R-1] (row stride K, already at the block's first k) times the panel pair at
+ * w0, w1 (already at the block's first k) over kn steps of k -> y rows. The accumulators start
+ * at 0 (the first block of k) or at y (a later one), so every element is still one fma chain
+ * over ascending k. The next block of the pair (DIST steps on) is prefetched along: it streams
+ * from memory while this block is reused from cache by the other row tiles. 2R accumulators
+ * in named registers, R <= 6 (12 + 2 weights + 1 broadcast of the 16 AVX registers). */
+#define ROW(r) const __m256 xb##r = _mm256_broadcast_ss(x + r * K + k);                        \
+    a##r = _mm256_fmadd_ps(xb##r, v0, a##r);                                                   \
+    b##r = _mm256_fmadd_ps(xb##r, v1, b##r);
+#define STORE(r) _mm256_storeu_ps(y + r * ldy, a##r);                                          \
+    _mm256_storeu_ps(y + r * ldy + PW, b##r);
+#define INIT(r) __m256 a##r = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy),     \
+    b##r = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * ldy + PW);
+#define MICRO(NAME, LOADW, ES, R, EACH)                                                        \
+    AVX2 static void NAME##_r##R(const float* x, int64_t K, const void* w0, const void* w1,   \
+                                 int64_t kn, float* y, int64_t ldy, int first) {               \
+        EACH(INIT)                                                                             \
+        for (int64_t k = 0; k < kn; k++) {                                                     \
+            if (ES && (k * PW * ES) % 64 == 0) {                                               \
+                _mm_prefetch((const char*)w0 + (k + DIST) * PW * ES, _MM_HINT_T0);             \
+                _mm_prefetch((const char*)w1 + (k + DIST) * PW * ES, _MM_HINT_T0);             \
+            }                                                                                  \
+            const __m256 v0 = LOADW(w0, k * PW), v1 = LOADW(w1, k * PW);                       \
+            EACH(ROW)                                                                          \
+        }                                                                                      \
+        EACH(STORE)                                                                            \
+    }
+#define EACH1(F) F(0)
+#define EACH2(F) F(0) F(1)
+#define EACH3(F) F(0) F(1) F(2)
+#define EACH4(F) F(0) F(1) F(2) F(3)
+#define EACH5(F) F(0) F(1) F(2) F(3) F(4)
+#define EACH6(F) F(0) F(1) F(2) F(3) F(4) F(5)
+#define MICROS(NAME, LOADW, ES)                                                                \
+    MICRO(NAME, LOADW, ES, 1, EACH1) MICRO(NAME, LOADW, ES, 2, EACH2)                          \
+    MICRO(NAME, LOADW, ES, 3, EACH3) MICRO(NAME, LOADW, ES, 4, EACH4)                          \
+    MICRO(NAME, LOADW, ES, 5, EACH5) MICRO(NAME, LOADW, ES, 6, EACH6)
+MICROS(f32, sd_load_f32, 4)
+MICROS(bf16, sd_load_bf16, 2)
+MICROS(f16, sd_load_f16, 2)
+/* an unpacked block in a buffer [k][16] (no prefetch: it is in L1) */
+AVX2 static inline __m256 load_buf(const void* w, int64_t i) {
+    return _mm256_loadu_ps((const float*)w + 2 * i);
+}
+MICROS(buf, load_buf, 0)
+
+typedef void (*micro_fn)(const float*, int64_t, const void*, const void*, int64_t, float*,
+                         int64_t, int);
+#define ROWS6(NAME) {NAME##_r1, NAME##_r2, NAME##_r3, NAME##_r4, NAME##_r5, NAME##_r6}
+static const micro_fn MICRO_TABLE[SD_NUM_FLOAT_FORMATS][6] = {ROWS6(f32), ROWS6(bf16),
+                                                              ROWS6(f16)};
+static const micro_fn BUF_MICRO[6] = ROWS6(buf);
+static const int64_t ELEMENT_SIZE[SD_NUM_FLOAT_FORMATS] = {4, 2, 2};
+
+/* GGUF blocks of a panel pair (16 output rows x 32 k), unpacked to fp32 buf [32][16] exactly as
+ * gguf-py dequantizes (float32, two roundings: (d * q) + m; q * d), so the kernel computes with
+ * the very weights transformers loads from the file:
+ *   Q4_1 (320 bytes): d[16] fp16, m[16] fp16, then per k one uint32 per panel (rows 0-7 of the
+ *        pair, then rows 8-15): row i's 4-bit q at bits 4i.
+ *   Q8_0 (544 bytes): d[16] fp16, then per k 16 int8 q (rows 0-15).
+ * `next`: the block after the next k-block, prefetched. */
+/* the 16 weights of step kk of a block, dequantized (one vector per panel) */
+typedef struct {
+    __m256 d0, d1, m0, m1;
+} scales;
+AVX2 static inline scales q4_1_scales(const uint8_t* b) {
+    scales s = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16))),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32))),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 48)))};
+    return s;
+}
+AVX2 static inline scales q8_0_scales(const uint8_t* b) {
+    scales s = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b)),
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16))), _mm256_setzero_ps(),
+                _mm256_setzero_ps()};
+    return s;
+}
+AVX2 static inline void q4_1_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i low4 = _mm256_set1_epi32(15);
+    const int32_t* q = (const int32_t*)(b + 64) + 2 * kk;
+    const __m256i q0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[0]), shifts), low4);
+    const __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[1]), shifts), low4);
+    *w0 = _mm256_add_ps(_mm256_mul_ps(s->d0, _mm256_cvtepi32_ps(q0)), s->m0);
+    *w1 = _mm256_add_ps(_mm256_mul_ps(s->d1, _mm256_cvtepi32_ps(q1)), s->m1);
+}
+AVX2 static inline void q8_0_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    const uint8_t* q = b + 32 + 16 * kk;
+    *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q))), s->d0);
+    *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)))), s->d1);
+}
+
+/* nblk blocks of a pair unpacked to buf [32 * nblk][16], the blocks after them prefetched */
+#define UNPACK(KIND, BYTES)                                                                    \
+    AVX2 static void unpack_##KIND(const uint8_t* b, int64_t nblk, float* buf) {              \
+        for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
+            for (int o = 0; o < BYTES; o += 64)                                                \
+                _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
+            const scales s = KIND##_scales(b);                                                 \
+            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+                __m256 w0, w1;                                                                 \
+                KIND##_step(b, &s, kk, &w0, &w1);                                              \
+                _mm256_storeu_ps(buf + (j * SD_QBLOCK + kk) * 2 * PW, w0);                     \
+                _mm256_storeu_ps(buf + (j * SD_QBLOCK + kk) * 2 * PW + PW, w1);                \
+            }                                                                                  \
+        }                                                                                      \
+    }
+/* R (1 to 3) rows straight over nblk blocks (dequantized in registers, no buffer: with so few
+ * rows the fma chains alone would wait on their latency) */
+#define DIRECT(KIND, BYTES, R, EACH)                                                           \
+    AVX2 static void KIND##_r##R(const float* x, int64_t K, const uint8_t* b, int64_t nblk,   \
+                                 float* y, int64_t ldy, int first) {                           \
+        EACH(INIT)                                                                             \
+        for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
+            for (int o = 0; o < BYTES; o += 64)                                                \
+                _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
+            const scales s = KIND##_scales(b);                                                 \
+            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+                __m256 v0, v1;                                                                 \
+                KIND##_step(b, &s, kk, &v0, &v1);                                              \
+                const int64_t k = j * SD_QBLOCK + kk;                                          \
+                EACH(ROW)                                                                      \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE)                                                                            \
+    }
+UNPACK(q4_1, SD_Q4_1_PAIR_BYTES)
+UNPACK(q8_0, SD_Q8_0_PAIR_BYTES)
+DIRECT(q4_1, SD_Q4_1_PAIR_BYTES, 1, EACH1)
+DIRECT(q4_1, SD_Q4_1_PAIR_BYTES, 2, EACH2)
+DIRECT(q8_0, SD_Q8_0_PAIR_BYTES, 1, EACH1)
+DIRECT(q4_1, SD_Q4_1_PAIR_BYTES, 3, EACH3)
+DIRECT(q8_0, SD_Q8_0_PAIR_BYTES, 2, EACH2)
+DIRECT(q8_0, SD_Q8_0_PAIR_BYTES, 3, EACH3)
+typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
+#define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
+static const direct_fn DIRECT_TABLE[2][DIRECT_ROWS] = {{q4_1_r1, q4_1_r2, q4_1_r3},
+                                                       {q8_0_r1, q8_0_r2, q8_0_r3}};
+
+/* the quantized path: 1-3 rows dequantize in registers; more rows unpack each k-block of a
+ * pair once into fp32 (L1) and run every row tile over it. The weights, and so every fma chain,
+ * are the same either way. */
+static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
+                        int64_t ldy, int64_t tiles, int64_t base, int64_t extra) {
+    const int64_t pairs = w->panels / 2, nb = K / SD_QBLOCK;
+    const int q8 = w->fmt == SD_Q8_0;
+    const int64_t bytes = q8 ? SD_Q8_0_PAIR_BYTES : SD_Q4_1_PAIR_BYTES;
+    void (*unpack)(const uint8_t*, int64_t, float*) = q8 ? unpack_q8_0 : unpack_q4_1;
+    float buf[KBLOCK * 2 * PW] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < pairs; q++) {
+        const uint8_t* pair = (const uint8_t*)w->data + q * nb * bytes;
+        for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+            const int64_t kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
+            const uint8_t* blocks = pair + (k0 / SD_QBLOCK) * bytes;
+            float* yq = y + 2 * q * PW;
+            if (T <= DIRECT_ROWS) {
+                DIRECT_TABLE[q8][T - 1](x + k0, K, blocks, kn / SD_QBLOCK, yq, ldy, k0 == 0);
+                continue;
+            }
+            unpack(blocks, kn / SD_QBLOCK, buf);
+            for (int64_t i = 0, t = 0; i < tiles; i++) {
+                const int64_t r = base + (i < extra);
+                BUF_MICRO[r - 1](x + t * K + k0, K, buf, buf + PW, kn, yq + t * ldy, ldy,
+                                 k0 == 0);
+                t += r;
+            }
+        }
+    }
+}
+
+int sd_check_weight(const sd_weight* w, int64_t K) {
+    if (w->fmt < 0 || w->fmt >= SD_NUM_FORMATS || w->panels < 2 || w->panels % 2 || K < 1
+        || w->out > PW * w->panels || w->out < 1)
+        return -1;
+    if (w->fmt >= SD_Q4_1 && K % SD_QBLOCK) return -1;
+    return 0;
+}
+
+void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
+                   int64_t ldy) {
+    /* row tiles of at most 6, as even as possible (8 -> 4 + 4, 16 -> 6 + 5 + 5) */
+    const int64_t tiles = (T + 5) / 6, base = tiles ? T / tiles : 0, extra = tiles ? T % tiles : 0;
+    if (w->fmt >= SD_Q4_1) {
+        linear_gguf(x, T, K, w, y, ldy, tiles, base, extra);
+        return;
+    }
+    const micro_fn* micro = MICRO_TABLE[w->fmt];
+    const int64_t es = ELEMENT_SIZE[w->fmt], pairs = w->panels / 2;
+#pragma omp for schedule(static)
+    for (int64_t q = 0; q < pairs; q++) {
+        const char* p0 = (const char*)w->data + 2 * q * K * PW * es;
+        const char* p1 = p0 + K * PW * es;
+        for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
+            const int64_t kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
+            for (int64_t i = 0, t = 0; i < tiles; i++) {
+                const int64_t r = base + (i < extra);
+                micro[r - 1](x + t * K + k0, K, p0 + k0 * PW * es, p1 + k0 * PW * es, kn,
+                             y + t * ldy + 2 * q * PW, ldy, k0 == 0);
+                t += r;
+            }
+        }
+    }
+}
+
+/* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
+ * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0); columns up to 8 * panels are written (ldy >= 8 * panels). Returns 0,
+ * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). */
+int sd_linear(const float* x, int64_t T, int64_t K, const void* w, int fmt, int64_t panels,
+              float* y, int64_t ldy, int nthreads) {
+    const sd_weight weight = {w, fmt, panels, PW * panels, 0};
+    if (!(sd_cpu_features() & 1) || sd_check_weight(&weight, K) || T < 0 || ldy < PW * panels)
+        return -1;
+#pragma omp parallel num_threads(nthreads)
+    sd_linear_for(x, T, K, &weight, y, ldy);
+    return 0;
+}

@@ -1,0 +1,77 @@
+"""The compiled decoder layers (specdec/models/fused.py, specdec/native/layer.c).
+
+Against the framework path of the same model (the oracle: ``LlamaDecoder``'s own layers), for
+every architecture the engine takes (biases, qk-norm, GQA, tied heads) in float32 and bfloat16:
+a prefill, then a step of tree rows over the cache, give close logits and close K/V. Which path
+a model takes is fixed by its configuration (float64 and models the kernels do not cover take
+the framework path), and a weight changed in place is prepared again.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM
+from specdec.kv.block_table import BlockTable
+from specdec.models import native
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(native.load() is None, reason="compiled kernels not built")]
+
+PROMPT = [3, 17, 5, 42, 8, 11, 29, 60, 7, 2, 33]
+TREE_IDS = [9, 14, 21, 4]
+# 4 tree rows after the prompt: nodes 0 and 1 children of the root, 2 of 0, 3 of 2
+TREE_MASK = torch.ones(4, len(PROMPT) + 4, dtype=torch.bool)
+TREE_MASK[:, len(PROMPT):] = torch.tensor([[1, 0, 0, 0], [0, 1, 0, 0], [1, 0, 1, 0],
+                                           [1, 0, 1, 1]], dtype=torch.bool)
+TREE_POS = [len(PROMPT), len(PROMPT), len(PROMPT) + 1, len(PROMPT) + 2]
+
+
+def _run(llm: LLM, fused: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Logits of a prefill and of a tree step after it, and the K/V they wrote."""
+    eng = llm.engine
+    model, runner = eng.model, eng.runner
+    keep, model.fused = model.fused, (model.fused if fused else None)
+    runner.kv.cache.tensor.zero_()
+    table = BlockTable()
+    assert runner.kv.try_reserve(table, len(PROMPT) + len(TREE_IDS))
+    try:
+        first = runner.forward(runner.pack([PROMPT], [0], [table], logits="all")).logits
+        tree = runner.forward(runner.pack([TREE_IDS], [len(PROMPT)], [table], logits="all",
+                                          positions=[TREE_POS], masks=[TREE_MASK])).logits
+        return [first.clone(), tree.clone()], runner.kv.cache.tensor.clone()
+    finally:
+        runner.kv.release(table)
+        model.fused = keep
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_fused_layers_match_the_framework_path(tiny_models, arch, dtype):
+    llm = LLM(model=str(tiny_models[arch]), dtype=dtype, max_model_len=64)
+    assert llm.engine.model.fused is not None  # the default CPU engine takes the compiled layers
+    (f_logits, f_kv), (r_logits, r_kv) = _run(llm, True), _run(llm, False)
+    # fp32 activations in the fused path against bf16 ones in the framework path: bf16 noise
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=0.05, atol=0.05)
+    for f, r in zip(f_logits, r_logits):
+        torch.testing.assert_close(f, r, **tol)
+    torch.testing.assert_close(f_kv.float(), r_kv.float(), **tol)
+    assert f_kv.abs().sum() > 0  # the prompt and the tree were written
+
+
+def test_the_path_is_fixed_by_the_configuration(tiny_llama):
+    assert LLM(model=str(tiny_llama), dtype="float64").engine.model.fused is None
+    assert LLM(model=str(tiny_llama), linear_kernels="plain").engine.model.fused is None
+    assert LLM(model=str(tiny_llama), linear_kernels="tuned").engine.model.fused is None
+
+
+def test_a_weight_changed_in_place_is_prepared_again(tiny_llama):
+    llm = LLM(model=str(tiny_llama), max_model_len=64)
+    before, _ = _run(llm, True)
+    with torch.no_grad():
+        llm.engine.model.layers[0].down_weight.mul_(3.0)
+    after, _ = _run(llm, True)
+    reference, _ = _run(llm, False)
+    assert not torch.allclose(before[0], after[0])
+    torch.testing.assert_close(after[0], reference[0], rtol=1e-4, atol=1e-4)

@@ -1,0 +1,122 @@
+"""A GGUF's own Q4_1 / Q8_0 blocks through the compiled kernels (specdec/models/gguf_weights.py).
+
+Random blocks: dequantization bitwise gguf-py's; a linear layer over the prepared blocks
+bitwise the same layer over the fp32 panels of the dequantized weight, for any set of rows (so
+it is row-invariant as they are). The real file (SmolLM2's Q4_1 layers and Q8_0 embedding):
+every matrix is checked bitwise at load, streams ~96 MB instead of ~540 MB, and the engine on
+native weights gives the tokens of the engine on dequantized ones, plain and speculative.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec import LLM, SamplingParams
+from specdec.models import gguf_weights as gw
+from specdec.models import native
+
+KERNELS = native.load()
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="compiled kernels not built")
+KINDS = ["Q4_1", "Q8_0"]
+
+
+def random_blocks(kind: str, out: int, inp: int, seed: int = 0) -> gw.Blocks:
+    """``out`` rows of random blocks: small fp16 scales, any quants."""
+    g = np.random.default_rng(seed)
+    nb = inp // gw.BLOCK
+    scale = [(0.01 * g.standard_normal((out, nb, 1))).astype(np.float16).view(np.uint8)
+             for _ in range(2 if kind == "Q4_1" else 1)]
+    q = g.integers(0, 256, (out, nb, 16 if kind == "Q4_1" else 32), dtype=np.uint8)
+    rows = np.concatenate([*scale, q], axis=-1).reshape(out, -1)
+    return gw.Blocks(kind, torch.from_numpy(rows.copy()), inp)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("out, inp", [(40, 96), (16, 32), (203, 160), (7, 64)])
+def test_dequantize_is_bitwise_gguf_py(kind, out, inp):
+    from gguf import GGMLQuantizationType, quants
+
+    b = random_blocks(kind, out, inp)
+    ref = quants.dequantize(b.rows.numpy(), getattr(GGMLQuantizationType, kind))
+    assert torch.equal(gw.dequantize(b), torch.from_numpy(ref.reshape(out, inp)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("out, inp", [(40, 96), (203, 160), (7, 64)])
+def test_linear_over_blocks_is_bitwise_the_fp32_one(kind, out, inp):
+    b = random_blocks(kind, out, inp, seed=out)
+    panels = gw.prepare(b)
+    assert panels.nbytes < 0.3 * out * inp * 4 + 2 * 16 * 64 * inp // 32  # a quarter of fp32
+    fp32 = KERNELS.prepare(gw.dequantize(b))
+    for t in (1, 2, 5, 8, 13, 33):
+        x = torch.randn(t, inp)
+        assert torch.equal(KERNELS.linear(x, panels), KERNELS.linear(x, fp32))
+
+
+@needs_kernels
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(0, 23), min_size=1, max_size=24), kind=st.sampled_from(KINDS))
+def test_rows_over_blocks_do_not_depend_on_the_call(rows, kind):
+    panels = gw.prepare(random_blocks(kind, 50, 192, seed=1))
+    x = torch.randn(24, 192, generator=torch.Generator().manual_seed(2))
+    full = KERNELS.linear(x, panels)
+    assert torch.equal(KERNELS.linear(x[rows].contiguous(), panels), full[rows])
+
+
+def test_weights_option_is_checked(tiny_llama):
+    with pytest.raises(ValueError, match="weights must be one of auto, native, dequantized"):
+        LLM(model=str(tiny_llama), weights="int4")
+    with pytest.raises(ValueError, match="weights='native' cannot run here: the model does not "
+                                         "come from a GGUF file"):
+        LLM(model=str(tiny_llama), weights="native")
+    assert LLM(model=str(tiny_llama)).engine.weights == "dequantized"  # auto
+
+
+@pytest.fixture(scope="module")
+def smollm2_engines(smollm2_dir):
+    """The real model on its native blocks and on its dequantized weights."""
+    kw = dict(model=str(smollm2_dir), max_model_len=512)
+    return LLM(weights="native", **kw), LLM(weights="dequantized", **kw)
+
+
+@needs_kernels
+def test_smollm2_native_weights_stream_a_sixth(smollm2_engines):
+    nat, deq = smollm2_engines
+    assert nat.engine.weights == "native" and deq.engine.weights == "dequantized"
+    assert 90e6 < nat.engine.kernels.weight_bytes < 100e6  # Q4_1 layers + Q8_0 embedding
+    assert deq.engine.kernels.weight_bytes > 5 * nat.engine.kernels.weight_bytes
+
+
+@needs_kernels
+def test_smollm2_native_tokens_are_the_dequantized_ones(smollm2_engines, smollm2_dir):
+    nat, deq = smollm2_engines
+    prompts = ["Write a haiku about the sea.", "def fibonacci(n):"]
+    sp = SamplingParams(temperature=0, max_tokens=32)
+    plain = [o.token_ids for o in nat.generate(prompts, sp)]
+    assert plain == [o.token_ids for o in deq.generate(prompts, sp)]
+    spec = LLM(model=str(smollm2_dir), max_model_len=512, drafter="ngram", controller="static",
+               controller_args={"budget": 4})
+    assert spec.engine.weights == "native"  # auto
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == plain
+
+
+def test_smollm2_native_refuses_blocks_that_do_not_match(smollm2_dir, monkeypatch):
+    real = gw.read_matrices
+
+    def corrupted(path, cfg):
+        blocks = real(path, cfg)
+        b = blocks["layers.3.down"]
+        rows = b.rows.clone()
+        rows[5, 7] ^= 1  # one bit of one quant
+        blocks["layers.3.down"] = gw.Blocks(b.kind, rows, b.in_features)
+        return blocks
+
+    monkeypatch.setattr(gw, "read_matrices", corrupted)
+    with pytest.raises(ValueError, match="layers.3.down blocks do not dequantize"):
+        LLM(model=str(smollm2_dir), weights="native", max_model_len=256)
+    assert LLM(model=str(smollm2_dir), max_model_len=256).engine.weights == "dequantized"
