@@ -14,6 +14,8 @@ Systems:
     hf        transformers `generate(do_sample=False)` at batch 1 (always batch 1: with
               `--batch-size` > 1 the tokens/s ratio compares throughputs, not latencies)
     hf-pld    the same with `prompt_lookup_num_tokens=10` (HF prompt lookup decoding)
+    llama.cpp llama-cpp-python on the same GGUF file, greedy, batch 1 (specdec.bench_llamacpp);
+              llama.cpp-pld with its prompt-lookup decoding
 
 tokens/s of a system = its generated tokens / the wall time of its generate calls.
 """
@@ -33,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from specdec.bench_data import Item, first_turn_items, load_questions, next_turn_items
+from specdec.bench_llamacpp import LLAMA_CPP_BASELINES, LlamaCppSystem, gguf_path
 from specdec.llm import LLM
 from specdec.models.config import resolve_dtype
 from specdec.models.loader import resolve_model_path
@@ -40,7 +43,8 @@ from specdec.outputs import RequestMetrics
 from specdec.sampling_params import SamplingParams
 
 HF_BASELINES = ("hf", "hf-pld")
-BASELINES = (*HF_BASELINES, "plain", "none")
+BASELINES = (*HF_BASELINES, *LLAMA_CPP_BASELINES, "plain", "none")
+FAMILIES = (HF_BASELINES, LLAMA_CPP_BASELINES)  # an extra baseline is compared with its own kind
 PLD_NUM_TOKENS = 10
 
 
@@ -141,30 +145,38 @@ def make_systems(args) -> dict:
     common = dict(model=args.model, dtype=args.dtype, device=args.device,
                   max_num_seqs=max(32, args.batch_size),
                   linear_kernels=getattr(args, "linear_kernels", "invariant"),
+                  weights=getattr(args, "weights", "auto"),
                   attention_backend=getattr(args, "attention_backend", "auto"),
                   cuda_graphs=getattr(args, "cuda_graphs", True))
     engine = LLM(drafter=args.drafter, drafter_args=args.drafter_args,
                  controller=args.controller, controller_args=args.controller_args,
                  verifier=getattr(args, "verifier", "gumbel"), **common)
     systems: dict = {}
-    if args.baseline in HF_BASELINES:
-        folder = resolve_model_path(args.model)
-        eos = engine.engine.model_config.eos_token_ids
-        systems["baseline"] = HFSystem(folder, engine.engine.dtype, args.device, args.max_new_tokens, eos,
-                                       pld=args.baseline == "hf-pld")
+    if args.baseline not in ("plain", "none"):
+        systems["baseline"] = _baseline(args.baseline, args, engine)
     extra = getattr(args, "extra_baseline", None)
     if extra is not None:
-        if args.baseline not in HF_BASELINES:
-            raise ValueError("--extra-baseline needs --baseline hf or hf-pld (its reference)")
-        folder = resolve_model_path(args.model)
-        eos = engine.engine.model_config.eos_token_ids
-        systems["extra"] = HFSystem(folder, engine.engine.dtype, args.device, args.max_new_tokens, eos,
-                                    pld=extra == "hf-pld")
-    needs_plain = args.baseline == "plain" or (args.drafter and args.baseline in HF_BASELINES)
+        family = next((f for f in FAMILIES if extra in f), ())
+        if args.baseline not in family:
+            raise ValueError(f"--extra-baseline {extra} needs --baseline {' or '.join(family)} "
+                             "(its reference)")
+        systems["extra"] = _baseline(extra, args, engine)
+    needs_plain = args.baseline == "plain" or (args.drafter and args.baseline != "none")
     if needs_plain:
         systems["plain"] = EngineSystem(LLM(**common), args.max_new_tokens)
     systems["engine"] = EngineSystem(engine, args.max_new_tokens)
     return systems
+
+
+def _baseline(name: str, args, engine: LLM):
+    """The HF or llama.cpp system ``name`` names, on the engine's model and stop set."""
+    folder = resolve_model_path(args.model)
+    eos = engine.engine.model_config.eos_token_ids
+    if name in LLAMA_CPP_BASELINES:
+        return LlamaCppSystem(gguf_path(args.model, folder), args.max_new_tokens, eos,
+                              pld=name == "llama.cpp-pld")
+    return HFSystem(folder, engine.engine.dtype, args.device, args.max_new_tokens, eos,
+                    pld=name == "hf-pld")
 
 
 def _batches(items: list[Item], size: int) -> list[list[Item]]:
@@ -215,9 +227,13 @@ def run_bench(args) -> dict:
 
 def runtime_info(engine) -> dict:
     """What ran: dtype, device, attention backend, CUDA graphs, the matmul kernels chosen on
-    this machine, the KV split."""
+    this machine, the weights (native GGUF blocks or dequantized) and the bytes of them one
+    forward streams, the KV split."""
     kernels = engine.kernels.describe()
-    return {"dtype": str(engine.dtype), "device": str(engine.device),
+    streamed = kernels.get("prepared_bytes") or sum(
+        w.numel() * w.element_size() for w in engine.model.matrices())
+    return {"dtype": str(engine.dtype), "device": str(engine.device), "weights": engine.weights,
+            "weight_bytes_per_token": streamed,
             "attention_backend": engine.runner.backend.name,
             "cuda_graphs": engine.runner.graphs is not None,
             "linear_kernels": {k: kernels[k] for k in ("key", "choices", "from_cache")},
@@ -336,7 +352,8 @@ def _comparisons(tallies: dict, ref: str | None) -> dict:
 
 
 def _extra(tallies: dict, args) -> dict:
-    """The second HF baseline, as a ratio to the first (e.g. hf-pld vs hf) in the same run."""
+    """The second baseline, as a ratio to the first (e.g. hf-pld vs hf, llama.cpp-pld vs
+    llama.cpp) in the same run; its greedy match rate is against the first's output."""
     summary = _system_summary(tallies["extra"], args.extra_baseline)
     summary["speedup_vs_baseline"] = _median_ratio(tallies["extra"].tps(),
                                                    tallies["baseline"].tps())

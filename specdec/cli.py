@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from specdec.attention import CHOICES as ATTENTION_CHOICES
+from specdec.config import WEIGHT_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
@@ -65,6 +66,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto (default): bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+                   help="a GGUF model's weights: native (its own Q4_1/Q8_0 blocks, the same "
+                        "tokens as dequantized, a sixth of the bytes), dequantized (fp32), or "
+                        "auto (default: native where it can run)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_CHOICES,
                    help="auto (default): flashinfer on CUDA when installed, else torch")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -106,7 +111,7 @@ def _generate_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    from specdec.bench import BASELINES, HF_BASELINES
+    from specdec.bench import BASELINES
 
     p = sub.add_parser("bench", help="engine vs a baseline on a prompt dataset (greedy)")
     p.add_argument("--dataset", type=_existing_file, required=True,
@@ -116,9 +121,11 @@ def _bench_parser(sub) -> None:
     p.add_argument("--batch-size", type=_int_at_least(1), default=1,
                    help="prompts per engine generate call (HF baselines stay at batch 1)")
     p.add_argument("--baseline", choices=BASELINES, default="hf")
-    p.add_argument("--extra-baseline", choices=HF_BASELINES, default=None,
-                   help="a second HF baseline in the same run (e.g. hf-pld next to hf), "
-                        "reported as a ratio to --baseline")
+    p.add_argument("--extra-baseline", choices=("hf", "hf-pld", "llama.cpp", "llama.cpp-pld"),
+                   default=None,
+                   help="a second baseline of --baseline's kind in the same run (e.g. hf-pld "
+                        "next to hf, llama.cpp-pld next to llama.cpp), reported as a ratio to "
+                        "--baseline, with its greedy match rate against it")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the report here")
     p.add_argument("--multi-turn", action="store_true",
                    help="also run later turns, feeding back the engine's own answers")
@@ -291,7 +298,7 @@ def _engine_kwargs(args) -> dict:
                 drafter_args=args.drafter_args, controller=args.controller,
                 controller_args=args.controller_args, verifier=args.verifier,
                 linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
-                cuda_graphs=args.cuda_graphs)
+                cuda_graphs=args.cuda_graphs, weights=args.weights)
 
 
 def cmd_generate(args) -> int:

@@ -1,10 +1,12 @@
-"""T(rows): the target forward's seconds by rows, per matmul policy and dtype, beside the limits.
+"""T(rows): the target forward's seconds by rows, per weights, matmul policy and dtype, beside
+the limits.
 
-    .venv/bin/python docs/bench/forward_rows.py [--dtypes float32,bfloat16] [--json OUT]
+    .venv/bin/python docs/bench/forward_rows.py [--configs float32:invariant:native,...] [--json OUT]
 
 SmolLM2-135M-Instruct, the engine's own step profile (``specdec.costs.profile_forward``: one
 request feeding n rows over 64 cached tokens, logits for every row, fastest of several runs),
-for each ``linear_kernels`` policy in fresh engines built one after another in this process
+for each configuration ``dtype:linear_kernels:weights`` in fresh engines built one after another
+in this process
 (``--rounds`` times, interleaved, so that the spread of T(1) across engines shows). Beside them:
 the memory-bound time (weight bytes streamed / the stream bandwidth measured here with a large
 ``sum``, all threads) and the compute-bound time (multiply-adds / the FMA rate measured here with
@@ -47,19 +49,24 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def profile(dtype: str, policy: str) -> dict:
+CONFIGS = ("float32:invariant:native,float32:invariant:dequantized,"
+           "bfloat16:invariant:dequantized,float32:plain:dequantized")
+
+
+def profile(dtype: str, policy: str, weights: str) -> dict:
     llm = LLM(model="smollm2-135m-instruct", dtype=dtype, linear_kernels=policy,
-              max_model_len=256, max_num_batched_tokens=256)
+              weights=weights, max_model_len=256, max_num_batched_tokens=256)
     eng = llm.engine
     costs = profile_forward(eng.runner, ROWS)
-    weights = sum(w.numel() * w.element_size() for w in eng.model.matrices())
-    return {"rows": list(ROWS), "ms": [1e3 * s for s in costs.times], "weight_bytes": weights}
+    streamed = getattr(eng.kernels, "weight_bytes", None) or sum(
+        w.numel() * w.element_size() for w in eng.model.matrices())
+    return {"rows": list(ROWS), "ms": [1e3 * s for s in costs.times], "weight_bytes": streamed,
+            "weights": eng.weights}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--policies", default="invariant,tuned,plain")
+    p.add_argument("--configs", default=CONFIGS, help="dtype:linear_kernels:weights,...")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -68,15 +75,17 @@ def main() -> None:
            "bandwidth_gbs": bw, "fma_per_s": fma, "runs": []}
     print(f"stream bandwidth {bw:.1f} GB/s, fp32 matmul {fma / 1e9:.1f} G multiply-adds/s")
     for r in range(args.rounds):
-        for dtype in args.dtypes.split(","):
-            for policy in args.policies.split(","):
-                run = {"dtype": dtype, "policy": policy, "round": r, **profile(dtype, policy)}
-                out["runs"].append(run)
-                mem = run["weight_bytes"] / (bw * 1e9) * 1e3
-                t1 = run["ms"][0]
-                ratios = " ".join(f"{n}:{t / t1:.2f}" for n, t in zip(ROWS, run["ms"]))
-                print(f"{dtype:9s} {policy:9s} T(1) {t1:6.1f} ms (memory-bound {mem:.1f} ms, "
-                      f"{t1 / mem:.2f}x)  T(n)/T(1) {ratios}", flush=True)
+        for config in args.configs.split(","):
+            dtype, policy, weights = config.split(":")
+            run = {"dtype": dtype, "policy": policy, "round": r,
+                   **profile(dtype, policy, weights)}
+            out["runs"].append(run)
+            mem = run["weight_bytes"] / (bw * 1e9) * 1e3
+            t1 = run["ms"][0]
+            ratios = " ".join(f"{n}:{t / t1:.2f}" for n, t in zip(ROWS, run["ms"]))
+            print(f"{dtype:9s} {policy:9s} {run['weights']:11s} T(1) {t1:6.1f} ms "
+                  f"({run['weight_bytes'] / 1e6:.0f} MB, memory-bound {mem:.1f} ms, "
+                  f"{t1 / mem:.2f}x)  T(n)/T(1) {ratios}", flush=True)
     macs = 134.5e6  # SmolLM2-135M multiply-adds per row (layers + LM head)
     out["compute_bound_ms_per_row"] = macs / fma * 1e3
     print(f"compute-bound: {out['compute_bound_ms_per_row']:.1f} ms per row at the matmul rate")

@@ -55,7 +55,8 @@ class FusedLayers:
 
     def _build(self) -> None:
         """The C view of every layer; fp32 copies of norms and biases are kept alive here."""
-        self._versions = [w._version for w in self._weights()]
+        self._watched = self._weights()
+        self._versions = [w._version for w in self._watched]
         self._keep: list[torch.Tensor] = []
         self.args: list[LayerArgs] = []
         mm = self.linears
@@ -88,7 +89,7 @@ class FusedLayers:
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """x [T, hidden] (the embeddings), cos/sin [T, 1, head_dim], ``plan`` the step's key
         lists -> (the last layer's output in the model's dtype, {layer i: its output})."""
-        if [w._version for w in self._weights()] != self._versions:
+        if [w._version for w in self._watched] != self._versions:
             self._build()  # a weight changed in place since: prepare again
         dtype, t = x.dtype, x.shape[0]
         x = x.float().contiguous()  # updated in place, layer after layer

@@ -168,6 +168,8 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
             out = _checked_panels(model, read_matrices(gguf, model.cfg))
         except ValueError as e:
             reason = str(e)
+        except Exception as e:  # a file gguf-py cannot read
+            reason = f"{gguf} cannot be read as GGUF ({type(e).__name__}: {e})"
     if reason is not None:
         if mode == "native":
             raise ValueError(f"weights='native' cannot run here: {reason}")

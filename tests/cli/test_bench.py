@@ -157,3 +157,56 @@ def test_humaneval_and_round_robin(tmp_path):
     mt = tmp_path / "mt.jsonl"
     mt.write_text("".join(json.dumps(r) + "\n" for r in MT_BENCH))
     assert [q.category for q in load_questions(mt, 2)] == ["writing", "coding"]
+
+
+class FakeLlama:
+    """llama_cpp.Llama's surface the baseline uses: greedy tokens from a fixed rule."""
+
+    made: list[dict] = []
+
+    def __init__(self, model_path, draft_model=None, **kwargs):
+        FakeLlama.made.append({"model_path": model_path, "draft": draft_model, **kwargs})
+
+    def generate(self, tokens, **kwargs):
+        assert kwargs["temp"] == 0.0 and kwargs["reset"]
+        t = tokens[-1]
+        while True:
+            t = (t * 7 + 3) % 50
+            yield t
+
+
+def test_bench_llama_cpp_baselines(tmp_path, chat_model, dataset, monkeypatch):
+    import shutil
+    import sys
+    import types
+
+    fake = types.ModuleType("llama_cpp")
+    fake.Llama, fake.__version__ = FakeLlama, "fake"
+    spec = types.ModuleType("llama_cpp.llama_speculative")
+    spec.LlamaPromptLookupDecoding = lambda num_pred_tokens: ("pld", num_pred_tokens)
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec)
+    folder = tmp_path / "model"
+    shutil.copytree(chat_model, folder)
+    assert main(["bench", "--dataset", dataset, "--model", str(folder), "--baseline",
+                 "llama.cpp"]) != 0  # no GGUF in the folder: said, not run
+    (folder / "model.gguf").write_bytes(b"GGUF")  # what a converted GGUF folder keeps
+    FakeLlama.made.clear()
+    report = run_bench(tmp_path, str(folder), dataset, "--baseline", "llama.cpp",
+                       "--extra-baseline", "llama.cpp-pld")
+    check_common(report)
+    assert report["baseline"]["name"] == "llama.cpp" and report["baseline"]["tokens_per_s"] > 0
+    extra = report["extra_baseline"]
+    assert extra["name"] == "llama.cpp-pld" and extra["greedy_match_rate"] == 1.0
+    assert [m["model_path"] for m in FakeLlama.made] == [str(folder / "model.gguf")] * 2
+    assert FakeLlama.made[0]["draft"] is None and FakeLlama.made[1]["draft"] == ("pld", 10)
+    assert report["greedy_match_rate"] < 1.0  # the fake is not the model: reported, not forced
+    assert report["runtime"]["weights"] == "dequantized"
+    assert report["runtime"]["weight_bytes_per_token"] > 0
+
+
+def test_bench_extra_baseline_needs_its_kind(chat_model, dataset, capsys):
+    assert main(["bench", "--dataset", dataset, "--model", chat_model, "--baseline", "hf",
+                 "--extra-baseline", "llama.cpp-pld"]) != 0
+    assert "--extra-baseline llama.cpp-pld needs --baseline llama.cpp or llama.cpp-pld" in \
+        capsys.readouterr().err
