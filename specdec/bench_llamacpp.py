@@ -15,7 +15,7 @@ Install (AMX builds have crashed; these flags build for AVX2 without AMX on any 
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \\
       -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \\
-      pip install --no-deps llama-cpp-python
+      pip install 'specdec[llamacpp]'
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class LlamaCppSystem:
         try:
             import llama_cpp
         except ImportError as e:
-            raise ValueError("--baseline llama.cpp needs llama-cpp-python (pip install "
+            raise ValueError(f"--baseline llama.cpp needs llama-cpp-python ({e}; pip install "
                              "'specdec[llamacpp]'; see specdec/bench_llamacpp.py for the "
                              "build flags)") from e
         kwargs = {}

@@ -24,12 +24,16 @@ def _summary_rows(r: dict) -> list[tuple[str, str]]:
     if runtime:
         picked = sorted(set(runtime["linear_kernels"]["choices"].values()))
         rows += [("dtype / device", f"{runtime['dtype']} / {runtime['device']}"),
-                 ("linear kernels used", ", ".join(picked) or "linear")]
+                 ("linear kernels used", ", ".join(picked) or runtime["linear_kernels"]["key"])]
+        if "weights" in runtime:
+            rows.append(("weights / MB streamed per forward",
+                         f"{runtime['weights']} / {runtime['weight_bytes_per_token'] / 1e6:.0f}"))
     extra = r.get("extra_baseline")
     if extra:
         rows += [(f"{extra['name']} tokens/s", fmt(extra["tokens_per_s"])),
                  (f"{extra['name']} speedup vs baseline", fmt(extra["speedup_vs_baseline"], ".3f")),
-                 (f"engine speedup vs {extra['name']}", fmt(extra["engine_speedup_vs_it"], ".3f"))]
+                 (f"engine speedup vs {extra['name']}", fmt(extra["engine_speedup_vs_it"], ".3f")),
+                 (f"{extra['name']} greedy match vs baseline", fmt(extra["greedy_match_rate"], ".1%"))]
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         p = r[key]
         rows.append((f"{key[:-3].upper()} ms p50/p90/p99",

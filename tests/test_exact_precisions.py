@@ -68,3 +68,19 @@ def test_greedy_and_seeded_speculation_equal_plain(wide, dtype, drafter, batch):
                 controller="static", controller_args={"budget": 4})
     for params in (GREEDY, SAMPLED):
         assert _tokens(wide, dtype, params, batch, **spec) == _tokens(wide, dtype, params, 8)
+
+
+@pytest.mark.slow
+def test_smollm2_bfloat16_speculation_equals_plain(smollm2_dir):
+    """The real model in bfloat16 (where the kernels change a step's numerics most against
+    F.linear): ngram speculation at batch 2 gives the plain tokens, greedy and seeded."""
+    prompts = ["List the planets of the solar system, one per line.", "def fibonacci(n):"]
+    kw = dict(model=str(smollm2_dir), dtype="bfloat16", max_model_len=256)
+    plain = LLM(**kw)
+    spec = LLM(drafter="ngram", controller="static", controller_args={"budget": 6}, **kw)
+    for sp in (SamplingParams(temperature=0, max_tokens=40),
+               SamplingParams(temperature=0.8, seed=7, max_tokens=40)):
+        want = [o.token_ids for o in plain.generate(prompts, sp)]
+        got = spec.generate(prompts, sp)
+        assert [o.token_ids for o in got] == want
+    assert sum(o.metrics.num_target_forwards for o in got) < sum(len(w) for w in want)

@@ -10,7 +10,7 @@ So the plan splits the requests into groups of similar shape (`_groups`: an exac
 the requests sorted by shape, minimising padded work plus a per-call cost) and runs one SDPA call
 per group; a batch of equal shapes stays one call.
 
-On a CPU with the compiled kernels (specdec/native/cpu_kernels.c) every row instead goes
+On a CPU with the compiled kernels (specdec/native/attention.c) every row instead goes
 through one row-invariant kernel: the plan lists, per query row, the cache rows of the keys it
 may see (causal or its tree mask) in position order, and the kernel reduces over exactly those,
 in that order. A decode row, the same position as a tree row, or as a row of a prefill chunk,

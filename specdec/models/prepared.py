@@ -5,7 +5,7 @@ formats; ``PreparedLinears`` is one such hook (``LinearKernels``, the timed tabl
 are the others). It prepares each weight the first time it sees it — panels of 8 output rows,
 in the weight's own dtype (fp32, bf16, fp16: half the bytes streamed for 16-bit weights) —
 and from then on runs the compiled kernel, whose output rows are bitwise the same whatever
-other rows share the call (specdec/native/cpu_kernels.c). That is what makes speculative
+other rows share the call (specdec/native/linear.c). That is what makes speculative
 output equal plain output in every precision the kernel covers.
 
     mm = PreparedLinears(kernels)       # kernels = specdec.models.native.load()
@@ -36,7 +36,7 @@ class PreparedLinears:
         # (data_ptr, shape, dtype, version) -> panels: a weight updated in place is prepared
         # again, a new tensor at a reused address never matches a stale entry's version
         self._panels: dict[tuple, Panels] = {}
-        self.key = "invariant panels (specdec/native/cpu_kernels.c)"
+        self.key = "invariant panels (specdec/native/linear.c)"
         self.from_cache = False
         self.tuned_seconds = 0.0
 
