@@ -14,6 +14,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -76,8 +77,7 @@ class LLMEngine:
         drafter, controller = DraftStage.plugins(self.pm, config, target)  # may add runners
         self.kv_split = self._allocate_kv()
         self._enable_cuda_graphs()
-        adopted = native_panels(self.model, folder / GGUF_NAME, config.weights, self.dtype,
-                                self.device, config.linear_kernels)
+        adopted = self._native_weights(folder)
         self.weights = "native" if adopted else "dequantized"
         self.kernels = self._install_kernels(getattr(drafter, "matmul_models", ()), adopted)
         self.kv = self.runner.kv
@@ -133,6 +133,21 @@ class LLMEngine:
             if runner.backend.supports_cuda_graphs:
                 runner.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
                                           self.max_model_len)
+
+    def _native_weights(self, folder: Path) -> list:
+        """The GGUF panels ``EngineConfig.weights`` gives the target (specdec.models.
+        gguf_weights) and, unless it says "dequantized", a draft model loaded from a GGUF too
+        (as "auto": where they can run)."""
+        c = self.config
+        adopted = native_panels(self.model, folder / GGUF_NAME, c.weights, self.dtype,
+                                self.device, c.linear_kernels)
+        if c.weights != "dequantized":
+            for runner in self.drafter_runners:
+                m = runner.model
+                if m is not self.model and getattr(m, "source_folder", None) is not None:
+                    adopted += native_panels(m, m.source_folder / GGUF_NAME, "auto", self.dtype,
+                                             self.device, c.linear_kernels)
+        return adopted
 
     def _install_kernels(self, extra_models=(), adopted=()) -> LinearKernels | PreparedLinears:
         """The matmul hook of every runner's model and of a drafter's ``matmul_models`` (e.g. MTP

@@ -125,6 +125,7 @@ class LlamaDecoder(nn.Module):
         self.matmul: Matmul = F.linear  # the runner installs the kernels it measured fastest
         # the compiled layers (specdec.models.fused), installed with the row-invariant kernels
         self.fused = None
+        self.source_folder = None  # the folder it was loaded from (specdec.models.loader)
         self.to(dtype=dtype, device=device)
 
     def forward(

@@ -55,11 +55,13 @@ def load_hf_config(folder: Path):
 
 
 def load_model(folder: Path, dtype: torch.dtype, device, max_positions: int):
-    """(LlamaDecoder with weights, ModelConfig, HF config) from an HF folder."""
+    """(LlamaDecoder with weights, ModelConfig, HF config) from an HF folder (kept as
+    ``model.source_folder``: a converted GGUF's blocks sit there, see gguf_weights.py)."""
     hf_config = load_hf_config(folder)
     cfg = model_config_from_hf(hf_config)
     model = LlamaDecoder(cfg, hf_config, max_positions, dtype, device)
     load_weights(model, read_safetensors(folder))
+    model.source_folder = Path(folder)
     return model, cfg, hf_config
 
 

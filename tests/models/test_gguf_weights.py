@@ -105,18 +105,43 @@ def test_smollm2_native_tokens_are_the_dequantized_ones(smollm2_engines, smollm2
     assert [o.token_ids for o in spec.generate(prompts, sp)] == plain
 
 
-def test_smollm2_native_refuses_blocks_that_do_not_match(smollm2_dir, monkeypatch):
-    real = gw.read_matrices
+@needs_kernels
+def test_native_refuses_blocks_that_do_not_match(tiny_llama, tmp_path, monkeypatch):
+    """Blocks that do not dequantize bitwise to the model's weights (here: random ones) are
+    refused by "native" and make "auto" fall back, naming the matrix."""
+    import shutil
 
-    def corrupted(path, cfg):
-        blocks = real(path, cfg)
-        b = blocks["layers.3.down"]
-        rows = b.rows.clone()
-        rows[5, 7] ^= 1  # one bit of one quant
-        blocks["layers.3.down"] = gw.Blocks(b.kind, rows, b.in_features)
-        return blocks
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    (folder / "model.gguf").write_bytes(b"GGUF")  # read_matrices is replaced below
 
-    monkeypatch.setattr(gw, "read_matrices", corrupted)
-    with pytest.raises(ValueError, match="layers.3.down blocks do not dequantize"):
-        LLM(model=str(smollm2_dir), weights="native", max_model_len=256)
-    assert LLM(model=str(smollm2_dir), max_model_len=256).engine.weights == "dequantized"
+    def blocks_of_the_right_shapes(path, cfg):
+        llm = LLM(model=str(tiny_llama), weights="dequantized", linear_kernels="plain")
+        m = llm.engine.model
+        shapes = {"head": m.head_weight.shape}
+        for i, layer in enumerate(m.layers):
+            for name in ("qkv", "o", "gate_up", "down"):
+                shapes[f"layers.{i}.{name}"] = getattr(layer, f"{name}_weight").shape
+        return {k: random_blocks("Q8_0", o, n, seed=3) for k, (o, n) in shapes.items()}
+
+    monkeypatch.setattr(gw, "read_matrices", blocks_of_the_right_shapes)
+    with pytest.raises(ValueError, match="weights='native' cannot run here: the file's "
+                                         "head blocks do not dequantize"):
+        LLM(model=str(folder), weights="native")
+    assert LLM(model=str(folder)).engine.weights == "dequantized"
+
+
+@needs_kernels
+def test_smollm2_a_gguf_draft_model_runs_on_its_blocks_too(smollm2_engines, smollm2_dir):
+    nat, _ = smollm2_engines
+    spec = LLM(model=str(smollm2_dir), max_model_len=256, drafter="draft_model",
+               drafter_args={"model": str(smollm2_dir), "max_depth": 3}, controller="static",
+               controller_args={"budget": 3})
+    assert spec.engine.weights == "native"
+    # the target's blocks and the draft model's (its own copy of the same file)
+    assert 180e6 < spec.engine.kernels.weight_bytes < 200e6
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    prompts = ["Write a haiku about the sea."]
+    got = spec.generate(prompts, sp)
+    assert [o.token_ids for o in got] == [o.token_ids for o in nat.generate(prompts, sp)]
+    assert got[0].metrics.tau > 2  # the draft is the target: its drafts are accepted
