@@ -99,12 +99,17 @@ class HFSystem:
         return y[0, len(ids):].tolist()
 
     def run(self, prompts: list[list[int]]) -> tuple[float, list[Out], list[float]]:
-        outs, secs = [], []
-        for ids in prompts:
-            t0 = time.perf_counter()
-            outs.append(Out(self._one(ids), None))
-            secs.append(time.perf_counter() - t0)
-        return sum(secs), outs, secs
+        return one_by_one(self._one, prompts)
+
+
+def one_by_one(generate, prompts: list[list[int]]) -> tuple[float, list[Out], list[float]]:
+    """A batch-1 baseline's run: ``generate(ids) -> new ids`` timed prompt by prompt."""
+    outs, secs = [], []
+    for ids in prompts:
+        t0 = time.perf_counter()
+        outs.append(Out(generate(ids), None))
+        secs.append(time.perf_counter() - t0)
+    return sum(secs), outs, secs
 
 
 @dataclass

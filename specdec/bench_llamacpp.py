@@ -20,7 +20,6 @@ Install (AMX builds have crashed; these flags build for AVX2 without AMX on any 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -76,11 +75,6 @@ class LlamaCppSystem:
         return out
 
     def run(self, prompts: list[list[int]]):
-        from specdec.bench import Out
+        from specdec.bench import one_by_one  # bench imports this module
 
-        outs, secs = [], []
-        for ids in prompts:
-            t0 = time.perf_counter()
-            outs.append(Out(self._one(ids), None))
-            secs.append(time.perf_counter() - t0)
-        return sum(secs), outs, secs
+        return one_by_one(self._one, prompts)

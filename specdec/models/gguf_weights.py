@@ -18,17 +18,21 @@ are bitwise those of the fp32 panels (same fma chain per element): ``weights="na
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdec.models import native
 from specdec.models.native import PANEL, Panels
 
 BLOCK = 32  # weights per block, along the input dimension
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes of one block in the file
 FORMATS = {"Q4_1": 3, "Q8_0": 4}  # the kernel's format codes (kernels.h)
+logger = logging.getLogger("specdec")
 
 
 @dataclass(frozen=True)
@@ -149,10 +153,6 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
     the folder holding ``gguf``): [] for its dequantized weights, else (weight, panels) for
     every matrix it multiplies by, each checked bitwise against the weight at load. "native"
     raises ValueError saying why it cannot run; "auto" then logs why and returns []."""
-    import logging
-
-    from specdec.models import native
-
     if mode == "dequantized":
         return []
     reason = None
@@ -165,7 +165,7 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
     out = []
     if reason is None:
         try:
-            out = _checked_panels(model, read_matrices(gguf, model.cfg))
+            out = _cached_panels(model, gguf)
         except ValueError as e:
             reason = str(e)
         except Exception as e:  # a file gguf-py cannot read
@@ -173,20 +173,63 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
     if reason is not None:
         if mode == "native":
             raise ValueError(f"weights='native' cannot run here: {reason}")
-        logging.getLogger("specdec").info("weights: dequantized (native GGUF weights: %s)",
-                                          reason)
+        logger.info("weights: dequantized (native GGUF weights: %s)", reason)
     return out
 
 
-def _checked_panels(model, blocks: dict[str, Blocks]) -> list[tuple[torch.Tensor, Panels]]:
+CACHE_NAME = "native_panels.safetensors"  # beside model.gguf: the checked, prepared panels
+LAYOUT = 1  # of prepare()'s output: a cache of another layout is made again
+
+
+def _cached_panels(model, gguf: Path) -> list[tuple[torch.Tensor, Panels]]:
+    """The checked panels of every matrix, from the cache beside the file when it was made from
+    this very file (size, mtime) and layout, else read (gguf-py parses the whole file: ~6 s for
+    SmolLM2's tokenizer fields), checked bitwise, prepared and cached (atomically; a folder
+    that cannot be written is only logged)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    params = _matrices(model)
+    stat = gguf.stat()
+    key = f"{LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache = gguf.parent / CACHE_NAME
+    if cache.exists():
+        with safe_open(str(cache), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("key") == key and set(params) <= set(meta):
+            tensors = load_file(cache)
+            return [(params[n], Panels(tensors[n], *map(int, meta[n].split(":"))))
+                    for n in params]
+    out = _checked_panels(params, read_matrices(gguf, model.cfg))
+    meta = {"key": key, **{n: f"{p.out_features}:{p.in_features}:{p.fmt}:{p.panels}"
+                           for n, (_, p) in zip(params, out)}}
+    tmp = cache.with_name(f".{CACHE_NAME}.{os.getpid()}.tmp")
+    try:
+        save_file({n: p.data for n, (_, p) in zip(params, out)}, tmp, metadata=meta)
+        os.replace(tmp, cache)
+    except OSError as e:
+        logger.info("weights: native panels not cached in %s (%s)", cache.parent, e)
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _matrices(model) -> dict[str, torch.Tensor]:
+    """read_matrices' names -> the model's weights they are."""
     params = {"head": model.head_weight}
     for i, layer in enumerate(model.layers):
         params.update({f"layers.{i}.qkv": layer.qkv_weight, f"layers.{i}.o": layer.o_weight,
                        f"layers.{i}.gate_up": layer.gate_up_weight,
                        f"layers.{i}.down": layer.down_weight})
+    return params
+
+
+def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, Blocks]
+                    ) -> list[tuple[torch.Tensor, Panels]]:
+    """(weight, panels) in ``params``' order; ValueError unless every matrix's blocks
+    dequantize bitwise to its weight."""
     out = []
-    for name, b in blocks.items():
-        weight = params[name]
+    for name, weight in params.items():
+        b = blocks[name]
         if not torch.equal(dequantize(b), weight):
             raise ValueError(f"the file's {name} blocks do not dequantize to the model's weights "
                              "bitwise (a layout this loader does not know)")

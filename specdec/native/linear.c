@@ -7,6 +7,10 @@
  * once for every row of the call (rows are tiled by up to 6 in registers; the tile size does
  * not touch any element's order). K runs in blocks, each reused by every row tile from cache
  * while the next one streams in. Threads split the panel pairs.
+ *
+ * Formats: fp32, bf16, fp16 panels (16-bit weights widened exactly in registers), and a GGUF's
+ * Q4_1 / Q8_0 blocks (specdec/models/gguf_weights.py), dequantized exactly as gguf-py does:
+ * the fp32 weights, and so every element's fma chain, are those of the dequantized model.
  */
 #include <omp.h>
 

@@ -145,3 +145,31 @@ def test_smollm2_a_gguf_draft_model_runs_on_its_blocks_too(smollm2_engines, smol
     got = spec.generate(prompts, sp)
     assert [o.token_ids for o in got] == [o.token_ids for o in nat.generate(prompts, sp)]
     assert got[0].metrics.tau > 2  # the draft is the target: its drafts are accepted
+
+
+@needs_kernels
+def test_smollm2_checked_panels_are_cached_beside_the_file(smollm2_engines, smollm2_dir,
+                                                           monkeypatch):
+    """gguf-py parses the whole file (~6 s for SmolLM2's tokenizer); the checked, prepared
+    panels are cached beside it, for this very file: a changed file is read again."""
+    import os
+
+    gguf = smollm2_dir / "model.gguf"
+    assert (smollm2_dir / gw.CACHE_NAME).exists()  # made by the fixture's native engine
+
+    def not_read(path, cfg):
+        raise ValueError("read_matrices called")
+
+    monkeypatch.setattr(gw, "read_matrices", not_read)
+    nat, _ = smollm2_engines
+    cached = LLM(model=str(smollm2_dir), weights="native", max_model_len=256)
+    assert cached.engine.kernels.weight_bytes == nat.engine.kernels.weight_bytes
+    sp = SamplingParams(temperature=0, max_tokens=8)
+    assert cached.generate(["Hello"], sp)[0].token_ids == nat.generate(["Hello"], sp)[0].token_ids
+    st = gguf.stat()
+    os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    try:
+        with pytest.raises(ValueError, match="read_matrices called"):
+            LLM(model=str(smollm2_dir), weights="native", max_model_len=256)
+    finally:
+        os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns))
