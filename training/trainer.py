@@ -17,7 +17,12 @@ Layout of ``out``::
     out/eval.json             evaluation of out/drafter (also in out/drafter/eval.json)
     out/train_config.json     the settings of the run
 
-The same script runs under ``accelerate launch`` on several GPUs or nodes.
+The same script runs under ``accelerate launch`` on several processes (GPUs, nodes, or
+``--cpu --num_processes N``): every process takes its own share of each epoch's batches (one
+optimizer step = one batch per process), the gradients are averaged over the processes before
+the step, and the work that writes ``out`` once (regeneration, the draft vocabulary, the
+checkpoint rename, calibration, export, evaluation) runs on the main process while the others
+wait for it.
 """
 
 from __future__ import annotations
@@ -72,10 +77,15 @@ def train(config: TrainConfig) -> dict:
 
     if config.report_to == "wandb":
         _require("wandb", "--report-to wandb")
-    out = _prepare_out(Path(config.out), config.resume)
     _fresh_accelerator_state()
+    out = Path(config.out)
+    # cpu=True without CUDA: accelerate then joins the processes of a CPU launch (torchrun,
+    # mpirun) over gloo; without it each of them would train alone, on the same batches
     accelerator = Accelerator(log_with=None if config.report_to == "none" else config.report_to,
-                              project_dir=str(out), mixed_precision=config.mixed_precision)
+                              project_dir=str(out), mixed_precision=config.mixed_precision,
+                              cpu=not torch.cuda.is_available())
+    _prepare_out(out, config.resume)  # every process checks before any of them writes
+    accelerator.wait_for_everyone()
     set_seed(config.seed)
     folder = resolve_model_path(config.target)
     dtype = getattr(torch, config.dtype)
@@ -83,22 +93,34 @@ def train(config: TrainConfig) -> dict:
     tokenizer = load_tokenizer(folder)
     train_convs, held_out = _split(load_conversations([Path(f) for f in config.data],
                                                       config.limit, config.seed), config)
-    train_convs = _answers(train_convs, config, out)
+    train_convs = _on_main_first(accelerator, lambda: _answers(train_convs, config, out))
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
     k = kind(config.kind)
     dataset, calibration = _calibration_split(dataset, config, k)
-    head = _new_head(k, config, cfg, model, hf, dataset, out)
+    head = _on_main_first(accelerator,
+                          lambda: _new_head(k, config, cfg, model, hf, dataset, out))
     metrics = _fit(accelerator, k, config, model, head, dataset, out)
-    raw = accelerator.unwrap_model(head)
-    with torch.no_grad(), accelerator.autocast():
-        calibrated = k.calibrate(config, model, raw, _calibration_batches(calibration, config,
-                                                                           accelerator.device))
-    drafter = _export(k, raw, hf, config, out, metrics, calibrated)
-    report = _evaluate(config, drafter, held_out)
-    for path in (out / "eval.json", drafter / "eval.json"):
-        path.write_text(json.dumps(report, indent=2) + "\n")
+    if accelerator.is_main_process:
+        raw = accelerator.unwrap_model(head)
+        with torch.no_grad(), accelerator.autocast():
+            calibrated = k.calibrate(config, model, raw, _calibration_batches(
+                calibration, config, accelerator.device))
+        drafter = _export(k, raw, hf, config, out, metrics, calibrated)
+        report = _evaluate(config, drafter, held_out)
+        for path in (out / "eval.json", drafter / "eval.json"):
+            path.write_text(json.dumps(report, indent=2) + "\n")
+    accelerator.wait_for_everyone()
+    report = json.loads((out / "eval.json").read_text())
     accelerator.end_training()
     return report
+
+
+def _on_main_first(accelerator, make):
+    """``make()`` on the main process, then on the others (which then find its files: the
+    regenerated answers, the draft vocabulary, and do not write them again)."""
+    result = make() if accelerator.is_main_process else None
+    accelerator.wait_for_everyone()
+    return result if accelerator.is_main_process else make()
 
 
 def _fresh_accelerator_state() -> None:
@@ -205,7 +227,9 @@ def _fit(accelerator, k: Kind, config: TrainConfig, model, head, dataset, out: P
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
 
-    per_epoch = math.ceil(len(dataset) / config.batch_size)
+    # one step: a batch on every process
+    per_epoch = math.ceil(math.ceil(len(dataset) / config.batch_size)
+                          / accelerator.num_processes)
     total = config.max_steps or config.epochs * per_epoch
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate,
@@ -220,13 +244,17 @@ def _fit(accelerator, k: Kind, config: TrainConfig, model, head, dataset, out: P
         os.environ.setdefault("WANDB_MODE", "offline")
         accelerator.init_trackers("specdec-train", config=config.to_dict())
     metrics = dict(progress.metrics)  # a resumed run keeps its first loss and last metrics
+    trace = os.environ.get("SPECDEC_TRAIN_TRACE")  # a folder: see _trace
     bar = tqdm(total=total, initial=progress.step, desc=f"train {k.name}", unit="step",
                disable=not accelerator.is_local_main_process)
     while progress.step < total:
         epoch, skip = divmod(progress.step, per_epoch)
-        for batch in _batches(dataset, config, epoch, skip, accelerator.device):
+        for rows, batch in _batches(dataset, config, epoch, skip, accelerator.device,
+                                    accelerator.process_index, accelerator.num_processes):
             metrics = {**_train_step(accelerator, k, config, model, head, batch, optimizer,
                                      scheduler), "first_loss": metrics.get("first_loss")}
+            if trace:
+                _trace(trace, accelerator, progress.step + 1, rows, head)
             metrics["first_loss"] = metrics["first_loss"] or metrics["loss"]
             progress.step += 1
             progress.metrics = metrics
@@ -249,6 +277,11 @@ def _train_step(accelerator, k: Kind, config, model, head, batch, optimizer, sch
     with accelerator.autocast():  # mixed_precision: the target's features and the head's steps
         loss, terms = k.loss(config, model, raw, ids, valid, loss_mask)
     accelerator.backward(loss)
+    if accelerator.num_processes > 1:
+        # the kinds' losses call the head's own methods, not the DDP wrapper's forward, so
+        # DDP's reducer never arms: average the gradients over the processes here
+        _average_gradients(accelerator, raw)
+        loss = accelerator.reduce(loss.detach(), reduction="mean")
     accelerator.clip_grad_norm_(head.parameters(), config.max_grad_norm)
     optimizer.step()
     scheduler.step()
@@ -256,14 +289,48 @@ def _train_step(accelerator, k: Kind, config, model, head, batch, optimizer, sch
     return {"loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0], **terms}
 
 
+def _trace(folder: str, accelerator, step: int, rows: list[int], head) -> None:
+    """``SPECDEC_TRAIN_TRACE=DIR`` (debugging a distributed run): each process appends, per
+    step, the examples it trained on and a checksum of its head's weights after the step to
+    DIR/rank{i}.jsonl; the processes of a sound run train on disjoint examples and agree on
+    the weights after every step."""
+    total = sum(float(p.detach().double().sum()) for p in head.parameters())
+    line = json.dumps({"step": step, "rows": rows, "weights": total})
+    with open(Path(folder) / f"rank{accelerator.process_index}.jsonl", "a") as f:
+        f.write(line + "\n")
+
+
+def _average_gradients(accelerator, module) -> None:
+    """Every trainable parameter's gradient -> its mean over the processes (a parameter with
+    no gradient on this process counts as zero there)."""
+    for p in module.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.copy_(accelerator.reduce(p.grad, reduction="mean"))
+
+
 GROUP_BATCHES = 16  # batches whose examples are sorted by length together (less padding)
 
 
-def _batches(dataset, config: TrainConfig, epoch: int, skip: int, device):
-    """Padded batches in a seeded order per epoch (so a resumed run sees the same batches)."""
-    for batch in epoch_batches([len(x) for x in dataset["input_ids"]], config.batch_size,
-                               config.seed * 1000 + epoch)[skip:]:
-        yield _pad([dataset[i] for i in batch], device)
+def _batches(dataset, config: TrainConfig, epoch: int, skip: int, device, rank: int = 0,
+             processes: int = 1):
+    """(example indices, padded batch) in a seeded order per epoch (so a resumed run sees the
+    same batches):
+    process ``rank`` of ``processes`` takes every processes-th of them from its rank on (the
+    epoch's list wrapped round to a multiple of ``processes``, so all take as many steps)."""
+    for batch in process_batches(epoch_batches([len(x) for x in dataset["input_ids"]],
+                                               config.batch_size, config.seed * 1000 + epoch),
+                                 rank, processes)[skip:]:
+        yield batch, _pad([dataset[i] for i in batch], device)
+
+
+def process_batches(batches: list, rank: int, processes: int) -> list:
+    """This process's share of an epoch's batches (see _batches)."""
+    if processes == 1:
+        return batches
+    batches = batches + batches[:(-len(batches)) % processes]
+    return batches[rank::processes]
 
 
 def epoch_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
@@ -300,11 +367,15 @@ def _save_checkpoint(accelerator, out: Path, step: int) -> None:
     """accelerate state into a temporary folder, renamed when complete."""
     final = out / "checkpoints" / f"step_{step}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))  # every process: its own RNG state
+    accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+    accelerator.wait_for_everyone()
 
 
 def _load_latest(accelerator, out: Path) -> None:

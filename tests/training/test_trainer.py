@@ -143,3 +143,60 @@ def test_bad_input(chat_target, prompts_file, tmp_path):
             train(_config(chat_target, prompts_file, tmp_path / "w", report_to="wandb"))
     with pytest.raises(ValueError, match="unknown training settings"):
         TrainConfig.from_sources(None, {"data": ["x"], "out": "y", "learning_rat": 1})
+
+
+def test_process_batches_split_an_epoch_evenly():
+    from specdec.training.trainer import process_batches
+
+    batches = [[i] for i in range(5)]
+    shares = [process_batches(batches, r, 2) for r in range(2)]
+    assert shares == [[[0], [2], [4]], [[1], [3], [0]]]  # wrapped round: 3 steps each
+    assert process_batches(batches, 0, 1) == batches
+
+
+def test_two_processes_share_the_batches_and_average_the_gradients(chat_target, prompts_file,
+                                                                  tmp_path):
+    """Two processes (torchrun, as `accelerate launch --multi_gpu` runs them; accelerate
+    then trains on the CPU with gloo): the processes train on disjoint examples
+    (every example of the epoch once), agree on the weights after every step (the gradients
+    are averaged over them), and train a different drafter than one process does."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import yaml
+
+    settings = _config(chat_target, prompts_file, tmp_path / "unused", max_steps=3, holdout=0,
+                       regen_max_tokens=8).to_dict()
+    for key in ("target", "data", "out", "kind"):
+        settings.pop(key, None)
+    (tmp_path / "train.yaml").write_text(yaml.safe_dump(settings))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    args = ["train", "eagle3", "--target", chat_target, "--data", str(prompts_file),
+            "--config", str(tmp_path / "train.yaml"), "--regenerate"]
+    env = {**os.environ, "SPECDEC_TRAIN_TRACE": str(trace), "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+              "--master_port", str(port), "-m", "specdec.cli"]
+    run = subprocess.run([*launch, *args, "--out", str(tmp_path / "two")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    ranks = [[json.loads(line) for line in (trace / f"rank{r}.jsonl").read_text().splitlines()]
+             for r in range(2)]
+    assert [s["step"] for s in ranks[0]] == [s["step"] for s in ranks[1]] == [1, 2, 3]
+    for a, b in zip(*ranks):
+        assert not set(a["rows"]) & set(b["rows"])  # each process its own examples
+        assert a["weights"] == b["weights"]  # in step: gradients averaged, same update
+    train(_config(chat_target, prompts_file, tmp_path / "one", max_steps=3, holdout=0,
+                  regen_max_tokens=8))
+    a = load_file(tmp_path / "one" / "drafter" / "model.safetensors")
+    b = load_file(tmp_path / "two" / "drafter" / "model.safetensors")
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # two batches a step, not one
+    # the main process alone regenerated, exported and evaluated
+    assert (tmp_path / "two" / "eval.json").exists() and (tmp_path / "two" / "drafter").exists()
+    regenerated = (tmp_path / "two" / "regenerated.jsonl").read_text().splitlines()
+    assert len(regenerated) == len({json.loads(r)["index"] for r in regenerated})  # once each
