@@ -16,15 +16,16 @@ from specdec.models.tokenizer import chat_token_ids
 
 
 def evaluate(target: str, prompts: list[list[dict]], drafter: str, drafter_args: dict, *,
-             max_tokens: int, budget: int, dtype: str = "float32") -> dict:
+             max_tokens: int, budget: int, dtype: str = "float32", device: str = "cpu") -> dict:
     """prompts: chats (lists of messages) ending with a user turn."""
     from specdec import LLM
 
     if not prompts:
         return {"num_prompts": 0}
-    plain = EngineSystem(LLM(model=target, dtype=dtype), max_tokens)
-    spec = EngineSystem(LLM(model=target, dtype=dtype, drafter=drafter, drafter_args=drafter_args,
-                            controller_args={"budget": budget}), max_tokens)
+    plain = EngineSystem(LLM(model=target, dtype=dtype, device=device), max_tokens)
+    spec = EngineSystem(LLM(model=target, dtype=dtype, device=device, drafter=drafter,
+                            drafter_args=drafter_args, controller_args={"budget": budget}),
+                        max_tokens)
     tok = spec.llm.tokenizer
     ids = [chat_token_ids(tok, p) for p in prompts]
     spec.run(ids[:1])  # warm-up: kernels, caches

@@ -23,14 +23,18 @@ log = logging.getLogger(__name__)
 
 def regenerate(convs: list[Conversation], target: str, out_file: Path, *, temperature: float,
                max_tokens: int, batch_size: int, seed: int, dtype: str = "float32",
-               llm=None) -> list[Conversation]:
-    """Conversations whose assistant turns are the target's; cached in ``out_file``."""
+               device: str = "cpu", llm=None, skip: Path | None = None) -> list[Conversation]:
+    """Conversations whose assistant turns are the target's; cached in ``out_file``. ``skip``:
+    another answers file whose conversations are not answered again (a distributed run's merged
+    file, beside each process's part): those are not returned either."""
     from specdec import LLM, SamplingParams
 
     done = _read_done(out_file)
+    skipped = _read_done(skip) if skip is not None else {}
+    convs = [c for c in convs if _key(c) not in skipped]
     todo = [c for c in convs if _key(c) not in done]
     if todo:
-        llm = llm or LLM(model=target, dtype=dtype, drafter="ngram")
+        llm = llm or LLM(model=target, dtype=dtype, device=device, drafter="ngram")
         out_file.parent.mkdir(parents=True, exist_ok=True)
         with open(out_file, "a", encoding="utf-8") as f, \
                 tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
@@ -46,6 +50,23 @@ def regenerate(convs: list[Conversation], target: str, out_file: Path, *, temper
                 os.fsync(f.fileno())
                 bar.update(len(batch))
     return [done[_key(c)] for c in convs]
+
+
+def merge_parts(out_file: Path, parts: list[Path]) -> None:
+    """Append the parts' conversations that ``out_file`` lacks to it (flushed, fsynced), then
+    remove the parts: a crash in between leaves both, and a rerun merges again."""
+    done = _read_done(out_file)
+    with open(out_file, "a", encoding="utf-8") as f:
+        for part in parts:
+            for key, conv in _read_done(part).items():
+                if key not in done:
+                    f.write(json.dumps({"source": conv.source, "index": conv.index,
+                                        "messages": conv.messages}) + "\n")
+                    done[key] = conv
+        f.flush()
+        os.fsync(f.fileno())
+    for part in parts:
+        part.unlink(missing_ok=True)
 
 
 def _answer(llm, batch: list[Conversation], params_cls, temperature: float, max_tokens: int,

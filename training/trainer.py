@@ -18,11 +18,12 @@ Layout of ``out``::
     out/train_config.json     the settings of the run
 
 The same script runs under ``accelerate launch`` on several processes (GPUs, nodes, or
-``--cpu --num_processes N``): every process takes its own share of each epoch's batches (one
-optimizer step = one batch per process), the gradients are averaged over the processes before
-the step, and the work that writes ``out`` once (regeneration, the draft vocabulary, the
-checkpoint rename, calibration, export, evaluation) runs on the main process while the others
-wait for it.
+CPU processes: ``torchrun --nproc_per_node N -m specdec.cli train ...``): every process answers
+its share of the prompts (``--regenerate``: a part file each, merged by the main process) and
+takes its own share of each epoch's batches (one optimizer step = one batch per process), the
+gradients are averaged over the processes before the step, and the work that writes ``out``
+once (the draft vocabulary, the checkpoint rename, calibration, export, evaluation) runs on the
+main process while the others wait for it.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def train(config: TrainConfig) -> dict:
     tokenizer = load_tokenizer(folder)
     train_convs, held_out = _split(load_conversations([Path(f) for f in config.data],
                                                       config.limit, config.seed), config)
-    train_convs = _on_main_first(accelerator, lambda: _answers(train_convs, config, out))
+    train_convs = _answers(train_convs, config, out, accelerator)
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
     k = kind(config.kind)
     dataset, calibration = _calibration_split(dataset, config, k)
@@ -106,13 +107,19 @@ def train(config: TrainConfig) -> dict:
             calibrated = k.calibrate(config, model, raw, _calibration_batches(
                 calibration, config, accelerator.device))
         drafter = _export(k, raw, hf, config, out, metrics, calibrated)
-        report = _evaluate(config, drafter, held_out)
+        report = _evaluate(config, drafter, held_out, _engine_device(accelerator))
         for path in (out / "eval.json", drafter / "eval.json"):
             path.write_text(json.dumps(report, indent=2) + "\n")
     accelerator.wait_for_everyone()
     report = json.loads((out / "eval.json").read_text())
     accelerator.end_training()
     return report
+
+
+def _engine_device(accelerator) -> str:
+    """This process's device as the engine names it (accelerate's CPU processes say cpu:N)."""
+    d = accelerator.device
+    return "cpu" if d.type == "cpu" else str(d)
 
 
 def _on_main_first(accelerator, make):
@@ -158,13 +165,26 @@ def _split(convs: list[Conversation], config: TrainConfig):
     return [convs[i] for i in sorted(order[k:])], [p for p in held if p]
 
 
-def _answers(convs: list[Conversation], config: TrainConfig, out: Path) -> list[Conversation]:
+def _answers(convs: list[Conversation], config: TrainConfig, out: Path,
+             accelerator) -> list[Conversation]:
+    """The conversations with their answers: the data's, or (--regenerate) the target's, each
+    process answering its share on its own device (a part file each, merged by the main one)."""
     if config.regenerate:
-        from specdec.training.regenerate import regenerate
+        from specdec.training.regenerate import merge_parts, regenerate
 
-        return regenerate(convs, config.target, out / "regenerated.jsonl",
-                          temperature=config.regen_temperature, max_tokens=config.regen_max_tokens,
-                          batch_size=config.regen_batch_size, seed=config.seed)
+        final = out / "regenerated.jsonl"
+        kw = dict(temperature=config.regen_temperature, max_tokens=config.regen_max_tokens,
+                  batch_size=config.regen_batch_size, seed=config.seed,
+                  device=_engine_device(accelerator))
+        n, rank = accelerator.num_processes, accelerator.process_index
+        if n > 1:
+            regenerate(convs[rank::n], config.target, out / f"regenerated.part{rank}.jsonl",
+                       skip=final, **kw)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                merge_parts(final, [out / f"regenerated.part{r}.jsonl" for r in range(n)])
+            accelerator.wait_for_everyone()
+        return _on_main_first(accelerator, lambda: regenerate(convs, config.target, final, **kw))
     missing = [c for c in convs if not has_answers(c)]
     if missing:
         c = missing[0]
@@ -397,12 +417,13 @@ def _export(k: Kind, head, hf, config: TrainConfig, out: Path, metrics: dict,
     return folder
 
 
-def _evaluate(config: TrainConfig, drafter: Path, held_out: list[list[dict]]) -> dict:
+def _evaluate(config: TrainConfig, drafter: Path, held_out: list[list[dict]],
+              device: str = "cpu") -> dict:
     from specdec.training.evaluate import evaluate
 
     prompts = held_out + _eval_prompts(config)
     return evaluate(config.target, prompts, config.kind, {"path": str(drafter)},
-                    max_tokens=config.eval_max_tokens, budget=config.eval_budget)
+                    max_tokens=config.eval_max_tokens, budget=config.eval_budget, device=device)
 
 
 def _eval_prompts(config: TrainConfig) -> list[list[dict]]:

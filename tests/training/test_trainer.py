@@ -196,7 +196,9 @@ def test_two_processes_share_the_batches_and_average_the_gradients(chat_target, 
     a = load_file(tmp_path / "one" / "drafter" / "model.safetensors")
     b = load_file(tmp_path / "two" / "drafter" / "model.safetensors")
     assert any(not torch.equal(a[k], b[k]) for k in a)  # two batches a step, not one
-    # the main process alone regenerated, exported and evaluated
+    # each process answered its share (part files, merged by the main process, which alone
+    # exported and evaluated)
+    assert not list((tmp_path / "two").glob("regenerated.part*"))
     assert (tmp_path / "two" / "eval.json").exists() and (tmp_path / "two" / "drafter").exists()
     regenerated = (tmp_path / "two" / "regenerated.jsonl").read_text().splitlines()
     assert len(regenerated) == len({json.loads(r)["index"] for r in regenerated})  # once each
