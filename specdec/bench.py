@@ -235,10 +235,8 @@ def runtime_info(engine) -> dict:
     this machine, the weights (native GGUF blocks or dequantized) and the bytes of them one
     forward streams, the KV split."""
     kernels = engine.kernels.describe()
-    streamed = kernels.get("prepared_bytes") or sum(
-        w.numel() * w.element_size() for w in engine.model.matrices())
     return {"dtype": str(engine.dtype), "device": str(engine.device), "weights": engine.weights,
-            "weight_bytes_per_token": streamed,
+            "weight_bytes_per_token": engine.weight_bytes_per_forward,
             "attention_backend": engine.runner.backend.name,
             "cuda_graphs": engine.runner.graphs is not None,
             "linear_kernels": {k: kernels[k] for k in ("key", "choices", "from_cache")},

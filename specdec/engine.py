@@ -149,6 +149,14 @@ class LLMEngine:
                                              self.device, c.linear_kernels)
         return adopted
 
+    @property
+    def weight_bytes_per_forward(self) -> int:
+        """Bytes of target and drafter matrices one forward of each streams: the prepared
+        panels (native GGUF blocks or fp32/bf16 panels), else the models' weights."""
+        return getattr(self.kernels, "weight_bytes", None) or sum(
+            w.numel() * w.element_size() for r in [self.runner, *self.drafter_runners]
+            for w in r.model.matrices())
+
     def _install_kernels(self, extra_models=(), adopted=()) -> LinearKernels | PreparedLinears:
         """The matmul hook of every runner's model and of a drafter's ``matmul_models`` (e.g. MTP
         heads), chosen by ``EngineConfig.linear_kernels`` (specdec.models.kernel_choice), with

@@ -41,6 +41,7 @@ import torch
 
 from specdec.models.loader import load_model, resolve_model_path
 from specdec.models.tokenizer import load_tokenizer
+from specdec.training.batches import calibration_batches, train_batches
 from specdec.training.config import TrainConfig
 from specdec.training.data import (
     Conversation,
@@ -50,6 +51,12 @@ from specdec.training.data import (
     tokenize_all,
 )
 from specdec.training.kinds import Kind, kind
+from specdec.training.processes import (
+    average_gradients,
+    engine_device,
+    on_main_first,
+    trace_step,
+)
 from specdec.training.vocab import coverage, draft_vocab
 
 log = logging.getLogger(__name__)
@@ -98,36 +105,22 @@ def train(config: TrainConfig) -> dict:
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
     k = kind(config.kind)
     dataset, calibration = _calibration_split(dataset, config, k)
-    head = _on_main_first(accelerator,
+    head = on_main_first(accelerator,
                           lambda: _new_head(k, config, cfg, model, hf, dataset, out))
     metrics = _fit(accelerator, k, config, model, head, dataset, out)
     if accelerator.is_main_process:
         raw = accelerator.unwrap_model(head)
         with torch.no_grad(), accelerator.autocast():
-            calibrated = k.calibrate(config, model, raw, _calibration_batches(
+            calibrated = k.calibrate(config, model, raw, calibration_batches(
                 calibration, config, accelerator.device))
         drafter = _export(k, raw, hf, config, out, metrics, calibrated)
-        report = _evaluate(config, drafter, held_out, _engine_device(accelerator))
+        report = _evaluate(config, drafter, held_out, engine_device(accelerator))
         for path in (out / "eval.json", drafter / "eval.json"):
             path.write_text(json.dumps(report, indent=2) + "\n")
     accelerator.wait_for_everyone()
     report = json.loads((out / "eval.json").read_text())
     accelerator.end_training()
     return report
-
-
-def _engine_device(accelerator) -> str:
-    """This process's device as the engine names it (accelerate's CPU processes say cpu:N)."""
-    d = accelerator.device
-    return "cpu" if d.type == "cpu" else str(d)
-
-
-def _on_main_first(accelerator, make):
-    """``make()`` on the main process, then on the others (which then find its files: the
-    regenerated answers, the draft vocabulary, and do not write them again)."""
-    result = make() if accelerator.is_main_process else None
-    accelerator.wait_for_everyone()
-    return result if accelerator.is_main_process else make()
 
 
 def _fresh_accelerator_state() -> None:
@@ -175,7 +168,7 @@ def _answers(convs: list[Conversation], config: TrainConfig, out: Path,
         final = out / "regenerated.jsonl"
         kw = dict(temperature=config.regen_temperature, max_tokens=config.regen_max_tokens,
                   batch_size=config.regen_batch_size, seed=config.seed,
-                  device=_engine_device(accelerator))
+                  device=engine_device(accelerator))
         n, rank = accelerator.num_processes, accelerator.process_index
         if n > 1:
             regenerate(convs[rank::n], config.target, out / f"regenerated.part{rank}.jsonl",
@@ -184,7 +177,7 @@ def _answers(convs: list[Conversation], config: TrainConfig, out: Path,
             if accelerator.is_main_process:
                 merge_parts(final, [out / f"regenerated.part{r}.jsonl" for r in range(n)])
             accelerator.wait_for_everyone()
-        return _on_main_first(accelerator, lambda: regenerate(convs, config.target, final, **kw))
+        return on_main_first(accelerator, lambda: regenerate(convs, config.target, final, **kw))
     missing = [c for c in convs if not has_answers(c)]
     if missing:
         c = missing[0]
@@ -204,14 +197,6 @@ def _calibration_split(dataset, config: TrainConfig, k: Kind):
         return dataset, None
     return dataset.select(range(len(dataset) - n)), dataset.select(range(len(dataset) - n,
                                                                             len(dataset)))
-
-
-def _calibration_batches(calibration, config: TrainConfig, device):
-    if calibration is None:
-        return
-    rows = list(range(len(calibration)))
-    for start in range(0, len(rows), config.batch_size):
-        yield _pad([calibration[i] for i in rows[start:start + config.batch_size]], device)
 
 
 def _new_head(k: Kind, config: TrainConfig, cfg, model, hf, dataset, out: Path):
@@ -269,12 +254,12 @@ def _fit(accelerator, k: Kind, config: TrainConfig, model, head, dataset, out: P
                disable=not accelerator.is_local_main_process)
     while progress.step < total:
         epoch, skip = divmod(progress.step, per_epoch)
-        for rows, batch in _batches(dataset, config, epoch, skip, accelerator.device,
+        for rows, batch in train_batches(dataset, config, epoch, skip, accelerator.device,
                                     accelerator.process_index, accelerator.num_processes):
             metrics = {**_train_step(accelerator, k, config, model, head, batch, optimizer,
                                      scheduler), "first_loss": metrics.get("first_loss")}
             if trace:
-                _trace(trace, accelerator, progress.step + 1, rows, head)
+                trace_step(trace, accelerator, progress.step + 1, rows, head)
             metrics["first_loss"] = metrics["first_loss"] or metrics["loss"]
             progress.step += 1
             progress.metrics = metrics
@@ -300,87 +285,13 @@ def _train_step(accelerator, k: Kind, config, model, head, batch, optimizer, sch
     if accelerator.num_processes > 1:
         # the kinds' losses call the head's own methods, not the DDP wrapper's forward, so
         # DDP's reducer never arms: average the gradients over the processes here
-        _average_gradients(accelerator, raw)
+        average_gradients(accelerator, raw)
         loss = accelerator.reduce(loss.detach(), reduction="mean")
     accelerator.clip_grad_norm_(head.parameters(), config.max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad()
     return {"loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0], **terms}
-
-
-def _trace(folder: str, accelerator, step: int, rows: list[int], head) -> None:
-    """``SPECDEC_TRAIN_TRACE=DIR`` (debugging a distributed run): each process appends, per
-    step, the examples it trained on and a checksum of its head's weights after the step to
-    DIR/rank{i}.jsonl; the processes of a sound run train on disjoint examples and agree on
-    the weights after every step."""
-    total = sum(float(p.detach().double().sum()) for p in head.parameters())
-    line = json.dumps({"step": step, "rows": rows, "weights": total})
-    with open(Path(folder) / f"rank{accelerator.process_index}.jsonl", "a") as f:
-        f.write(line + "\n")
-
-
-def _average_gradients(accelerator, module) -> None:
-    """Every trainable parameter's gradient -> its mean over the processes (a parameter with
-    no gradient on this process counts as zero there)."""
-    for p in module.parameters():
-        if p.requires_grad:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            p.grad.copy_(accelerator.reduce(p.grad, reduction="mean"))
-
-
-GROUP_BATCHES = 16  # batches whose examples are sorted by length together (less padding)
-
-
-def _batches(dataset, config: TrainConfig, epoch: int, skip: int, device, rank: int = 0,
-             processes: int = 1):
-    """(example indices, padded batch) in a seeded order per epoch (so a resumed run sees the
-    same batches):
-    process ``rank`` of ``processes`` takes every processes-th of them from its rank on (the
-    epoch's list wrapped round to a multiple of ``processes``, so all take as many steps)."""
-    for batch in process_batches(epoch_batches([len(x) for x in dataset["input_ids"]],
-                                               config.batch_size, config.seed * 1000 + epoch),
-                                 rank, processes)[skip:]:
-        yield batch, _pad([dataset[i] for i in batch], device)
-
-
-def process_batches(batches: list, rank: int, processes: int) -> list:
-    """This process's share of an epoch's batches (see _batches)."""
-    if processes == 1:
-        return batches
-    batches = batches + batches[:(-len(batches)) % processes]
-    return batches[rank::processes]
-
-
-def epoch_batches(lengths: list[int], batch_size: int, seed: int) -> list[list[int]]:
-    """One epoch's batches of example indices: a seeded shuffle, then within each window of
-    GROUP_BATCHES batches the examples sorted by length (so a batch pads little), then the
-    batches shuffled. Every example exactly once; the same seed gives the same batches."""
-    rng = random.Random(seed)
-    order = list(range(len(lengths)))
-    rng.shuffle(order)
-    window = batch_size * GROUP_BATCHES
-    batches = []
-    for start in range(0, len(order), window):
-        chunk = sorted(order[start:start + window], key=lambda i: lengths[i])
-        batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
-def _pad(rows: list[dict], device):
-    """(input_ids [B, S] int64, valid [B, S] bool, loss_mask [B, S] bool), right-padded."""
-    s = max(len(r["input_ids"]) for r in rows)
-    ids = torch.zeros(len(rows), s, dtype=torch.int64)
-    valid = torch.zeros(len(rows), s, dtype=torch.bool)
-    mask = torch.zeros(len(rows), s, dtype=torch.bool)
-    for b, r in enumerate(rows):
-        n = len(r["input_ids"])
-        ids[b, :n] = torch.as_tensor(r["input_ids"])
-        valid[b, :n] = True
-        mask[b, :n] = torch.as_tensor(r["loss_mask"], dtype=torch.bool)
-    return ids.to(device), valid.to(device), mask.to(device)
 
 
 def _save_checkpoint(accelerator, out: Path, step: int) -> None:

@@ -58,9 +58,8 @@ def profile(dtype: str, policy: str, weights: str) -> dict:
               weights=weights, max_model_len=256, max_num_batched_tokens=256)
     eng = llm.engine
     costs = profile_forward(eng.runner, ROWS)
-    streamed = getattr(eng.kernels, "weight_bytes", None) or sum(
-        w.numel() * w.element_size() for w in eng.model.matrices())
-    return {"rows": list(ROWS), "ms": [1e3 * s for s in costs.times], "weight_bytes": streamed,
+    return {"rows": list(ROWS), "ms": [1e3 * s for s in costs.times],
+            "weight_bytes": eng.weight_bytes_per_forward,
             "weights": eng.weights}
 
 

@@ -189,7 +189,7 @@ def _cached_panels(model, gguf: Path) -> list[tuple[torch.Tensor, Panels]]:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    params = _matrices(model)
+    params = model.named_matrices()
     stat = gguf.stat()
     key = f"{LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}"
     cache = gguf.parent / CACHE_NAME
@@ -213,20 +213,10 @@ def _cached_panels(model, gguf: Path) -> list[tuple[torch.Tensor, Panels]]:
     return out
 
 
-def _matrices(model) -> dict[str, torch.Tensor]:
-    """read_matrices' names -> the model's weights they are."""
-    params = {"head": model.head_weight}
-    for i, layer in enumerate(model.layers):
-        params.update({f"layers.{i}.qkv": layer.qkv_weight, f"layers.{i}.o": layer.o_weight,
-                       f"layers.{i}.gate_up": layer.gate_up_weight,
-                       f"layers.{i}.down": layer.down_weight})
-    return params
-
-
 def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, Blocks]
                     ) -> list[tuple[torch.Tensor, Panels]]:
-    """(weight, panels) in ``params``' order; ValueError unless every matrix's blocks
-    dequantize bitwise to its weight."""
+    """(weight, panels) in ``params``' order (``LlamaDecoder.named_matrices``); ValueError
+    unless every matrix's blocks dequantize bitwise to its weight."""
     out = []
     for name, weight in params.items():
         b = blocks[name]

@@ -191,12 +191,18 @@ class LlamaDecoder(nn.Module):
         """[vocab, hidden]: the LM head (the embedding when tied)."""
         return self.embed if self.lm_head is None else self.lm_head
 
+    def named_matrices(self) -> dict[str, torch.Tensor]:
+        """Every weight matrix the forward multiplies by, by name: ``head`` and
+        ``layers.{i}.{qkv,o,gate_up,down}`` (the names a GGUF's blocks are read under,
+        gguf_weights.py)."""
+        return {"head": self.head_weight,
+                **{f"layers.{i}.{name}": getattr(layer, f"{name}_weight")
+                   for i, layer in enumerate(self.layers)
+                   for name in ("qkv", "o", "gate_up", "down")}}
+
     def matrices(self) -> list[torch.Tensor]:
         """Every weight matrix the forward multiplies by (prepared once at load)."""
-        mats = [w for layer in self.layers
-                for w in (layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
-                          layer.down_weight)]
-        return [*mats, self.head_weight]
+        return list(self.named_matrices().values())
 
     def weight_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of every matrix the forward multiplies by (for kernel tuning)."""

@@ -5,7 +5,6 @@ bad input is refused clearly."""
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 from specdec import LLM, SamplingParams
 from specdec.models.eagle3_io import read_eagle3_config
 from specdec.training.config import TrainConfig
-from specdec.training.trainer import epoch_batches, train
+from specdec.training.trainer import train
 
 
 def _config(target, data, out, **kw) -> TrainConfig:
@@ -68,21 +67,6 @@ def test_init_from_fine_tunes_a_drafter_and_keeps_its_vocabulary(chat_target, pr
                                rtol=0)
     with pytest.raises(ValueError, match="not a drafter folder"):
         train(_config(chat_target, prompts_file, tmp_path / "x", init_from=str(tmp_path)))
-
-
-def test_epoch_batches_group_lengths_and_cover_every_example():
-    rng = random.Random(1)
-    lengths = [rng.randint(10, 400) for _ in range(300)]
-    batches = epoch_batches(lengths, 8, seed=3)
-    assert batches == epoch_batches(lengths, 8, seed=3)
-    assert sorted(i for b in batches for i in b) == list(range(300))
-    assert len(batches) == -(-300 // 8)
-    padded = sum(len(b) * max(lengths[i] for i in b) for b in batches)
-    shuffled = list(range(300))
-    random.Random(3).shuffle(shuffled)
-    plain = sum(len(shuffled[i:i + 8]) * max(lengths[j] for j in shuffled[i:i + 8])
-                for i in range(0, 300, 8))
-    assert padded < 0.8 * plain, (padded, plain)
 
 
 def test_resume_equals_uninterrupted(chat_target, prompts_file, tmp_path, monkeypatch):
@@ -143,15 +127,6 @@ def test_bad_input(chat_target, prompts_file, tmp_path):
             train(_config(chat_target, prompts_file, tmp_path / "w", report_to="wandb"))
     with pytest.raises(ValueError, match="unknown training settings"):
         TrainConfig.from_sources(None, {"data": ["x"], "out": "y", "learning_rat": 1})
-
-
-def test_process_batches_split_an_epoch_evenly():
-    from specdec.training.trainer import process_batches
-
-    batches = [[i] for i in range(5)]
-    shares = [process_batches(batches, r, 2) for r in range(2)]
-    assert shares == [[[0], [2], [4]], [[1], [3], [0]]]  # wrapped round: 3 steps each
-    assert process_batches(batches, 0, 1) == batches
 
 
 def test_two_processes_share_the_batches_and_average_the_gradients(chat_target, prompts_file,
