@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from specdec.attention import CHOICES as ATTENTION_CHOICES
-from specdec.config import WEIGHT_CHOICES
+from specdec.config import DRAFT_WEIGHT_CHOICES, WEIGHT_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
@@ -87,6 +87,10 @@ def _add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
     p.add_argument("--controller-args", type=_json_object, default={}, metavar="JSON")
     p.add_argument("--verifier", default="gumbel",
                    help="registered verifier name: gumbel (default), rejection, greedy")
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHT_CHOICES, default="auto",
+                   help="a learned drafter's matrices: q8_0 or q4_1 blocks quantized at load "
+                        "(drafts need no exactness), float (as loaded), or auto (default: q8_0 "
+                        "where the compiled kernels run)")
     p.add_argument("--linear-kernels", choices=("invariant", "tuned", "plain"),
                    default="invariant",
                    help="CPU matmul paths: the compiled row-invariant kernels (default), a "
@@ -298,7 +302,8 @@ def _engine_kwargs(args) -> dict:
                 drafter_args=args.drafter_args, controller=args.controller,
                 controller_args=args.controller_args, verifier=args.verifier,
                 linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
-                cuda_graphs=args.cuda_graphs, weights=args.weights)
+                cuda_graphs=args.cuda_graphs, weights=args.weights,
+                draft_weights=args.draft_weights)
 
 
 def cmd_generate(args) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from specdec.attention import CHOICES as ATTENTION_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
+from specdec.models.draft_weights import CHOICES as DRAFT_WEIGHT_CHOICES
 
 LINEAR_CHOICES = ("invariant", "tuned", "plain")
 WEIGHT_CHOICES = ("auto", "native", "dequantized")
@@ -48,6 +49,10 @@ class EngineConfig:
     # a sixth of the bytes streamed; float32, CPU, linear_kernels="invariant"); "dequantized"
     # with the fp32 weights transformers makes of them; "auto": native wherever it can run
     weights: str = "auto"
+    # a learned drafter's matrices in the compiled kernels: "q8_0" / "q4_1" blocks quantized at
+    # load (drafts need no exactness; a fifth / a seventh of fp32's bytes), "float" as loaded,
+    # "auto": q8_0 wherever it can run (float32, CPU, linear_kernels="invariant")
+    draft_weights: str = "auto"
     drafter: str | None = None
     drafter_args: dict[str, Any] = field(default_factory=dict)
     controller: str | None = None  # None: "goodput" with a drafter, "static" without
@@ -85,6 +90,9 @@ class EngineConfig:
         if self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got "
                              f"{self.weights!r}")
+        if self.draft_weights not in DRAFT_WEIGHT_CHOICES:
+            raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHT_CHOICES)}, "
+                             f"got {self.draft_weights!r}")
         _positive("page_size", self.page_size)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

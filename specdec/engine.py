@@ -29,6 +29,7 @@ from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
 from specdec.models.aliases import GGUF_NAME
 from specdec.models.config import model_config_from_hf
+from specdec.models.draft_weights import draft_panels
 from specdec.models.gguf_weights import native_panels
 from specdec.models.kernel_choice import install_kernels
 from specdec.models.linear import LinearKernels
@@ -77,9 +78,14 @@ class LLMEngine:
         drafter, controller = DraftStage.plugins(self.pm, config, target)  # may add runners
         self.kv_split = self._allocate_kv()
         self._enable_cuda_graphs()
+        draft_models = self._draft_models(drafter)
         adopted = self._native_weights(folder)
         self.weights = "native" if adopted else "dequantized"
-        self.kernels = self._install_kernels(getattr(drafter, "matmul_models", ()), adopted)
+        quantized = self._draft_weights(draft_models, adopted)
+        self.draft_weights = ("none" if not draft_models else
+                              {3: "q4_1", 4: "q8_0"}[quantized[0][1].fmt] if quantized else "float")
+        self.kernels = self._install_kernels(getattr(drafter, "matmul_models", ()),
+                                             adopted + quantized)
         self.kv = self.runner.kv
         self.drafting = DraftStage(drafter, controller, cfg.vocab_size, self.max_model_len,
                                    self.kv)
@@ -148,6 +154,21 @@ class LLMEngine:
                     adopted += native_panels(m, m.source_folder / GGUF_NAME, "auto", self.dtype,
                                              self.device, c.linear_kernels)
         return adopted
+
+    def _draft_models(self, drafter) -> list:
+        """The models a drafter computes with besides the target (its runners' models, e.g. an
+        EAGLE-3 head, and its ``matmul_models``, e.g. MTP heads)."""
+        models = [r.model for r in self.drafter_runners if r.model is not self.model]
+        return list(dict.fromkeys([*models, *getattr(drafter, "matmul_models", ())]))
+
+    def _draft_weights(self, models: list, adopted: list) -> list:
+        """Quantized panels (``EngineConfig.draft_weights``, specdec.models.draft_weights) for
+        the draft models whose matrices have no panels yet (a draft model from a GGUF computes
+        with the file's own blocks)."""
+        have = {id(w) for w, _ in adopted}
+        models = [m for m in models if not any(id(w) in have for w in m.matrices())]
+        return draft_panels(models, self.config.draft_weights, self.dtype, self.device,
+                            self.config.linear_kernels)
 
     @property
     def weight_bytes_per_forward(self) -> int:

@@ -186,8 +186,15 @@ class BlockDiffusionModel(TokenMap):
         logits = self.matmul(hidden, self.lm_head, None)
         return logits if logits.dtype == torch.float64 else logits.float()
 
+    def named_matrices(self) -> dict[str, torch.Tensor]:
+        """Every weight matrix the forward multiplies by (not the target's embedding)."""
+        return {"fc": self.fc,
+                **{f"layers.{i}.{n}": w for i, layer in enumerate(self.layers)
+                   for n, w in layer.named_matrices().items()},
+                "lm_head": self.lm_head}
+
+    def matrices(self) -> list[torch.Tensor]:
+        return list(self.named_matrices().values())
+
     def weight_shapes(self) -> list[tuple[int, int]]:
-        layer = self.layers[0]
-        mats = (self.fc, layer.qkv_weight, layer.o_weight, layer.gate_up_weight,
-                layer.down_weight, self.lm_head)
-        return list(dict.fromkeys(tuple(w.shape) for w in mats))
+        return list(dict.fromkeys(tuple(w.shape) for w in self.matrices()))

@@ -163,8 +163,13 @@ class Eagle3Head(nn.Module):
                              self.lm_head, None)
         return logits if logits.dtype == torch.float64 else logits.float()
 
+    def named_matrices(self) -> dict[str, torch.Tensor]:
+        """Every weight matrix the forward multiplies by (not the target's embedding)."""
+        return {"fc": self.fc, **self.layer.named_matrices(), "lm_head": self.lm_head}
+
+    def matrices(self) -> list[torch.Tensor]:
+        return list(self.named_matrices().values())
+
     def weight_shapes(self) -> list[tuple[int, int]]:
-        mats = (self.fc, self.layer.qkv_weight, self.layer.o_weight, self.layer.gate_up_weight,
-                self.layer.down_weight, self.lm_head)
-        return list(dict.fromkeys(tuple(w.shape) for w in mats))
+        return list(dict.fromkeys(tuple(w.shape) for w in self.matrices()))
 

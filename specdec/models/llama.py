@@ -62,6 +62,10 @@ class DecoderLayer(nn.Module):
             self.q_norm = param(cfg.head_dim)
             self.k_norm = param(cfg.head_dim)
 
+    def named_matrices(self) -> dict[str, torch.Tensor]:
+        """The layer's weight matrices by name: ``qkv``, ``o``, ``gate_up``, ``down``."""
+        return {n: getattr(self, f"{n}_weight") for n in ("qkv", "o", "gate_up", "down")}
+
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random init for a new (trainable) layer: normal(0, std) weights, unit norms, 0 bias."""
         with torch.no_grad():
@@ -196,9 +200,8 @@ class LlamaDecoder(nn.Module):
         ``layers.{i}.{qkv,o,gate_up,down}`` (the names a GGUF's blocks are read under,
         gguf_weights.py)."""
         return {"head": self.head_weight,
-                **{f"layers.{i}.{name}": getattr(layer, f"{name}_weight")
-                   for i, layer in enumerate(self.layers)
-                   for name in ("qkv", "o", "gate_up", "down")}}
+                **{f"layers.{i}.{name}": w for i, layer in enumerate(self.layers)
+                   for name, w in layer.named_matrices().items()}}
 
     def matrices(self) -> list[torch.Tensor]:
         """Every weight matrix the forward multiplies by (prepared once at load)."""

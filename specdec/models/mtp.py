@@ -80,6 +80,16 @@ class MTPHeads(TokenMap):
         """x [..., in] @ weight.T through the matmul hook (which takes 2-d rows)."""
         return self.matmul(x.reshape(-1, x.shape[-1]), weight, None).view(*x.shape[:-1], -1)
 
+    def named_matrices(self) -> dict[str, torch.Tensor]:
+        """Every weight matrix the forward multiplies by: ``blocks.{head}.{layer}`` (views of
+        ``blocks``, the ones ``head`` passes to the hook) and ``lm_head``."""
+        n, layers = self.config.num_heads, self.config.num_layers
+        return {**{f"blocks.{i}.{j}": self.blocks[i, j] for i in range(n)
+                   for j in range(layers)}, "lm_head": self.lm_head}
+
+    def matrices(self) -> list[torch.Tensor]:
+        return list(self.named_matrices().values())
+
     def compute_logits(self, y: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., draft_vocab_size], float32 at least."""
         logits = self._mm(y, self.lm_head)
