@@ -38,10 +38,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class DraftBudget:
     """At most ``max_nodes`` draft-tree nodes, at most ``max_depth`` deep (None: no depth limit
-    beyond ``max_nodes``). ``DraftBudget(0)`` turns speculation off for the request."""
+    beyond ``max_nodes``). ``DraftBudget(0)`` turns speculation off for the request.
+    ``sources``: for a composed drafter, the members that draft (by name, a subset of
+    ``ControllerContext.sources``); None: all of them (a single drafter ignores it)."""
 
     max_nodes: int
     max_depth: int | None = None
+    sources: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_nodes, int) or isinstance(self.max_nodes, bool) \
@@ -52,6 +55,10 @@ class DraftBudget:
                                            or self.max_depth < 1):
             raise ValueError(
                 f"DraftBudget.max_depth must be None or an int >= 1, got {self.max_depth!r}")
+        if self.sources is not None and (not isinstance(self.sources, tuple) or not self.sources
+                                         or not all(isinstance(x, str) for x in self.sources)):
+            raise ValueError("DraftBudget.sources must be None or a non-empty tuple of drafter "
+                             f"names, got {self.sources!r}")
 
     @property
     def depth_limit(self) -> int:
@@ -61,7 +68,7 @@ class DraftBudget:
     def clip(self, max_nodes: int) -> DraftBudget:
         """The same budget with at most ``max_nodes`` nodes (>= 0)."""
         n = max(0, min(self.max_nodes, max_nodes))
-        return self if n == self.max_nodes else DraftBudget(n, self.max_depth)
+        return self if n == self.max_nodes else DraftBudget(n, self.max_depth, self.sources)
 
 
 NO_DRAFT = DraftBudget(0)
@@ -115,6 +122,8 @@ class StepReport:
     num_decode: int
     num_prefill_tokens: int
     outcomes: tuple[RequestOutcome, ...]  # one per request that was asked for a budget
+    # a composed drafter's members that ran this step: name -> seconds of its propose
+    source_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +135,9 @@ class ControllerContext:
     max_num_seqs: int
     max_num_batched_tokens: int
     extra: dict = field(default_factory=dict)
+    # a composed drafter's members, in merge order ("eagle3+ngram": ("eagle3", "ngram")); ()
+    # for a single drafter. A controller may name a subset in DraftBudget.sources
+    sources: tuple[str, ...] = ()
 
 
 @runtime_checkable

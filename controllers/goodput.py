@@ -105,7 +105,15 @@ class GoodputController:
         self._idle: dict[str, int] = {}  # steps since a request last drafted
         self.max_depth = min(max_depth or budget, budget)
         self.costs = costs
-        self.depth = DepthAcceptance(max_depth=max(self.max_depth, 1), prior=float(prior))
+        self.prior = float(prior)
+        # what a step may draft with: None (the drafter as a whole) until setup names a
+        # composed drafter's members; then each member alone and all together, each with its
+        # own acceptance, and each member its own draft-time line
+        self.arms: list[tuple[str, ...] | None] = [None]
+        self.depths = {None: DepthAcceptance(max_depth=max(self.max_depth, 1), prior=self.prior)}
+        self.member_draft: dict[str, _Line] = {}
+        self._explored = 0
+        self._asked_arm: dict = {}  # request id -> the arm of its budget this step
         self.confidence = ConfidenceCalibration()
         self.draft = _Line()
         self.overhead = 0.0
@@ -118,44 +126,38 @@ class GoodputController:
     def setup(self, context: ControllerContext) -> None:
         if self.costs is None:
             self.costs = context.step_costs()
+        self.set_sources(tuple(getattr(context, "sources", ())))
+
+    def set_sources(self, sources: tuple[str, ...]) -> None:
+        """A composed drafter's members: each gets measured alone and all together (arms)."""
+        if len(sources) < 2:
+            return
+        self.arms = [*((m,) for m in sources), tuple(sources)]
+        self.depths = {a: DepthAcceptance(max_depth=max(self.max_depth, 1), prior=self.prior)
+                       for a in self.arms}
+        self.member_draft = {m: _Line() for m in sources}
+
+    @property
+    def depth(self) -> DepthAcceptance:
+        """The acceptance of the whole drafter (all members together)."""
+        return self.depths[self.arms[-1]]
 
     def _forward(self, rows: float) -> float:
         if self.costs is None:  # not set up (a controller used outside an engine): rows cost alike
             return 1.0
         return self.costs.seconds(rows)
 
-    def _step_time(self, rows: int, depth: int) -> float:
-        return self._forward(rows) + self.draft(depth) + self.overhead
-
     # ---- phase 1: budgets -------------------------------------------------------------------
 
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
-        base_rows = batch.num_prefill_tokens + len(requests)
-        cap = max(0, batch.max_draft_rows)
-        gains = {i: self.depth.chain_gains(r.request_id, self.max_depth)
-                 for i, r in enumerate(requests)}
-        heap = [(-gains[i][0], i, 0) for i in gains if self.max_depth > 0]
-        heapq.heapify(heap)
-        tokens, rows, depth_now = float(len(requests)), base_rows, 0
-        best = (tokens / self._step_time(rows, 0), 0)  # (goodput, admitted count)
-        order: list[int] = []
-        while heap and len(order) < cap:
-            g, i, d = heapq.heappop(heap)
-            order.append(i)
-            tokens, rows = tokens - g, rows + 1
-            depth_now = max(depth_now, d + 1)
-            rate = tokens / self._step_time(rows, depth_now)
-            if rate > best[0]:
-                best = (rate, len(order))
-            if d + 1 < self.max_depth:
-                heapq.heappush(heap, (-gains[i][d + 1], i, d + 1))
-        depths = [0] * len(requests)
-        for i in order[:best[1]]:
-            depths[i] += 1
+        plans = [self._plan(requests, batch, arm) for arm in self.arms]
+        rate, depths, gains, arm = max(plans, key=lambda p: p[0])  # ties: the first arm
+        arms = [arm] * len(requests)
         # explore: a request kept at 0 drafts one level now and then, so that its estimate is
         # not frozen; about one request in ``explore_every`` steps across the batch (a large
         # batch explores each request less often), staggered by request so that requests that
-        # started together do not all explore in the same step
+        # started together do not all explore in the same step. With several arms (a composed
+        # drafter's members) the explorations take them in turn
         interval = self.explore_every * max(1, len(requests))
         for i, r in enumerate(requests):
             rid = r.request_id
@@ -164,18 +166,72 @@ class GoodputController:
             idle = self._idle[rid] + 1 if depths[i] == 0 else 0
             if self.explore_every and idle >= interval:
                 depths[i], idle = 1, 0
+                arms[i] = self.arms[self._explored % len(self.arms)]
+                self._explored += 1
             self._idle[rid] = idle
-        out = [NO_DRAFT if k == 0 else DraftBudget(min(self.budget, k * self.width), k)
-               for k in depths]
-        expected = len(requests) + sum(sum(gains[i][:k]) for i, k in enumerate(depths))
-        rows = base_rows + sum(depths)
-        self._predicted = self._step_time(rows, max(depths, default=0))
+        out = [NO_DRAFT if k == 0 else DraftBudget(min(self.budget, k * self.width), k, a)
+               for k, a in zip(depths, arms)]
+        self._asked_arm = {r.request_id: a for r, a in zip(requests, arms)}
+        expected = len(requests) + sum(
+            sum(self._gains(r.request_id, a)[:k]) for r, k, a in zip(requests, depths, arms))
+        rows = batch.num_prefill_tokens + len(requests) + sum(depths)
+        self._predicted = self._forward(rows) + self._draft_time(
+            {a: max((k for k, b in zip(depths, arms) if b == a), default=0) for a in arms}
+        ) + self.overhead
         self.decision = {
             "depths": depths, "expected_tokens": round(expected, 3),
             "predicted_step_seconds": self._predicted,
             "acceptance_by_depth": self.depth.summary(min(self.max_depth, 6)),
         }
+        if arm is not None:
+            self.decision["sources"] = list(arm)
+            self.decision["acceptance_by_sources"] = {
+                "+".join(a): self.depths[a].summary(min(self.max_depth, 6)) for a in self.arms}
         return out
+
+    def _gains(self, request_id: str, arm) -> list[float]:
+        return self.depths[arm].chain_gains(request_id, self.max_depth)
+
+    def _draft_time(self, depth_by_arm: dict) -> float:
+        """Draft seconds of a step whose requests draft ``depth_by_arm`` deep with each arm:
+        the drafter's line, or each member's line at the deepest depth asked of it."""
+        if self.arms == [None]:
+            return self.draft(max(depth_by_arm.values(), default=0))
+        deepest: dict[str, int] = {}
+        for arm, d in depth_by_arm.items():
+            for m in arm:
+                deepest[m] = max(deepest.get(m, 0), d)
+        return sum(self.member_draft[m](d) for m, d in deepest.items() if d > 0)
+
+    def _plan(self, requests: list[RequestView], batch: BatchComposition, arm):
+        """(expected tokens per second, depth per request, gains, arm) of the best prefix of
+        chain nodes admitted in order of expected gain, every request drafting with ``arm``."""
+        base_rows = batch.num_prefill_tokens + len(requests)
+        cap = max(0, batch.max_draft_rows)
+        gains = {i: self._gains(r.request_id, arm) for i, r in enumerate(requests)}
+        heap = [(-gains[i][0], i, 0) for i in gains if self.max_depth > 0]
+        heapq.heapify(heap)
+        tokens, rows, depth_now = float(len(requests)), base_rows, 0
+
+        def step(rows: int, depth: int) -> float:
+            return self._forward(rows) + self._draft_time({arm: depth}) + self.overhead
+
+        best = (tokens / step(rows, 0), 0)  # (goodput, admitted count)
+        order: list[int] = []
+        while heap and len(order) < cap:
+            g, i, d = heapq.heappop(heap)
+            order.append(i)
+            tokens, rows = tokens - g, rows + 1
+            depth_now = max(depth_now, d + 1)
+            rate = tokens / step(rows, depth_now)
+            if rate > best[0]:
+                best = (rate, len(order))
+            if d + 1 < self.max_depth:
+                heapq.heappush(heap, (-gains[i][d + 1], i, d + 1))
+        depths = [0] * len(requests)
+        for i in order[:best[1]]:
+            depths[i] += 1
+        return best[0], depths, gains, arm
 
     # ---- phase 2: prune ---------------------------------------------------------------------
 
@@ -226,7 +282,8 @@ class GoodputController:
             if probs is not None:
                 e = self.confidence.probability(probs[i])
             else:  # no confidences: depth-based, later siblings discounted
-                e = math.prod(self.depth.rate(request_id, d) for d in range(1, depth + 2))
+                rates = self.depths[self._asked_arm.get(request_id, self.arms[-1])]
+                e = math.prod(rates.rate(request_id, d) for d in range(1, depth + 2))
                 e *= 0.5 ** rank[-1]
             est.append(min(e, est[p]) if p >= 0 else e)
         return est
@@ -241,6 +298,11 @@ class GoodputController:
         depth = max((o.asked.depth_limit for o in report.outcomes if o.num_proposed),
                     default=0)
         self.draft.add(depth, report.draft_seconds)
+        for member, seconds in report.source_seconds.items():
+            if member in self.member_draft:
+                asked = [o.asked.depth_limit for o in report.outcomes if o.asked.max_nodes
+                         and member in self._arm(o.asked)]
+                self.member_draft[member].add(max(asked, default=0), seconds)
         rest = max(report.step_seconds - report.forward_seconds - report.draft_seconds, 0.0)
         self._overhead_n = min(self._overhead_n + 1, 50)
         self.overhead += (rest - self.overhead) / self._overhead_n
@@ -251,18 +313,24 @@ class GoodputController:
                 # would see just the nodes pruning kept, and budgets would keep paying for
                 # drafts that pruning then drops)
                 drafted = min(o.asked.depth_limit, self.max_depth)
-                self.depth.observe(o.request_id, drafted, len(o.accepted))
+                self.depths[self._arm(o.asked)].observe(o.request_id, drafted, len(o.accepted))
             if o.tree is not None and o.tree.num_nodes:
                 self.confidence.observe(o.tree, list(o.accepted))
         self.decision["measured_step_seconds"] = report.step_seconds
         self.decision["predicted_step_seconds"] = self._predicted
+
+    def _arm(self, budget: DraftBudget):
+        """The arm a budget drafted with (a budget naming no sources: all members)."""
+        arm = budget.sources
+        return arm if arm in self.depths else self.arms[-1]
 
     def release(self, request_id: str) -> None:
         """The request ended: its own acceptance counts and exploration clock go (the
         drafter-wide estimates, the confidence calibration and the cost model stay), so a request
         reusing the id starts from the drafter's history. Not called on preemption."""
         self._idle.pop(request_id, None)
-        self.depth.forget(request_id)
+        for d in self.depths.values():
+            d.forget(request_id)
 
 
 def _admissible_roots(tree) -> list[int]:

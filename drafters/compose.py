@@ -8,6 +8,11 @@ nodes it proposed, in its own node indices), so a drafter that keeps KV for its 
 consistent. Merged trees carry no draft probabilities (the verifier then uses the q = 1 rule,
 lossless for any tokens): sampled drafts from different drafters are not one distribution.
 
+A controller may name the members that draft for a request (``DraftBudget.sources``, e.g. the
+goodput controller measuring each member's acceptance and cost apart): the others do not run for
+it (and not at all in a step none of its requests asks for them). Each member's propose time is
+kept in ``last_source_seconds`` for the step report.
+
 Failures (drafters/base.py): a member marking a request failed fails it (the message names the
 member); the composition is replay_safe only when every member is, since a raising member leaves
 the members before it having proposed or updated already.
@@ -15,6 +20,7 @@ the members before it having proposed or updated already.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from specdec.drafters.base import DraftRequest, VerifiedBatch
@@ -35,6 +41,7 @@ class ComposedDrafter:
         self.hidden_layers = tuple(sorted({i for d in drafters for i in d.hidden_layers}))
         self.matmul_models = tuple(m for d in drafters for m in getattr(d, "matmul_models", ()))
         self.replay_safe = all(getattr(d, "replay_safe", False) for d in drafters)
+        self.last_source_seconds: dict[str, float] = {}  # the last propose's, by member
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> ComposedState:
         return ComposedState([d.init_state(request_id, prompt_token_ids) for d in self.drafters],
@@ -42,24 +49,33 @@ class ComposedDrafter:
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         per_drafter = []
+        self.last_source_seconds = {}
         for k, d in enumerate(self.drafters):
             subs = [replace(r, state=r.state.states[k], no_kv=False, error=None)
                     for r in requests]
-            trees = d.propose(subs)
-            _pass_failures(d, subs, requests)
-            if not isinstance(trees, list) or len(trees) != len(requests):
-                raise TypeError(f"drafter {d.name!r} returned {type(trees).__name__} for "
-                                f"{len(requests)} requests")
-            for sub, tree in zip(subs, trees):
-                tree.validate(max_nodes=sub.budget.max_nodes, max_depth=sub.budget.max_depth)
-            per_drafter.append((subs, trees))
+            asked = [i for i, r in enumerate(requests)
+                     if r.budget.sources is None or d.name in r.budget.sources]
+            trees = [DraftTree.empty() for _ in requests]
+            if asked:
+                start = time.perf_counter()
+                got = d.propose([subs[i] for i in asked])
+                self.last_source_seconds[d.name] = time.perf_counter() - start
+                _pass_failures(d, [subs[i] for i in asked], [requests[i] for i in asked])
+                if not isinstance(got, list) or len(got) != len(asked):
+                    raise TypeError(f"drafter {d.name!r} returned {type(got).__name__} for "
+                                    f"{len(asked)} requests")
+                for i, tree in zip(asked, got):
+                    tree.validate(max_nodes=subs[i].budget.max_nodes,
+                                  max_depth=subs[i].budget.max_depth)
+                    trees[i] = tree
+            per_drafter.append((subs, trees, set(asked)))
         out = []
         for i, r in enumerate(requests):
             maps: list[list[int]] = []
-            out.append(merge_trees([trees[i] for _, trees in per_drafter], r.budget.max_nodes,
-                                   maps))
+            out.append(merge_trees([trees[i] for _, trees, _ in per_drafter],
+                                   r.budget.max_nodes, maps))
             r.state.maps = maps
-            if all(subs[i].no_kv for subs, _ in per_drafter):
+            if all(subs[i].no_kv for subs, _, asked in per_drafter if i in asked):
                 r.mark_no_kv()
         return out
 

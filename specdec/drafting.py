@@ -79,6 +79,11 @@ class DraftStage:
         return bool(getattr(self.drafter, "replay_safe", False))
 
     @property
+    def sources(self) -> tuple[str, ...]:
+        """A composed drafter's member names (what DraftBudget.sources may name); () else."""
+        return tuple(d.name for d in getattr(self.drafter, "drafters", ()))
+
+    @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
 
@@ -94,6 +99,12 @@ class DraftStage:
             raise plugins.PluginError(
                 f"controller {self.controller.name!r} must return {len(frontier)} DraftBudget "
                 f"values (one per request), got {wanted!r}")
+        known = set(self.sources)
+        for b in wanted:
+            if b.sources is not None and not set(b.sources) <= known:
+                raise plugins.PluginError(
+                    f"controller {self.controller.name!r} asked for drafts from "
+                    f"{list(b.sources)}; this drafter's sources are {sorted(known) or 'none'}")
         self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
         self.batch = batch
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
@@ -299,7 +310,8 @@ class DraftStage:
             draft_seconds=stats.draft_seconds, forward_seconds=stats.forward_seconds,
             verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,
             num_verified_rows=stats.num_verified_rows, num_decode=stats.num_decode,
-            num_prefill_tokens=stats.num_prefill_tokens, outcomes=outcomes))
+            num_prefill_tokens=stats.num_prefill_tokens, outcomes=outcomes,
+            source_seconds=dict(getattr(self.drafter, "last_source_seconds", {}))))
 
     @staticmethod
     def _fail(seq: Sequence, error: str) -> None:

@@ -92,7 +92,8 @@ class LLMEngine:
         if drafter is not None and hasattr(controller, "setup"):
             controller.setup(ControllerContext(self.step_costs, str(self.device),
                                                config.max_num_seqs,
-                                               config.max_num_batched_tokens))
+                                               config.max_num_batched_tokens,
+                                               sources=self.drafting.sources))
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.stopper = StopChecker(cfg.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, Sequence] = {}

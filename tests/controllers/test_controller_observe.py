@@ -119,3 +119,23 @@ def test_controller_sees_request_history(tiny_llama):
         assert after.draft_tokens_proposed == before.draft_tokens_proposed + out.num_proposed
         assert after.num_tokens == before.num_tokens + out.num_accepted + 1
     assert all(b.num_decode == 1 for b in ctl.batches)
+
+
+def test_budgets_naming_unknown_sources_are_refused(tiny_llama):
+    import pytest
+
+    from specdec.plugins import PluginError
+
+    class Plugin(Plugins):
+        @hookimpl
+        def specdec_controllers(self):
+            class Asks(Recording):
+                def budgets(self, requests, batch):
+                    return [DraftBudget(2, 2, ("nope",))] * len(requests)
+            return {"recording": Asks}
+
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle", controller="recording",
+              plugins=(oracle_plugin(PROMPT * 4, depth=3), Plugin()))
+    with pytest.raises(PluginError, match=r"asked for drafts from \['nope'\]; this drafter's "
+                                          "sources are none"):
+        llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

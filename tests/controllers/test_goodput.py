@@ -197,3 +197,50 @@ def test_drafts_that_pruning_drops_count_against_drafting():
         c.observe(_report([RequestOutcome("r0", DraftBudget(4, 2), 4, 0, False, None, ())]))
     assert c.depth.rate("r0", 1) < 0.1
     assert c.budgets(views(1)[:1], batch(1)) == [NO_DRAFT]
+
+
+def _arm_outcome(rid: str, arm: tuple[str, ...], accepted: int, depth: int = 2):
+    tree = DraftTree.chain(list(range(1, depth + 1)), None)
+    return RequestOutcome(rid, DraftBudget(depth, depth, arm), depth, accepted, False, tree,
+                          tuple(range(accepted)))
+
+
+@pytest.mark.parametrize("good", ["a", "b"])
+def test_composed_drafter_members_are_measured_apart(good):
+    """Synthetic acceptance: member ``good`` alone accepts both nodes, the other none, and the
+    composition what its first member gives. Budgets name the good member alone, however
+    cheap or dear the other is to run: a composition is never worse than its better member."""
+    c = GoodputController(budget=4, max_depth=2, width=1, costs=linear_costs(1.0, 0.05),
+                          explore_every=0)
+    c.set_sources(("a", "b"))
+    assert c.arms == [("a",), ("b",), ("a", "b")]
+    bad = "b" if good == "a" else "a"
+    for step in range(60):
+        outs = [_arm_outcome("r0", (good,), 2), _arm_outcome("r1", (bad,), 0),
+                _arm_outcome("r2", ("a", "b"), 2 if good == "a" else 0)]
+        seconds = {good: 0.5, bad: 0.001}  # the good member is also the dear one
+        c.observe(StepReport(0.5, 1.3, 0.0, 1.9, 6, 3, 0, tuple(outs), source_seconds=seconds))
+    assert c.depths[(good,)].rate("new", 1) > 0.9 > 0.1 > c.depths[(bad,)].rate("new", 1)
+    assert c.member_draft[good](2) == pytest.approx(0.5, rel=0.05)
+    budgets = c.budgets(views(2), batch(2))
+    assert budgets == [DraftBudget(2, 2, (good,))] * 2
+    assert c.decision["sources"] == [good]
+    # once the good member's drafting costs more than its tokens are worth: no draft at all
+    for _ in range(200):
+        c.observe(StepReport(5.0, 1.3, 0.0, 6.4, 6, 3, 0,
+                             (_arm_outcome("r0", (good,), 2),), source_seconds={good: 5.0}))
+    assert c.budgets(views(2), batch(2)) == [NO_DRAFT] * 2
+
+
+def test_exploration_takes_the_arms_in_turn():
+    c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=1)
+    c.set_sources(("x", "y"))
+    seen = {b.sources for _ in range(30) for b in c.budgets(views(2), batch(2)) if b.max_nodes}
+    assert seen == {("x",), ("y",), ("x", "y")}
+
+
+def test_sources_must_name_drafters():
+    with pytest.raises(ValueError, match="DraftBudget.sources must be None or a non-empty tuple"):
+        DraftBudget(2, 2, ())
+    with pytest.raises(ValueError, match="DraftBudget.sources"):
+        DraftBudget(2, 2, ["ngram"])

@@ -171,3 +171,32 @@ def test_sampled_tokens_follow_the_target(tmp_path, drafter):
     args = eagle if drafter == "eagle3" else {
         "eagle3": eagle, "draft_model": {"early_exit_layers": 1, "max_depth": 2}}
     assert_samples_follow_target(folder, drafter, args)
+
+
+def test_goodput_drafts_with_composed_members_apart(target4, monkeypatch):
+    """Under goodput a composed drafter's members draft alone or together (DraftBudget.sources):
+    a member not asked for a request does not run for it, and output stays the plain one."""
+    from specdec.drafters.compose import ComposedDrafter
+
+    folder, model, cfg, hf = target4
+    asked, eagle_requests = [], []
+    original, eagle_propose = ComposedDrafter.propose, Eagle3Drafter.propose
+
+    def spy(self, requests):
+        asked.extend(r.budget.sources for r in requests)
+        return original(self, requests)
+
+    def eagle_spy(self, requests):
+        eagle_requests.extend(requests)
+        return eagle_propose(self, requests)
+
+    monkeypatch.setattr(ComposedDrafter, "propose", spy)
+    monkeypatch.setattr(Eagle3Drafter, "propose", eagle_spy)
+    args = {"eagle3": {"head": random_head(model, cfg, hf), "depth": 3, "topk": 2},
+            "ngram": {"min_ngram": 1}}
+    plain = greedy(folder, PROMPTS)
+    spec = greedy(folder, PROMPTS, drafter="eagle3+ngram", drafter_args=args,
+                  controller="goodput", controller_args={"budget": 4, "explore_every": 1})
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert len(set(asked)) >= 2 and set(asked) <= {("eagle3",), ("ngram",), ("eagle3", "ngram")}
+    assert len(eagle_requests) == sum(s is None or "eagle3" in s for s in asked) < len(asked)
