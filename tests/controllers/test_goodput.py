@@ -215,7 +215,7 @@ def test_composed_drafter_members_are_measured_apart(good):
     c.set_sources(("a", "b"))
     assert c.arms == [("a",), ("b",), ("a", "b")]
     bad = "b" if good == "a" else "a"
-    for step in range(60):
+    for _ in range(60):
         outs = [_arm_outcome("r0", (good,), 2), _arm_outcome("r1", (bad,), 0),
                 _arm_outcome("r2", ("a", "b"), 2 if good == "a" else 0)]
         seconds = {good: 0.5, bad: 0.001}  # the good member is also the dear one
