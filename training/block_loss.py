@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from specdec.attention.block_masks import anchor_blocks_mask
 from specdec.attention.dense import DenseAttention
 from specdec.models.block_diffusion import BlockDiffusionModel
-from specdec.training.target import TargetBatch, rank_hits
+from specdec.training.target import TargetBatch, conditional_rank_hits, label_ranks
 
 RANKS = 8  # ranks calibrated per block position
 
@@ -125,8 +125,10 @@ def block_loss(model: BlockDiffusionModel, tb: TargetBatch, input_ids: torch.Ten
 def block_rank_hits(model: BlockDiffusionModel, tb: TargetBatch, input_ids: torch.Tensor,
                     valid: torch.Tensor, loss_mask: torch.Tensor,
                     num_anchors: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hits [K-1, RANKS], rows [K-1]): the target's greedy token at block position k found at
-    rank r of the drafter's distribution there (the verifier's acceptance criterion)."""
+    """(hits [K-1, RANKS], rows [K-1], conditional hits, conditional rows): the target's
+    greedy token at block position k found at rank r of the drafter's distribution there (the
+    verifier's acceptance criterion), over all anchors and over those whose earlier positions
+    all had theirs in the top RANKS."""
     k = model.config.block_size
     anchors, ok = sample_anchors(valid, loss_mask, num_anchors)
     hidden = block_forward(model, tb, input_ids, anchors)[:, :, 1:]
@@ -135,12 +137,12 @@ def block_rank_hits(model: BlockDiffusionModel, tb: TargetBatch, input_ids: torc
     pos = (anchors[:, :, None] + torch.arange(k - 1, device=anchors.device)).clamp(
         max=input_ids.shape[1] - 1)
     greedy = tb.argmax.gather(1, pos.flatten(1)).view_as(pos)
-    hits = torch.zeros(k - 1, RANKS, dtype=torch.int64)
-    rows = torch.zeros(k - 1, dtype=torch.int64)
+    ranks = torch.full((k - 1, *anchors.shape), -1, dtype=torch.int64)
+    kept = torch.zeros(k - 1, *anchors.shape, dtype=torch.bool)
     for j in range(k - 1):
         sel = (labels[:, :, j] >= 0) & (greedy[:, :, j] >= 0)
         logits = model.compute_logits(hidden[:, :, j][sel])
         target = model.draft_index[greedy[:, :, j][sel]]
-        hits[j] += rank_hits(logits, target, RANKS).cpu()
-        rows[j] += int(sel.sum())
-    return hits, rows
+        ranks[j][sel.cpu()] = label_ranks(logits, target, RANKS).cpu()
+        kept[j] = sel.cpu()
+    return conditional_rank_hits(ranks.flatten(1), kept.flatten(1), RANKS)

@@ -41,7 +41,9 @@ class TrainConfig:
     loss_gamma: float = 4.0  # block_diffusion: position k's weight exp(-(k - 1) / gamma)
     calibration_examples: int = 32  # tokenized sequences kept out of training to calibrate
     epochs: int = 1
-    max_steps: int | None = None  # optimizer steps; None: epochs over the data
+    # optimizer steps; None: epochs over the data; 0 (with init_from): no training, that
+    # drafter calibrated on all the data (the kinds that calibrate), exported and evaluated
+    max_steps: int | None = None
     batch_size: int = 4  # sequences per optimizer step
     learning_rate: float = 1e-4
     warmup_ratio: float = 0.015
@@ -70,9 +72,11 @@ class TrainConfig:
             _int_at_least(name, getattr(self, name), 1)
         _int_at_least("block_size", self.block_size, 2)
         _int_at_least("calibration_examples", self.calibration_examples, 0)
-        for name in ("limit", "max_steps", "max_turn_tokens", "num_layers"):
+        for name in ("limit", "max_turn_tokens", "num_layers"):
             if getattr(self, name) is not None:
                 _int_at_least(name, getattr(self, name), 1)
+        if self.max_steps is not None:  # 0: calibrate and evaluate init_from, no training
+            _int_at_least("max_steps", self.max_steps, 0 if self.init_from else 1)
         _int_at_least("holdout", self.holdout, 0)
         for name in ("learning_rate", "max_grad_norm", "loss_gamma"):
             value = getattr(self, name)

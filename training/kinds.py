@@ -115,13 +115,11 @@ class MTPKind(Kind):
         from specdec.training.mtp_loss import RANKS, mtp_rank_hits
 
         n = model.config.num_heads
-        hits, rows = torch.zeros(n, RANKS, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)
+        totals = [torch.zeros(n, RANKS, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)] * 2
         for ids, valid, loss_mask in batches:
             tb = target_batch(target, (), model.token_map, ids, valid, loss_mask, teacher=False)
-            h, r = mtp_rank_hits(model, tb, valid, loss_mask)
-            hits += h
-            rows += r
-        return calibration(hits, rows)
+            totals = [a + b for a, b in zip(totals, mtp_rank_hits(model, tb, valid, loss_mask))]
+        return calibration(*totals)
 
     def save(self, model, folder, hf, dtype, extra):
         from specdec.models.mtp_io import save_mtp
@@ -165,13 +163,12 @@ class BlockDiffusionKind(Kind):
         from specdec.training.block_loss import RANKS, block_rank_hits
 
         d = model.config.block_size - 1
-        hits, rows = torch.zeros(d, RANKS, dtype=torch.int64), torch.zeros(d, dtype=torch.int64)
+        totals = [torch.zeros(d, RANKS, dtype=torch.int64), torch.zeros(d, dtype=torch.int64)] * 2
         for ids, valid, loss_mask in batches:
             tb = self._batch(target, model, ids, valid, loss_mask)
-            h, r = block_rank_hits(model, tb, ids, valid, loss_mask, config.num_anchors)
-            hits += h
-            rows += r
-        return calibration(hits, rows)
+            got = block_rank_hits(model, tb, ids, valid, loss_mask, config.num_anchors)
+            totals = [a + b for a, b in zip(totals, got)]
+        return calibration(*totals)
 
     def save(self, model, folder, hf, dtype, extra):
         from specdec.models.block_diffusion_io import save_block_diffusion
@@ -179,14 +176,26 @@ class BlockDiffusionKind(Kind):
         save_block_diffusion(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
 
 
-def calibration(hits: torch.Tensor, rows: torch.Tensor) -> dict:
+def calibration(hits: torch.Tensor, rows: torch.Tensor, cond_hits: torch.Tensor | None = None,
+                cond_rows: torch.Tensor | None = None) -> dict:
     """The stored calibration: [depth][rank] acceptance rates (rounded) and the rows they come
-    from; nothing when no depth has rows (the drafter then uses its default shape)."""
+    from, unconditional and (when given) given the depths above were right; nothing when no
+    depth has rows (the drafter then uses its default shape). A depth whose condition never
+    held keeps its unconditional rates in the conditional table."""
     if not bool((rows > 0).all()):
         return {}
-    rates = hits.double() / rows.double()[:, None]
-    return {"rank_acceptance": [[round(float(v), 4) for v in row] for row in rates],
-            "calibration_rows": rows.tolist()}
+
+    def table(h: torch.Tensor, n: torch.Tensor) -> list[list[float]]:
+        return [[round(float(v), 4) for v in row] for row in h.double() / n.double()[:, None]]
+
+    out = {"rank_acceptance": table(hits, rows), "calibration_rows": rows.tolist()}
+    if cond_hits is not None:
+        have = cond_rows > 0
+        h = torch.where(have[:, None], cond_hits, hits)
+        n = torch.where(have, cond_rows, rows)
+        out["rank_acceptance_conditional"] = table(h, n)
+        out["calibration_rows_conditional"] = cond_rows.tolist()
+    return out
 
 
 def kind(name: str) -> Kind:

@@ -5,8 +5,10 @@ over the draft vocabulary (renormalised), counted when token p + 2 + i is traine
 the target's greedy token there is in the draft vocabulary. Loss = sum_i decay^i * CE_i.
 
 Calibration (after training, on held-out sequences): for each head and rank r, how often the
-head's rank-r draft is the target's greedy token (unconditionally: the token need not be in the
-draft vocabulary) — the table the drafter's tree shape is built from.
+head's rank-r draft is the target's greedy token (the token need not be in the draft
+vocabulary), unconditionally and given that every head before it had the target's token among
+its top ranks (the node's parent was right: what a tree node needs, since heads err together)
+— the tables the drafter's tree shape is built from.
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ from __future__ import annotations
 import torch
 
 from specdec.models.mtp import MTPHeads
-from specdec.training.target import TargetBatch, at_least_fp32, rank_hits, shift, soft_terms
+from specdec.training.target import (
+    TargetBatch,
+    at_least_fp32,
+    conditional_rank_hits,
+    label_ranks,
+    shift,
+    soft_terms,
+)
 
 RANKS = 8  # ranks calibrated per head (the widest a node's children get)
 
@@ -39,18 +48,19 @@ def mtp_loss(heads: MTPHeads, tb: TargetBatch, valid: torch.Tensor, loss_mask: t
 
 @torch.no_grad()
 def mtp_rank_hits(heads: MTPHeads, tb: TargetBatch, valid: torch.Tensor,
-                  loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hits [num_heads, RANKS], rows [num_heads]) of one batch: the target's greedy token at
-    rank r of head i's draft."""
+                  loss_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(hits [num_heads, RANKS], rows [num_heads], conditional hits, conditional rows) of one
+    batch: the target's greedy token at rank r of head i's draft, over all rows and over the
+    rows where heads 0..i-1 had theirs in their top RANKS (``conditional_rank_hits``)."""
     n = heads.config.num_heads
-    hits = torch.zeros(n, RANKS, dtype=torch.int64)
-    rows = torch.zeros(n, dtype=torch.int64)
     x = tb.final.to(heads.lm_head.dtype)
+    ranks = torch.full((n, *valid.shape), -1, dtype=torch.int64)
+    kept = torch.zeros(n, *valid.shape, dtype=torch.bool)
     for i in range(n):
         keep = shift(loss_mask & valid, 2 + i, False)
         bi, pi = keep.nonzero(as_tuple=True)
         logits = heads.compute_logits(heads.head(i, x[bi, pi]))
         labels = heads.draft_index[tb.argmax[bi, pi + 1 + i].clamp_min(0)]
-        hits[i] += rank_hits(logits, labels, RANKS).cpu()
-        rows[i] += bi.numel()
-    return hits, rows
+        ranks[i, bi.cpu(), pi.cpu()] = label_ranks(logits, labels, RANKS).cpu()
+        kept[i] = keep.cpu()
+    return conditional_rank_hits(ranks.flatten(1), kept.flatten(1), RANKS)

@@ -72,11 +72,33 @@ def soft_terms(logq: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, float
     return loss, acc, top1
 
 
-def rank_hits(logits: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
-    """[k] int64: how many rows have their label at rank r of the logits (-1 labels: none)."""
+def label_ranks(logits: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    """[R] int64: the rank of each row's label among its top k logits, -1 if not there (or a
+    -1 label)."""
     top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices
-    hits = (top == labels[:, None]).sum(0)
-    return torch.nn.functional.pad(hits, (0, k - hits.numel())).to(torch.int64)
+    hit = (top == labels[:, None]) & (labels[:, None] >= 0)
+    return torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, -1))
+
+
+def conditional_rank_hits(ranks: torch.Tensor, kept: torch.Tensor,
+                          k: int) -> tuple[torch.Tensor, ...]:
+    """ranks [D, N] (depth d's rank of the target's token at row n, -1: not in the top k),
+    kept [D, N] (row n counts at depth d) -> (hits [D, k], rows [D]) over the kept rows,
+    and the same over the kept rows whose depths 0..d-1 all had the token (rank >= 0)."""
+    d = ranks.shape[0]
+    hits = torch.zeros(d, k, dtype=torch.int64)
+    rows = kept.sum(1).to(torch.int64)
+    cond_hits = torch.zeros(d, k, dtype=torch.int64)
+    cond_rows = torch.zeros(d, dtype=torch.int64)
+    right_above = torch.ones(ranks.shape[1], dtype=torch.bool)
+    for i in range(d):
+        given = kept[i] & right_above
+        for r in range(k):
+            hits[i, r] = int((kept[i] & (ranks[i] == r)).sum())
+            cond_hits[i, r] = int((given & (ranks[i] == r)).sum())
+        cond_rows[i] = int(given.sum())
+        right_above = right_above & (ranks[i] >= 0)
+    return hits, rows, cond_hits, cond_rows
 
 
 def at_least_fp32(dtype: torch.dtype) -> torch.dtype:

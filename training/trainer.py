@@ -107,7 +107,8 @@ def train(config: TrainConfig) -> dict:
     dataset, calibration = _calibration_split(dataset, config, k)
     head = on_main_first(accelerator,
                           lambda: _new_head(k, config, cfg, model, hf, dataset, out))
-    metrics = _fit(accelerator, k, config, model, head, dataset, out)
+    metrics = (_fit(accelerator, k, config, model, head, dataset, out) if config.max_steps != 0
+               else _recorded_metrics(Path(config.init_from)))
     if accelerator.is_main_process:
         raw = accelerator.unwrap_model(head)
         with torch.no_grad(), accelerator.autocast():
@@ -192,6 +193,9 @@ def _calibration_split(dataset, config: TrainConfig, k: Kind):
     (at most a tenth of them) are kept out of training for the kinds that calibrate."""
     if not k.calibrates or config.calibration_examples == 0:
         return dataset, None
+    if config.max_steps == 0:  # nothing is trained: calibrate on all of it
+        n = min(config.calibration_examples, len(dataset))
+        return dataset.select([]), dataset.select(range(n))
     n = min(config.calibration_examples, len(dataset) // 10)
     if n == 0:
         return dataset, None
@@ -223,9 +227,16 @@ def _head_from(k: Kind, folder: Path, cfg, model, hf, dataset):
         raise ValueError(f"init_from: {folder} is not a drafter folder (no config.json)")
     head = k.load(folder, cfg, model, hf)
     used = k.vocab(head).cpu()
-    log.info("starting from %s; its %d-token draft vocabulary covers %.1f%% of the trained "
-             "tokens", folder, used.numel(), 100 * coverage(used, dataset))
+    if len(dataset):  # none to train on: a recalibration (max_steps 0)
+        log.info("starting from %s; its %d-token draft vocabulary covers %.1f%% of the trained "
+                 "tokens", folder, used.numel(), 100 * coverage(used, dataset))
     return head
+
+
+def _recorded_metrics(folder: Path) -> dict:
+    """An untrained run's metrics: those the drafter it starts from recorded, and its origin."""
+    meta = json.loads((folder / "config.json").read_text()).get("specdec") or {}
+    return {**(meta.get("train") or {}), "steps_here": 0, "recalibrated_from": str(folder)}
 
 
 def _fit(accelerator, k: Kind, config: TrainConfig, model, head, dataset, out: Path) -> dict:

@@ -125,10 +125,15 @@ def target_num_layers(raw: dict, default: int) -> int:
 
 
 def rank_acceptance(raw: dict, depth: int, where: Path, what: str) -> list[list[float]] | None:
-    """specdec.rank_acceptance of config.json: [depth][rank] acceptance rates in [0, 1] (the
-    calibration a rank-path tree is shaped by), or None when absent. ``what``: "head",
-    "block position"."""
-    table = (raw.get("specdec") or {}).get("rank_acceptance")
+    """The calibration a rank-path tree is shaped by, [depth][rank] rates in [0, 1], from
+    config.json's "specdec": ``rank_acceptance_conditional`` (P(rank r of depth d is the
+    target's token | the depths above were right): the chain rule along a path) where the
+    drafter was calibrated so, else ``rank_acceptance`` (unconditional), else None.
+    ``what``: "head", "block position"."""
+    meta = raw.get("specdec") or {}
+    key = ("rank_acceptance_conditional" if "rank_acceptance_conditional" in meta
+           else "rank_acceptance")
+    table = meta.get(key)
     if table is None:
         return None
     ok = (isinstance(table, list) and len(table) == depth
@@ -136,7 +141,7 @@ def rank_acceptance(raw: dict, depth: int, where: Path, what: str) -> list[list[
               isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 1
               for v in row) for row in table))
     if not ok:
-        raise ValueError(f"{where}: specdec.rank_acceptance must list, for each of the {depth} "
+        raise ValueError(f"{where}: specdec.{key} must list, for each of the {depth} "
                          f"{what}s, the acceptance rate of each rank in [0, 1]")
     return [[float(v) for v in row] for row in table]
 

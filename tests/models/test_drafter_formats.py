@@ -239,3 +239,14 @@ def test_failed_save_leaves_no_folder_and_existing_is_kept(mtp, target, tmp_path
     with pytest.raises(FileExistsError):
         save_mtp(mtp, tmp_path / "m", target[2])
     shutil.rmtree(tmp_path / "m")
+
+
+def test_conditional_calibration_is_preferred(mtp, target, tmp_path):
+    cond = [[0.5, 0.1], [0.6, 0.2], [0.7, 0.1]]  # given the heads above were right
+    extra = {"rank_acceptance": RATES_MTP, "rank_acceptance_conditional": cond}
+    save_mtp(mtp, tmp_path / "c", target[2], dtype=torch.float32, extra=extra)
+    assert _load("mtp", tmp_path / "c", target).rank_acceptance == cond
+    bad = {"rank_acceptance": RATES_MTP, "rank_acceptance_conditional": [[1.5]]}
+    save_mtp(mtp, tmp_path / "b", target[2], dtype=torch.float32, extra=bad)
+    with pytest.raises(ValueError, match="specdec.rank_acceptance_conditional must list"):
+        _load("mtp", tmp_path / "b", target)

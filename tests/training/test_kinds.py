@@ -43,6 +43,9 @@ def test_smoke_run_lowers_loss_and_drafts_well(kind, chat_target, prompts_file, 
     assert len(meta["rank_acceptance"]) == depth and all(len(r) == 8 for r in
                                                           meta["rank_acceptance"])
     assert meta["rank_acceptance"][0][0] > 0.3  # calibrated on held-out sequences
+    cond = meta["rank_acceptance_conditional"]  # given the depths above were right
+    assert cond[0] == meta["rank_acceptance"][0] and len(cond) == depth
+    assert meta["calibration_rows_conditional"][0] == meta["calibration_rows"][0]
     m = meta["train"]
     if kind == "mtp":  # soft cross-entropy: bounded below by the teacher's entropy
         assert m["loss"] < m["first_loss"] - 0.2 and m["top1_0"] > 0.8
@@ -146,9 +149,13 @@ def test_settings_are_checked():
                        ({"block_size": 1}, "block_size"), ({"num_heads": 0}, "num_heads"),
                        ({"head_decay": 0.0}, "head_decay"), ({"loss_gamma": -1}, "loss_gamma"),
                        ({"target_layer_ids": [1, -2]}, "target_layer_ids"),
-                       ({"num_layers": 0}, "num_layers")):
+                       ({"num_layers": 0}, "num_layers"),
+                       ({"max_steps": 0}, "max_steps must be an int >= 1")):
         with pytest.raises(ValueError, match=words):
             TrainConfig(**base, **bad)
+    assert TrainConfig(**base, max_steps=0, init_from="d").max_steps == 0  # recalibrate only
+    with pytest.raises(ValueError, match="max_steps must be an int >= 0"):
+        TrainConfig(**base, max_steps=-1, init_from="d")
 
 
 def test_calibration_is_stored_only_with_rows_at_every_depth():
@@ -158,3 +165,29 @@ def test_calibration_is_stored_only_with_rows_at_every_depth():
     assert calibration(hits, torch.tensor([4, 2])) == {
         "rank_acceptance": [[0.75, 0.25], [0.5, 0.0]], "calibration_rows": [4, 2]}
     assert calibration(hits, torch.tensor([4, 0])) == {}  # the drafter keeps its default shape
+    # conditional rates; a depth whose condition never held keeps its unconditional ones
+    got = calibration(hits, torch.tensor([4, 2]), torch.tensor([[3, 1], [0, 0]]),
+                      torch.tensor([4, 0]))
+    assert got["rank_acceptance_conditional"] == [[0.75, 0.25], [0.5, 0.0]]
+    assert got["calibration_rows_conditional"] == [4, 0]
+
+
+def test_conditional_rank_hits_against_brute_force():
+    from specdec.training.target import conditional_rank_hits, label_ranks
+
+    gen = torch.Generator().manual_seed(0)
+    depth, n, k = 4, 300, 3
+    ranks = torch.randint(-1, k, (depth, n), generator=gen)
+    ranks[1] = torch.where(ranks[0] == 0, 0, ranks[1])  # heads err together
+    kept = torch.rand(depth, n, generator=gen) < 0.9
+    hits, rows, cond_hits, cond_rows = conditional_rank_hits(ranks, kept, k)
+    for d in range(depth):
+        given = [j for j in range(n) if kept[d, j] and all(ranks[e, j] >= 0 for e in range(d))]
+        assert int(rows[d]) == int(kept[d].sum()) and int(cond_rows[d]) == len(given)
+        for r in range(k):
+            assert int(hits[d, r]) == sum(1 for j in range(n) if kept[d, j] and ranks[d, j] == r)
+            assert int(cond_hits[d, r]) == sum(1 for j in given if ranks[d, j] == r)
+    assert cond_hits[1, 0] / cond_rows[1] > hits[1, 0] / rows[1]  # correlation shows
+    logits = torch.tensor([[0.1, 0.9, 0.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert label_ranks(logits, torch.tensor([2, 3]), 2).tolist() == [1, -1]
+    assert label_ranks(logits, torch.tensor([-1, 0]), 2).tolist() == [-1, 0]
