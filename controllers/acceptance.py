@@ -74,12 +74,15 @@ class DepthAcceptance:
         h, t = own[0][d - 1], own[1][d - 1]
         return (h + self.prior_weight * base) / (t + self.prior_weight)
 
-    def chain_gains(self, request_id: str, k: int) -> list[float]:
-        """P(depth d accepted) for d = 1..k: the expected gain of each node of a k-chain."""
+    def chain_gains(self, request_id: str, k: int, floor: float = 0.0) -> list[float]:
+        """P(depth d accepted) for d = 1..k: the expected gain of each node of a k-chain,
+        stopping after the first gain below ``floor`` (deeper ones are smaller still)."""
         out, p = [], 1.0
         for d in range(1, k + 1):
             p *= self.rate(request_id, d)
             out.append(p)
+            if p < floor:
+                break
         return out
 
     def summary(self, depths: int = 6) -> list[float]:

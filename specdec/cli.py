@@ -102,8 +102,9 @@ def _generate_parser(sub) -> None:
     p.add_argument("prompt", type=_prompt_text, help="the user message (or raw text with --no-chat)")
     _add_model_args(p)
     _add_spec_args(p, "auto", "registered drafter name, or none; default auto: the drafter "
-                              "measured fastest for the model (ngram for the default model on "
-                              "CPU), else none")
+                              "measured fastest for the model on this machine (a short "
+                              "calibration of ngram and the drafters shipped for it at first "
+                              "use, cached), else none")
     p.add_argument("--max-tokens", type=_int_at_least(1), default=256)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); below 1e-5 also decodes greedily")
@@ -193,7 +194,8 @@ def _check_registered(parser, args) -> None:
     from specdec import plugins
 
     pm = plugins.get_plugin_manager()
-    for flag, hook, name in (("--drafter", "specdec_drafters", args.drafter),
+    drafter = None if args.drafter == "auto" else args.drafter  # resolved when generate runs
+    for flag, hook, name in (("--drafter", "specdec_drafters", drafter),
                              ("--controller", "specdec_controllers", args.controller),
                              ("--verifier", "specdec_verifiers", args.verifier)):
         if name is None:
@@ -243,20 +245,11 @@ def _check_sampling(parser, args) -> None:
         parser.error(f"arguments {', '.join(f for f, _ in SAMPLING_FLAGS)}: {e}")
 
 
-# generate's --drafter auto: the drafter measured fastest for a model (docs/benchmarks.md,
-# "Learned drafters and the goodput controller": on a 2-core CPU, ngram with the goodput
-# controller 1.22x plain on MT-Bench, the shipped eagle3 drafter 1.03x)
-BEST_DRAFTER = {"smollm2-135m-instruct": "ngram"}
-
-
 def _generate_drafter(args) -> str | None:
-    """generate's --drafter: "auto" (the default) is the drafter measured fastest for the model
-    (BEST_DRAFTER), else none; "none" is plain decoding."""
-    if args.drafter == "none":
-        return None
-    if args.drafter != "auto":
-        return args.drafter
-    return BEST_DRAFTER.get(args.model)
+    """generate's --drafter: "auto" (the default, resolved when the command runs: the drafter
+    measured fastest for the model here, specdec.drafter_choice), "none" (plain decoding), or
+    a registered name."""
+    return None if args.drafter == "none" else args.drafter
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -271,6 +264,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.drafter = _generate_drafter(args)
     if args.drafter_args and args.drafter is None and not getattr(args, "drafters", None):
         parser.error("argument --drafter-args: given without --drafter")
+    if args.drafter_args and args.drafter == "auto":
+        parser.error("argument --drafter-args: name the drafter they are for (--drafter NAME), "
+                     "not auto")
     if str(args.device).startswith("cuda"):
         import torch
 
@@ -310,6 +306,15 @@ def cmd_generate(args) -> int:
     from specdec.llm import LLM
 
     params = _sampling_params(args)
+    if args.drafter == "auto":
+        from specdec.drafter_choice import choose_drafter, describe
+
+        kwargs = {k: v for k, v in _engine_kwargs(args).items()
+                  if k not in ("model", "drafter", "drafter_args", "controller",
+                               "controller_args")}
+        choice = choose_drafter(args.model, **kwargs)
+        print(describe(choice), file=sys.stderr)
+        args.drafter = choice.drafter
     llm = LLM(**_engine_kwargs(args))
     prompt = args.prompt if args.no_chat else [{"role": "user", "content": args.prompt}]
     if not args.no_chat and getattr(llm.tokenizer, "chat_template", None) is None:
