@@ -2,7 +2,8 @@
 
 Each user turn is answered in order (a later turn sees the target's own earlier answers), the
 requests of a batch together, with n-gram speculation (exact, so greedy answers are the target's).
-Answers are appended to a JSON-lines file as each batch finishes (flushed and fsynced), one
+Each batch's generated tokens and tokens/s go to the log and the progress bar. Answers are
+appended to a JSON-lines file as each batch finishes (flushed and fsynced), one
 conversation per line in the `messages` format; a rerun skips the conversations already there, so
 an interrupted regeneration resumes. A torn last line (a crash mid-write) is ignored and redone.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -38,10 +40,17 @@ def regenerate(convs: list[Conversation], target: str, out_file: Path, *, temper
         out_file.parent.mkdir(parents=True, exist_ok=True)
         with open(out_file, "a", encoding="utf-8") as f, \
                 tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:
+            tokens, seconds = 0, 0.0
             for start in range(0, len(todo), batch_size):
                 batch = todo[start:start + batch_size]
-                answered = _answer(llm, batch, SamplingParams, temperature, max_tokens,
-                                   seed + start)
+                t0 = time.perf_counter()
+                answered, n = _answer(llm, batch, SamplingParams, temperature, max_tokens,
+                                      seed + start)
+                tokens, seconds = tokens + n, seconds + time.perf_counter() - t0
+                bar.set_postfix(tok_s=f"{tokens / seconds:.0f}")
+                log.info("regenerate: %d conversations, %d tokens in %.1f s (%.0f tokens/s; "
+                         "%.0f tokens/s so far)", len(batch), n, time.perf_counter() - t0,
+                         n / max(time.perf_counter() - t0, 1e-9), tokens / seconds)
                 for conv in answered:
                     f.write(json.dumps({"source": conv.source, "index": conv.index,
                                         "messages": conv.messages}) + "\n")
@@ -70,8 +79,10 @@ def merge_parts(out_file: Path, parts: list[Path]) -> None:
 
 
 def _answer(llm, batch: list[Conversation], params_cls, temperature: float, max_tokens: int,
-            seed: int) -> list[Conversation]:
-    """Answer every user turn of every conversation, turn by turn, batched across them."""
+            seed: int) -> tuple[list[Conversation], int]:
+    """Answer every user turn of every conversation, turn by turn, batched across them;
+    (the answered conversations, the tokens generated)."""
+    tokens = 0
     users = [[m for m in c.messages if m["role"] == "user"] for c in batch]
     system = [[m for m in c.messages if m["role"] == "system"][:1] for c in batch]
     history = [list(s) for s in system]
@@ -87,7 +98,8 @@ def _answer(llm, batch: list[Conversation], params_cls, temperature: float, max_
                 raise RuntimeError(f"regenerating {batch[i].source} record {batch[i].index} "
                                    f"failed: {out.error}")
             history[i].append({"role": "assistant", "content": out.text})
-    return [Conversation(h, c.source, c.index) for h, c in zip(history, batch)]
+            tokens += len(out.token_ids)
+    return [Conversation(h, c.source, c.index) for h, c in zip(history, batch)], tokens
 
 
 def _key(conv: Conversation) -> tuple[str, int]:
