@@ -13,6 +13,10 @@ committed tokens per second, from measured acceptance and a measured cost model.
 * ``overhead``: the rest of a step (scheduling, verification, bookkeeping), averaged online.
 * Acceptance: ``controllers/acceptance.py`` — by depth per request (shrunk towards the drafter's),
   and, where trees carry per-node draft probabilities, calibrated from them.
+* A composed drafter (``ControllerContext.sources``): acceptance by depth per arm — each member
+  alone, all of them together — and a draft-time line per member (``StepReport.
+  source_seconds``); phase 1 is planned for every arm and the best one drafts
+  (``DraftBudget.sources``), the explorations taking the arms in turn.
 
 Two phases, each the rule DSpark uses to pick a verification length: admit candidates in order of
 expected gain and keep the prefix with the highest expected tokens per second.
@@ -153,7 +157,7 @@ class GoodputController:
 
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
         plans = [self._plan(requests, batch, arm) for arm in self.arms]
-        rate, depths, gains, arm = max(plans, key=lambda p: p[0])  # ties: the first arm
+        _, depths, arm = max(plans, key=lambda p: p[0])  # ties: the first arm
         arms = [arm] * len(requests)
         # explore: a request kept at 0 drafts one level now and then, so that its estimate is
         # not frozen; about one request in ``explore_every`` steps across the batch (a large
@@ -209,7 +213,7 @@ class GoodputController:
         return sum(self.member_draft[m](d) for m, d in deepest.items() if d > 0)
 
     def _plan(self, requests: list[RequestView], batch: BatchComposition, arm):
-        """(expected tokens per second, depth per request, gains, arm) of the best prefix of
+        """(expected tokens per second, depth per request, arm) of the best prefix of
         chain nodes admitted in order of expected gain, every request drafting with ``arm``."""
         base_rows = batch.num_prefill_tokens + len(requests)
         cap = max(0, batch.max_draft_rows)
@@ -236,7 +240,7 @@ class GoodputController:
         depths = [0] * len(requests)
         for i in order[:best[1]]:
             depths[i] += 1
-        return best[0], depths, gains, arm
+        return best[0], depths, arm
 
     # ---- phase 2: prune ---------------------------------------------------------------------
 
