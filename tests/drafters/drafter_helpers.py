@@ -72,16 +72,18 @@ def sampling_target(tmp_path):
     return (folder, *load_model(folder, torch.float64, "cpu", 64))
 
 
-def assert_samples_follow_target(folder, drafter: str, drafter_args: dict) -> None:
-    """Sampled decoding with ``drafter`` (static budget 4): more than 100 drafts accepted, and
-    tokens 2 and 3 follow the target's exact joint distribution (chi-square, p > 1e-3)."""
+def assert_samples_follow_target(folder, drafter: str, drafter_args: dict, **engine) -> None:
+    """Sampled decoding with ``drafter`` (float64, static budget 4, unless ``engine`` — LLM
+    keywords — says otherwise): more than 100 drafts accepted, and tokens 2 and 3 follow the
+    target's exact joint distribution (chi-square, p > 1e-3)."""
     from collections import Counter
 
     from test_spec_sampling import N_SAMPLES, PARAMS, PROMPT, V, chi_square_pvalue, exact_joint
 
-    llm = LLM(model=str(folder), dtype="float64", controller="static", drafter=drafter,
-              drafter_args=drafter_args, controller_args={"budget": 4}, max_num_seqs=512,
-              max_num_batched_tokens=4096)
+    engine = {"dtype": "float64", "controller": "static", "controller_args": {"budget": 4},
+              **engine}
+    llm = LLM(model=str(folder), drafter=drafter, drafter_args=drafter_args, max_num_seqs=512,
+              max_num_batched_tokens=4096, **engine)
     outs = llm.generate([PROMPT] * N_SAMPLES,
                         [SamplingParams(**PARAMS, seed=s) for s in range(N_SAMPLES)])
     assert sum(sum(o.metrics.accepted_by_depth) for o in outs) > 100  # drafts really decide

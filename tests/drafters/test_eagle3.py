@@ -173,6 +173,29 @@ def test_sampled_tokens_follow_the_target(tmp_path, drafter):
     assert_samples_follow_target(folder, drafter, args)
 
 
+@pytest.mark.parametrize("drafter, controller", [("eagle3", "static"),
+                                                 ("eagle3+ngram", "goodput")])
+def test_sampled_tokens_follow_the_target_with_q8_heads(tmp_path, drafter, controller):
+    """float32 with the head's matrices in Q8_0 blocks (draft_weights), alone under a static
+    budget and composed with ngram under goodput (members drafting apart): tokens 2 and 3 still
+    follow the target's exact joint distribution."""
+    folder, *_ = sampling_target(tmp_path)
+    model, cfg, hf = load_model(folder, torch.float32, "cpu", 64)
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, 12, (1, 1, 1)), model.embed, hf)
+    head.reset_parameters(0.5)
+    head.set_vocab(torch.arange(12))
+    eagle = {"head": head, "depth": 2, "topk": 2}
+    args = eagle if drafter == "eagle3" else {"eagle3": eagle, "ngram": {"min_ngram": 1}}
+    from specdec.costs import StepCosts
+
+    # goodput with a flat cost curve (rows free): it drafts, picking among the arms
+    budget = {"budget": 4} if controller == "static" else {
+        "budget": 4, "explore_every": 1, "costs": StepCosts([1, 4096], [0.01, 0.01])}
+    assert_samples_follow_target(folder, drafter, args, dtype="float32", draft_weights="q8_0",
+                                 controller=controller, controller_args=budget)
+
+
 def test_goodput_drafts_with_composed_members_apart(target4, monkeypatch):
     """Under goodput a composed drafter's members draft alone or together (DraftBudget.sources):
     a member not asked for a request does not run for it, and output stays the plain one."""
