@@ -201,9 +201,17 @@ class GoodputController:
         machine measured), and planning each would cost more than it could save."""
         return self.depths[arm].chain_gains(request_id, self.max_depth, GAIN_FLOOR)
 
+    def _arm_draft(self, arm, depth: int) -> float:
+        """Draft seconds of a step drafting ``depth`` deep with one arm: the drafter's line, or
+        its members' lines."""
+        if arm is None:
+            return self.draft(depth)
+        return sum(self.member_draft[m](depth) for m in arm) if depth > 0 else 0.0
+
     def _draft_time(self, depth_by_arm: dict) -> float:
-        """Draft seconds of a step whose requests draft ``depth_by_arm`` deep with each arm:
-        the drafter's line, or each member's line at the deepest depth asked of it."""
+        """Draft seconds of a step whose requests draft ``depth_by_arm`` deep with each arm
+        (explorations may use other arms than the step's): each member at the deepest depth
+        asked of it."""
         if self.arms == [None]:
             return self.draft(max(depth_by_arm.values(), default=0))
         deepest: dict[str, int] = {}
@@ -223,7 +231,7 @@ class GoodputController:
         tokens, rows, depth_now = float(len(requests)), base_rows, 0
 
         def step(rows: int, depth: int) -> float:
-            return self._forward(rows) + self._draft_time({arm: depth}) + self.overhead
+            return self._forward(rows) + self._arm_draft(arm, depth) + self.overhead
 
         best = (tokens / step(rows, 0), 0)  # (goodput, admitted count)
         order: list[int] = []

@@ -43,6 +43,8 @@ class DraftStage:
                  kv: KVCacheManager) -> None:
         self.drafter = drafter
         self.controller = controller
+        # a composed drafter's member names (what DraftBudget.sources may name); () else
+        self.sources = tuple(d.name for d in getattr(drafter, "drafters", ()))
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv = kv  # the target's KV: draft slots a tree does not use go back here
@@ -79,11 +81,6 @@ class DraftStage:
         return bool(getattr(self.drafter, "replay_safe", False))
 
     @property
-    def sources(self) -> tuple[str, ...]:
-        """A composed drafter's member names (what DraftBudget.sources may name); () else."""
-        return tuple(d.name for d in getattr(self.drafter, "drafters", ()))
-
-    @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
 
@@ -99,12 +96,11 @@ class DraftStage:
             raise plugins.PluginError(
                 f"controller {self.controller.name!r} must return {len(frontier)} DraftBudget "
                 f"values (one per request), got {wanted!r}")
-        known = set(self.sources)
         for b in wanted:
-            if b.sources is not None and not set(b.sources) <= known:
+            if b.sources is not None and not set(b.sources) <= set(self.sources):
                 raise plugins.PluginError(
                     f"controller {self.controller.name!r} asked for drafts from "
-                    f"{list(b.sources)}; this drafter's sources are {sorted(known) or 'none'}")
+                    f"{list(b.sources)}; this drafter's sources are {sorted(self.sources) or 'none'}")
         self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
         self.batch = batch
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste

@@ -29,7 +29,7 @@ from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
 from specdec.models.aliases import GGUF_NAME
 from specdec.models.config import model_config_from_hf
-from specdec.models.draft_weights import draft_panels
+from specdec.models.draft_weights import draft_panels, mode_of
 from specdec.models.gguf_weights import native_panels
 from specdec.models.kernel_choice import install_kernels
 from specdec.models.linear import LinearKernels
@@ -83,7 +83,7 @@ class LLMEngine:
         self.weights = "native" if adopted else "dequantized"
         quantized = self._draft_weights(draft_models, adopted)
         self.draft_weights = ("none" if not draft_models else
-                              {3: "q4_1", 4: "q8_0"}[quantized[0][1].fmt] if quantized else "float")
+                              mode_of(quantized) if quantized else "float")
         self.kernels = self._install_kernels(getattr(drafter, "matmul_models", ()),
                                              adopted + quantized)
         self.kv = self.runner.kv

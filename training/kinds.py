@@ -114,12 +114,11 @@ class MTPKind(Kind):
     def calibrate(self, config, target, model, batches):
         from specdec.training.mtp_loss import RANKS, mtp_rank_hits
 
-        n = model.config.num_heads
-        totals = [torch.zeros(n, RANKS, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)] * 2
-        for ids, valid, loss_mask in batches:
+        def hits(ids, valid, loss_mask):
             tb = target_batch(target, (), model.token_map, ids, valid, loss_mask, teacher=False)
-            totals = [a + b for a, b in zip(totals, mtp_rank_hits(model, tb, valid, loss_mask))]
-        return calibration(*totals)
+            return mtp_rank_hits(model, tb, valid, loss_mask)
+
+        return calibration(*summed((hits(*b) for b in batches), model.config.num_heads, RANKS))
 
     def save(self, model, folder, hf, dtype, extra):
         from specdec.models.mtp_io import save_mtp
@@ -162,18 +161,27 @@ class BlockDiffusionKind(Kind):
     def calibrate(self, config, target, model, batches):
         from specdec.training.block_loss import RANKS, block_rank_hits
 
-        d = model.config.block_size - 1
-        totals = [torch.zeros(d, RANKS, dtype=torch.int64), torch.zeros(d, dtype=torch.int64)] * 2
-        for ids, valid, loss_mask in batches:
+        def hits(ids, valid, loss_mask):
             tb = self._batch(target, model, ids, valid, loss_mask)
-            got = block_rank_hits(model, tb, ids, valid, loss_mask, config.num_anchors)
-            totals = [a + b for a, b in zip(totals, got)]
-        return calibration(*totals)
+            return block_rank_hits(model, tb, ids, valid, loss_mask, config.num_anchors)
+
+        return calibration(*summed((hits(*b) for b in batches), model.config.block_size - 1,
+                                   RANKS))
 
     def save(self, model, folder, hf, dtype, extra):
         from specdec.models.block_diffusion_io import save_block_diffusion
 
         save_block_diffusion(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
+
+
+def summed(parts, depth: int, ranks: int) -> list[torch.Tensor]:
+    """The element-wise sum of (hits [depth, ranks], rows [depth], conditional hits,
+    conditional rows) tuples, one per calibration batch; zeros for none."""
+    totals = [torch.zeros(depth, ranks, dtype=torch.int64), torch.zeros(depth, dtype=torch.int64)]
+    totals = totals + [t.clone() for t in totals]
+    for part in parts:
+        totals = [a + b for a, b in zip(totals, part)]
+    return totals
 
 
 def calibration(hits: torch.Tensor, rows: torch.Tensor, cond_hits: torch.Tensor | None = None,

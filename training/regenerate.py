@@ -46,11 +46,12 @@ def regenerate(convs: list[Conversation], target: str, out_file: Path, *, temper
                 t0 = time.perf_counter()
                 answered, n = _answer(llm, batch, SamplingParams, temperature, max_tokens,
                                       seed + start)
-                tokens, seconds = tokens + n, seconds + time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                tokens, seconds = tokens + n, seconds + took
                 bar.set_postfix(tok_s=f"{tokens / seconds:.0f}")
                 log.info("regenerate: %d conversations, %d tokens in %.1f s (%.0f tokens/s; "
-                         "%.0f tokens/s so far)", len(batch), n, time.perf_counter() - t0,
-                         n / max(time.perf_counter() - t0, 1e-9), tokens / seconds)
+                         "%.0f tokens/s so far)", len(batch), n, took, n / max(took, 1e-9),
+                         tokens / seconds)
                 for conv in answered:
                     f.write(json.dumps({"source": conv.source, "index": conv.index,
                                         "messages": conv.messages}) + "\n")

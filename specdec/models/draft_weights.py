@@ -22,11 +22,17 @@ import numpy as np
 import torch
 
 from specdec.models import native
-from specdec.models.gguf_weights import BLOCK, Blocks, prepare
+from specdec.models.gguf_weights import BLOCK, FORMATS, Blocks, prepare
 from specdec.models.native import Panels
 
 CHOICES = ("auto", "q8_0", "q4_1", "float")  # "auto": q8_0 where the kernels run, else float
 logger = logging.getLogger("specdec")
+
+
+def mode_of(panels: list[tuple[torch.Tensor, Panels]]) -> str:
+    """The ``draft_weights`` mode some quantized panels were made in ("q8_0" | "q4_1")."""
+    names = {code: kind.lower() for kind, code in FORMATS.items()}
+    return names[panels[0][1].fmt]
 
 
 def quantize(weight: torch.Tensor, kind: str) -> Blocks:
