@@ -189,9 +189,12 @@ def test_sampled_tokens_follow_the_target_with_q8_heads(tmp_path, drafter, contr
     args = eagle if drafter == "eagle3" else {"eagle3": eagle, "ngram": {"min_ngram": 1}}
     from specdec.costs import StepCosts
 
-    # goodput with a flat cost curve (rows free): it drafts, picking among the arms
+    # goodput with an injected, frozen cost curve: a 1 s forward whatever its rows, so the
+    # measured draft time (milliseconds on any machine) never decides; it drafts, picking
+    # among the arms
     budget = {"budget": 4} if controller == "static" else {
-        "budget": 4, "explore_every": 1, "costs": StepCosts([1, 4096], [0.01, 0.01])}
+        "budget": 4, "explore_every": 1,
+        "costs": StepCosts([1, 4096], [1.0, 1.0], rate=0.0, local_rate=0.0)}
     assert_samples_follow_target(folder, drafter, args, dtype="float32", draft_weights="q8_0",
                                  controller=controller, controller_args=budget)
 
