@@ -151,6 +151,7 @@ def make_systems(args) -> dict:
                   max_num_seqs=max(32, args.batch_size),
                   linear_kernels=getattr(args, "linear_kernels", "invariant"),
                   weights=getattr(args, "weights", "auto"),
+                  activations=getattr(args, "activations", "float"),
                   draft_weights=getattr(args, "draft_weights", "auto"),
                   attention_backend=getattr(args, "attention_backend", "auto"),
                   cuda_graphs=getattr(args, "cuda_graphs", True))
@@ -237,7 +238,7 @@ def runtime_info(engine) -> dict:
     forward streams, the KV split."""
     kernels = engine.kernels.describe()
     return {"dtype": str(engine.dtype), "device": str(engine.device), "weights": engine.weights,
-            "draft_weights": engine.draft_weights,
+            "activations": engine.activations, "draft_weights": engine.draft_weights,
             "weight_bytes_per_token": engine.weight_bytes_per_forward,
             "attention_backend": engine.runner.backend.name,
             "cuda_graphs": engine.runner.graphs is not None,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from specdec.attention import CHOICES as ATTENTION_CHOICES
-from specdec.config import DRAFT_WEIGHT_CHOICES, WEIGHT_CHOICES
+from specdec.config import ACTIVATION_CHOICES, DRAFT_WEIGHT_CHOICES, WEIGHT_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
@@ -70,6 +70,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="a GGUF model's weights: native (its own Q4_1/Q8_0 blocks, the same "
                         "tokens as dequantized, a sixth of the bytes), dequantized (fp32), or "
                         "auto (default: native where it can run)")
+    p.add_argument("--activations", default="float", choices=ACTIVATION_CHOICES,
+                   help="what a GGUF's blocks multiply: float (default: the fp32 model's "
+                        "numbers) or q8 (rows rounded to int8 per block of 32, as llama.cpp "
+                        "does: cheaper rows, still lossless speculation, numbers within ~0.5 %% "
+                        "of fp32's)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_CHOICES,
                    help="auto (default): flashinfer on CUDA when installed, else torch")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -299,7 +304,7 @@ def _engine_kwargs(args) -> dict:
                 controller_args=args.controller_args, verifier=args.verifier,
                 linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
                 cuda_graphs=args.cuda_graphs, weights=args.weights,
-                draft_weights=args.draft_weights)
+                activations=args.activations, draft_weights=args.draft_weights)
 
 
 def cmd_generate(args) -> int:

@@ -12,6 +12,7 @@ from specdec.models.draft_weights import CHOICES as DRAFT_WEIGHT_CHOICES
 
 LINEAR_CHOICES = ("invariant", "tuned", "plain")
 WEIGHT_CHOICES = ("auto", "native", "dequantized")
+ACTIVATION_CHOICES = ("float", "q8")
 
 @dataclass
 class EngineConfig:
@@ -49,6 +50,12 @@ class EngineConfig:
     # a sixth of the bytes streamed; float32, CPU, linear_kernels="invariant"); "dequantized"
     # with the fp32 weights transformers makes of them; "auto": native wherever it can run
     weights: str = "auto"
+    # the activations the GGUF's blocks meet: "float" (fp32: the fp32 model's numbers, bitwise);
+    # "q8": each row rounded to int8 per block of 32 as llama.cpp's CPU backend does
+    # (specdec.models.q8_activations: still row-invariant, so speculation stays exactly plain
+    # decoding; ~2-3x cheaper rows, numbers within ~0.5 % of the fp32 model's); needs the
+    # native weights
+    activations: str = "float"
     # a learned drafter's matrices in the compiled kernels: "q8_0" / "q4_1" blocks quantized at
     # load (drafts need no exactness; a fifth / a seventh of fp32's bytes), "float" as loaded,
     # "auto": q8_0 wherever it can run (float32, CPU, linear_kernels="invariant")
@@ -90,6 +97,12 @@ class EngineConfig:
         if self.weights not in WEIGHT_CHOICES:
             raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got "
                              f"{self.weights!r}")
+        if self.activations not in ACTIVATION_CHOICES:
+            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got "
+                             f"{self.activations!r}")
+        if self.activations == "q8" and self.weights == "dequantized":
+            raise ValueError("activations='q8' computes with a GGUF's own blocks: it needs "
+                             "weights='native' or 'auto', not 'dequantized'")
         if self.draft_weights not in DRAFT_WEIGHT_CHOICES:
             raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHT_CHOICES)}, "
                              f"got {self.draft_weights!r}")

@@ -41,7 +41,7 @@ PROMPTS = (
     "Friday because the room was double booked.",
 )
 # engine settings the choice depends on (besides the model, the machine and the drafters)
-SETTINGS = ("dtype", "device", "weights", "draft_weights", "linear_kernels",
+SETTINGS = ("dtype", "device", "weights", "activations", "draft_weights", "linear_kernels",
             "attention_backend", "cuda_graphs", "verifier")
 
 

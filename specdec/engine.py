@@ -81,6 +81,7 @@ class LLMEngine:
         draft_models = self._draft_models(drafter)
         adopted = self._native_weights(folder)
         self.weights = "native" if adopted else "dequantized"
+        self.activations = config.activations
         quantized = self._draft_weights(draft_models, adopted)
         self.draft_weights = ("none" if not draft_models else
                               mode_of(quantized) if quantized else "float")
@@ -147,13 +148,13 @@ class LLMEngine:
         (as "auto": where they can run)."""
         c = self.config
         adopted = native_panels(self.model, folder / GGUF_NAME, c.weights, self.dtype,
-                                self.device, c.linear_kernels)
+                                self.device, c.linear_kernels, c.activations)
         if c.weights != "dequantized":
             for runner in self.drafter_runners:
                 m = runner.model
                 if m is not self.model and getattr(m, "source_folder", None) is not None:
                     adopted += native_panels(m, m.source_folder / GGUF_NAME, "auto", self.dtype,
-                                             self.device, c.linear_kernels)
+                                             self.device, c.linear_kernels, c.activations)
         return adopted
 
     def _draft_models(self, drafter) -> list:
@@ -169,7 +170,7 @@ class LLMEngine:
         have = {id(w) for w, _ in adopted}
         models = [m for m in models if not any(id(w) in have for w in m.matrices())]
         return draft_panels(models, self.config.draft_weights, self.dtype, self.device,
-                            self.config.linear_kernels)
+                            self.config.linear_kernels, self.config.activations)
 
     @property
     def weight_bytes_per_forward(self) -> int:

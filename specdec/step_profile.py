@@ -56,7 +56,8 @@ def _cache_path(engine, context: int, grid: tuple[int, ...]) -> Path:
     plan = "" if (context, grid[-1]) == (DEFAULT_CONTEXT, DEFAULT_GRID[-1]) else \
         f" context {context} rows {','.join(map(str, grid))}"
     key = (f"{shape} {engine.dtype} {engine.device} {engine.runner.backend.name} {graphs} "
-           f"{cache_key(engine.dtype, torch.get_num_threads())} {engine.kernels.key}{plan}")
+           f"{cache_key(engine.dtype, torch.get_num_threads())} {engine.kernels.key} "
+           f"weights {engine.weights} activations {engine.activations}{plan}")
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
     return cache_dir() / "step_costs" / f"{shape}-{digest}.json"
 

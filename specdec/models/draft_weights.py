@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from specdec.models import native
+from specdec.models import q8_activations
 from specdec.models.gguf_weights import BLOCK, FORMATS, Blocks, prepare
 from specdec.models.native import Panels
 
@@ -31,7 +32,8 @@ logger = logging.getLogger("specdec")
 
 def mode_of(panels: list[tuple[torch.Tensor, Panels]]) -> str:
     """The ``draft_weights`` mode some quantized panels were made in ("q8_0" | "q4_1")."""
-    names = {code: kind.lower() for kind, code in FORMATS.items()}
+    names = {code: kind.lower() for formats in (FORMATS, q8_activations.FORMATS)
+             for kind, code in formats.items()}
     return names[panels[0][1].fmt]
 
 
@@ -48,10 +50,12 @@ def quantize(weight: torch.Tensor, kind: str) -> Blocks:
 
 
 def draft_panels(models: list, mode: str, dtype: torch.dtype, device: torch.device,
-                 linear_kernels: str) -> list[tuple[torch.Tensor, Panels]]:
+                 linear_kernels: str, activations: str = "float"
+                 ) -> list[tuple[torch.Tensor, Panels]]:
     """(weight, quantized panels) for every matrix of the draft ``models`` that ``mode`` (one
-    of CHOICES) quantizes: [] for "float"; "q8_0" / "q4_1" raise ValueError saying why they
-    cannot run here; "auto" is q8_0 where they can, else float (logged)."""
+    of CHOICES) quantizes, laid out for ``activations`` ("float" | "q8", as the target's):
+    [] for "float"; "q8_0" / "q4_1" raise ValueError saying why they cannot run here; "auto"
+    is q8_0 where they can, else float (logged)."""
     if mode not in CHOICES:
         raise ValueError(f"draft_weights must be one of {', '.join(CHOICES)}, got {mode!r}")
     if mode == "float" or not models:
@@ -72,7 +76,8 @@ def draft_panels(models: list, mode: str, dtype: torch.dtype, device: torch.devi
         logger.info("draft weights: float (quantized draft weights: %s)", reason)
         return []
     kind = "Q8_0" if mode == "auto" else mode.upper()
-    out = [(w, prepare(quantize(w, kind))) for m in models for w in m.matrices()]
+    make = q8_activations.prepare if activations == "q8" else prepare
+    out = [(w, make(quantize(w, kind))) for m in models for w in m.matrices()]
     logger.info("draft weights: %s, %d matrices (%.1f MB)", kind, len(out),
                 sum(p.nbytes for _, p in out) / 1e6)
     return out

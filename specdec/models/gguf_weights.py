@@ -72,32 +72,36 @@ def dequantize(b: Blocks) -> torch.Tensor:
     return w.reshape(b.out_features, b.in_features)
 
 
+def pair_rows(t: torch.Tensor) -> torch.Tensor:
+    """[out, ...] -> [pairs, 16, ...]: rows padded with zeros to whole pairs of 8-row panels."""
+    pairs = -(-t.shape[0] // (2 * PANEL))
+    pad = pairs * 2 * PANEL - t.shape[0]
+    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+    return t.reshape(pairs, 2 * PANEL, *t.shape[1:])
+
+
+def pair_scales(s: torch.Tensor) -> torch.Tensor:
+    """fp16 scales [out, nb] -> bytes [pairs, nb, 32]: per block, the pair's 16 rows."""
+    return pair_rows(s).transpose(1, 2).contiguous().view(torch.uint8)
+
+
 def prepare(b: Blocks) -> Panels:
     """The kernel's layout: per pair of 8-row panels and block of 32 inputs, the 16 rows' fp16
     scales, then their quants k-major (Q4_1: per k one uint32 per panel, row i at bits 4i;
     Q8_0: per k the 16 rows' int8). Rows are padded with zero blocks to a multiple of 16."""
     d, m, q = _split(b)
-    out, nb = b.out_features, b.in_features // BLOCK
-    pairs = -(-out // (2 * PANEL))
-    pad = pairs * 2 * PANEL - out
-
-    def rows_padded(t: torch.Tensor) -> torch.Tensor:  # [out, ...] -> [pairs, 16, ...]
-        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
-        return t.reshape(pairs, 2 * PANEL, *t.shape[1:])
-
-    def scales(s: torch.Tensor) -> torch.Tensor:  # fp16 [out, nb] -> bytes [pairs, nb, 32]
-        return rows_padded(s).transpose(1, 2).contiguous().view(torch.uint8)
-
-    q = rows_padded(q).permute(0, 2, 3, 1)  # [pairs, nb, 32 k, 16 rows]
+    pairs, nb = -(-b.out_features // (2 * PANEL)), b.in_features // BLOCK
+    q = pair_rows(q).permute(0, 2, 3, 1)  # [pairs, nb, 32 k, 16 rows]
     if b.kind == "Q8_0":
-        parts = [scales(d), q.contiguous().view(torch.uint8).reshape(pairs, nb, -1)]
+        parts = [pair_scales(d), q.contiguous().view(torch.uint8).reshape(pairs, nb, -1)]
     else:
         shifts = torch.arange(PANEL, dtype=torch.int64) * 4
         words = (q.reshape(pairs, nb, BLOCK, 2, PANEL).long() << shifts).sum(-1)  # [.., 2]
         as_bytes = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1)
-        parts = [scales(d), scales(m), as_bytes.to(torch.uint8).reshape(pairs, nb, -1)]
+        parts = [pair_scales(d), pair_scales(m), as_bytes.to(torch.uint8).reshape(pairs, nb, -1)]
     data = torch.cat(parts, dim=-1).contiguous()
-    return Panels(data, out, in_features=b.in_features, fmt=FORMATS[b.kind], panels=2 * pairs)
+    return Panels(data, b.out_features, in_features=b.in_features, fmt=FORMATS[b.kind],
+                  panels=2 * pairs)
 
 
 def _unpermute(n_head: int, out: int) -> torch.Tensor:
@@ -148,11 +152,14 @@ def read_matrices(path: Path, cfg) -> dict[str, Blocks]:
 
 
 def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torch.device,
-                  linear_kernels: str) -> list[tuple[torch.Tensor, Panels]]:
+                  linear_kernels: str, activations: str = "float"
+                  ) -> list[tuple[torch.Tensor, Panels]]:
     """What ``weights=mode`` ("auto" | "native" | "dequantized") gives ``model`` (loaded from
     the folder holding ``gguf``): [] for its dequantized weights, else (weight, panels) for
-    every matrix it multiplies by, each checked bitwise against the weight at load. "native"
-    raises ValueError saying why it cannot run; "auto" then logs why and returns []."""
+    every matrix it multiplies by, each checked bitwise against the weight at load, laid out
+    for ``activations`` ("float" | "q8": specdec.models.q8_activations). "native", and any
+    mode with "q8" (which exists only over the blocks), raise ValueError saying why they
+    cannot run; "auto" then logs why and returns []."""
     if mode == "dequantized":
         return []
     reason = None
@@ -165,23 +172,26 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
     out = []
     if reason is None:
         try:
-            out = _cached_panels(model, gguf)
+            out = _cached_panels(model, gguf, activations)
         except ValueError as e:
             reason = str(e)
         except Exception as e:  # a file gguf-py cannot read
             reason = f"{gguf} cannot be read as GGUF ({type(e).__name__}: {e})"
     if reason is not None:
-        if mode == "native":
-            raise ValueError(f"weights='native' cannot run here: {reason}")
+        if mode == "native" or activations == "q8":
+            asked = "weights='native'" if mode == "native" else "activations='q8'"
+            raise ValueError(f"{asked} cannot run here: {reason}")
         logger.info("weights: dequantized (native GGUF weights: %s)", reason)
     return out
 
 
-CACHE_NAME = "native_panels.safetensors"  # beside model.gguf: the checked, prepared panels
-LAYOUT = 1  # of prepare()'s output: a cache of another layout is made again
+# beside model.gguf, per activations mode: the checked, prepared panels
+CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
+LAYOUT = 1  # of the prepare functions' output: a cache of another layout is made again
 
 
-def _cached_panels(model, gguf: Path) -> list[tuple[torch.Tensor, Panels]]:
+def _cached_panels(model, gguf: Path, activations: str = "float"
+                   ) -> list[tuple[torch.Tensor, Panels]]:
     """The checked panels of every matrix, from the cache beside the file when it was made from
     this very file (size, mtime) and layout, else read (gguf-py parses the whole file: ~6 s for
     SmolLM2's tokenizer fields), checked bitwise, prepared and cached (atomically; a folder
@@ -192,7 +202,7 @@ def _cached_panels(model, gguf: Path) -> list[tuple[torch.Tensor, Panels]]:
     params = model.named_matrices()
     stat = gguf.stat()
     key = f"{LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}"
-    cache = gguf.parent / CACHE_NAME
+    cache = gguf.parent / CACHE_NAMES[activations]
     if cache.exists():
         with safe_open(str(cache), "pt") as f:
             meta = f.metadata() or {}
@@ -200,10 +210,10 @@ def _cached_panels(model, gguf: Path) -> list[tuple[torch.Tensor, Panels]]:
             tensors = load_file(cache)
             return [(params[n], Panels(tensors[n], *map(int, meta[n].split(":"))))
                     for n in params]
-    out = _checked_panels(params, read_matrices(gguf, model.cfg))
+    out = _checked_panels(params, read_matrices(gguf, model.cfg), activations)
     meta = {"key": key, **{n: f"{p.out_features}:{p.in_features}:{p.fmt}:{p.panels}"
                            for n, (_, p) in zip(params, out)}}
-    tmp = cache.with_name(f".{CACHE_NAME}.{os.getpid()}.tmp")
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     try:
         save_file({n: p.data for n, (_, p) in zip(params, out)}, tmp, metadata=meta)
         os.replace(tmp, cache)
@@ -213,15 +223,19 @@ def _cached_panels(model, gguf: Path) -> list[tuple[torch.Tensor, Panels]]:
     return out
 
 
-def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, Blocks]
-                    ) -> list[tuple[torch.Tensor, Panels]]:
-    """(weight, panels) in ``params``' order (``LlamaDecoder.named_matrices``); ValueError
-    unless every matrix's blocks dequantize bitwise to its weight."""
+def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, Blocks],
+                    activations: str = "float") -> list[tuple[torch.Tensor, Panels]]:
+    """(weight, panels for ``activations``) in ``params``' order (``LlamaDecoder.
+    named_matrices``); ValueError unless every matrix's blocks dequantize bitwise to its
+    weight."""
+    from specdec.models import q8_activations
+
+    make = {"float": prepare, "q8": q8_activations.prepare}[activations]
     out = []
     for name, weight in params.items():
         b = blocks[name]
         if not torch.equal(dequantize(b), weight):
             raise ValueError(f"the file's {name} blocks do not dequantize to the model's weights "
                              "bitwise (a layout this loader does not know)")
-        out.append((weight, prepare(b)))
+        out.append((weight, make(b)))
     return out

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-ABI = 3
+ABI = 4
 PANEL = 8
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 logger = logging.getLogger("specdec")

@@ -11,13 +11,14 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define SD_ABI 3
+#define SD_ABI 4
 #define PW 8 /* panel width: output rows per weight panel */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* weight formats; the first three are also the K/V cache's (SD_NUM_FLOAT_FORMATS) */
+/* SD_Q4_1_Q8 / SD_Q8_0_Q8: the same blocks laid out for 8-bit activations (linear_q8.c) */
 enum { SD_F32 = 0, SD_BF16 = 1, SD_F16 = 2, SD_NUM_FLOAT_FORMATS = 3, SD_Q4_1 = 3, SD_Q8_0 = 4,
-       SD_NUM_FORMATS = 5 };
+       SD_Q4_1_Q8 = 5, SD_Q8_0_Q8 = 6, SD_NUM_FORMATS = 7 };
 #define SD_QBLOCK 32 /* weights per GGUF block (along K) */
 /* bytes of one block of a panel pair (16 output rows x 32 k): fp16 scales, then the quants */
 #define SD_Q4_1_PAIR_BYTES (16 * 2 + 16 * 2 + 32 * 8)
@@ -41,6 +42,10 @@ int sd_check_weight(const sd_weight* w, int64_t K);
  * call it inside a parallel region (every thread of the team calls it; it ends in a barrier). */
 void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                    int64_t ldy);
+
+/* sd_linear_for for the formats SD_Q4_1_Q8 / SD_Q8_0_Q8 (activations rounded to 8 bits) */
+void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
+                      int64_t ldy);
 
 /* out[t, h, :] over the keys key_index[key_indptr[t] .. key_indptr[t + 1]) (cache rows of K; V
  * rows v_offset later), as a work-sharing loop over (row, head); scratch: max_keys floats per

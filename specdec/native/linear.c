@@ -209,6 +209,10 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
                    int64_t ldy) {
     /* row tiles of at most 6, as even as possible (8 -> 4 + 4, 16 -> 6 + 5 + 5) */
     const int64_t tiles = (T + 5) / 6, base = tiles ? T / tiles : 0, extra = tiles ? T % tiles : 0;
+    if (w->fmt >= SD_Q4_1_Q8) {
+        sd_linear_q8_for(x, T, K, w, y, ldy);
+        return;
+    }
     if (w->fmt >= SD_Q4_1) {
         linear_gguf(x, T, K, w, y, ldy, tiles, base, extra);
         return;
@@ -232,7 +236,7 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
 }
 
 /* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
- * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0); columns up to 8 * panels are written (ldy >= 8 * panels). Returns 0,
+ * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 5 / 6 Q4_1 / Q8_0 with 8-bit activations); columns up to 8 * panels are written (ldy >= 8 * panels). Returns 0,
  * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). */
 int sd_linear(const float* x, int64_t T, int64_t K, const void* w, int fmt, int64_t panels,
               float* y, int64_t ldy, int nthreads) {

@@ -155,7 +155,7 @@ def test_smollm2_checked_panels_are_cached_beside_the_file(smollm2_engines, smol
     import os
 
     gguf = smollm2_dir / "model.gguf"
-    assert (smollm2_dir / gw.CACHE_NAME).exists()  # made by the fixture's native engine
+    assert (smollm2_dir / gw.CACHE_NAMES["float"]).exists()  # made by the fixture's native engine
 
     def not_read(path, cfg):
         raise ValueError("read_matrices called")

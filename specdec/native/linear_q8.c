@@ -1,0 +1,201 @@
+/* Row-invariant linear layers over a GGUF's blocks with 8-bit activations (llama.cpp's way).
+ *
+ * Each row of x is rounded, per block of 32 inputs, to int8 with one fp32 scale:
+ *   d = max|x| / 127,  q = round-half-even(x * (1 / d)) (0 where d == 0),  s = d * sum(q)
+ * and each output element is a sum over blocks b, in ascending order, from 0:
+ *   Q4_1 (w = dw * qw + mw):  y += ((dw * d) * isum + mw * s)      isum = sum_k qw_k * q_k
+ *   Q8_0 (w = dw * qw):       y += (dw * d) * isum
+ * every product and sum rounded as written (no fma), isum exact in int32. A row's result
+ * depends only on that row, whatever shares the call (the contract of kernels.h), and a
+ * pure-torch reference reproduces it bitwise (specdec/models/q8_activations.py).
+ *
+ * Why: the fp32 path (linear.c) is bound by dequantizing in registers at one row and by the
+ * fp32 FMAs from 4 rows on (~2 ms of FMA per row of a SmolLM2 forward); here one vpmaddubsw does
+ * 32 multiply-adds on 4-bit x 8-bit, so extra rows cost a fraction of that. The numerics are no
+ * longer the fp32 model's (an activation's rounding error is <= 1/254 of its block's max).
+ *
+ * Weight layouts (one block of a panel pair: 16 output rows x 32 k; gguf_weights.prepare):
+ *   Q4_1 (320 bytes): d[16] fp16, m[16] fp16, then 8 chunks c of 32 bytes: byte 4r + j holds
+ *        q[row r][k = 4c + j] in its low nibble and q[row 8 + r][4c + j] in its high nibble.
+ *   Q8_0 (544 bytes): d[16] fp16, then 16 chunks (c, p) of 32 bytes at 32 + 64c + 32p: byte
+ *        4r + j is q[row 8p + r][4c + j] (int8).
+ * So one 32-byte load is 8 output rows x 4 k, and a row of x broadcast 4 bytes at a time
+ * meets it lane by lane (vpmaddubsw: unsigned weights x signed activations).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+#define TILE 4 /* rows of x per tile: 2 * TILE accumulators + weights + constants in registers */
+
+/* one row of x -> q [K] int8, d and s [K / 32] */
+AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t b = 0; b < K / SD_QBLOCK; b++) {
+        const float* p = x + b * SD_QBLOCK;
+        __m256 v[4], amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(p + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+        const float dd = _mm_cvtss_f32(m) / 127.0f;
+        const __m256 id = _mm256_set1_ps(dd != 0.0f ? 1.0f / dd : 0.0f);
+        __m256i iv[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], id),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f));
+            iv[i] = _mm256_cvttps_epi32(r);
+            sum = _mm256_add_epi32(sum, iv[i]);
+        }
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                             _mm256_packs_epi32(iv[2], iv[3]));
+        _mm256_storeu_si256((__m256i*)(q + b * SD_QBLOCK), _mm256_permutevar8x32_epi32(w, order));
+        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+        t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+        d[b] = dd;
+        s[b] = dd * (float)_mm_cvtsi128_si32(t);
+    }
+}
+
+/* the block's value for 8 lanes, added to y (or, at the first block, to 0) */
+AVX2 static inline void finish(float* y, int first, __m256i isum, __m256 dw, __m256 mw,
+                               float d, float s, int has_m) {
+    __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(isum));
+    if (has_m) t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(s)));
+    const __m256 acc = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
+    _mm256_storeu_ps(y, _mm256_add_ps(acc, t));
+}
+
+#define A4(r) _mm256_set1_epi32(*(const int32_t*)(q + (r) * K + k))
+#define EACH1(F) F(0)
+#define EACH2(F) F(0) F(1)
+#define EACH3(F) F(0) F(1) F(2)
+#define EACH4(F) F(0) F(1) F(2) F(3)
+
+/* R rows of quantized x (q: row stride K; d, s: row stride nb) over all nb blocks of one panel
+ * pair -> y rows (columns 0..15 of each). */
+#define Q4_INIT(r) __m256i a##r = _mm256_setzero_si256(), b##r = _mm256_setzero_si256();
+#define Q4_ROW(r)                                                                             \
+    {                                                                                          \
+        const __m256i x4 = A4(r);                                                              \
+        a##r = _mm256_add_epi16(a##r, _mm256_maddubs_epi16(lo, x4));                           \
+        b##r = _mm256_add_epi16(b##r, _mm256_maddubs_epi16(hi, x4));                           \
+    }
+#define Q4_FINISH(r)                                                                          \
+    finish(y + (r) * ldy, j == 0, _mm256_madd_epi16(a##r, ones), d0, m0, d[(r) * nb + j],    \
+           s[(r) * nb + j], 1);                                                                \
+    finish(y + (r) * ldy + PW, j == 0, _mm256_madd_epi16(b##r, ones), d1, m1, d[(r) * nb + j], \
+           s[(r) * nb + j], 1);
+#define Q4_KERNEL(R, EACH)                                                                     \
+    AVX2 static void q4_1_q8_r##R(const int8_t* q, const float* d, const float* s, int64_t K,  \
+                                  int64_t nb, const uint8_t* b, float* y, int64_t ldy) {       \
+        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                 \
+        for (int64_t j = 0; j < nb; j++, b += SD_Q4_1_PAIR_BYTES) {                            \
+            for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                                   \
+                _mm_prefetch((const char*)b + 4 * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);        \
+            EACH(Q4_INIT)                                                                      \
+            /* 8 steps of <= 2 * 15 * 127 per int16 lane: <= 30480, no overflow */              \
+            for (int c = 0; c < 8; c++) {                                                      \
+                const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 64 + 32 * c));     \
+                const __m256i lo = _mm256_and_si256(raw, low);                                 \
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);           \
+                const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
+                EACH(Q4_ROW)                                                                   \
+            }                                                                                  \
+            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));             \
+            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));      \
+            const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32)));      \
+            const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 48)));      \
+            EACH(Q4_FINISH)                                                                    \
+        }                                                                                      \
+    }
+Q4_KERNEL(1, EACH1)
+Q4_KERNEL(2, EACH2)
+Q4_KERNEL(3, EACH3)
+Q4_KERNEL(4, EACH4)
+
+/* Q8_0: signed x signed, by vpmaddubsw(|w|, sign(x, w)); one step per int32 widening
+ * (2 * 128 * 127 fits int16 once, not twice) */
+#define Q8_INIT(r) __m256i a##r = _mm256_setzero_si256(), b##r = _mm256_setzero_si256();
+#define Q8_ROW(r)                                                                             \
+    {                                                                                          \
+        const __m256i x4 = A4(r);                                                              \
+        a##r = _mm256_add_epi32(                                                               \
+            a##r, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(x4, w0)), ones)); \
+        b##r = _mm256_add_epi32(                                                               \
+            b##r, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(x4, w1)), ones)); \
+    }
+#define Q8_FINISH(r)                                                                          \
+    finish(y + (r) * ldy, j == 0, a##r, d0, d0, d[(r) * nb + j], 0.0f, 0);                     \
+    finish(y + (r) * ldy + PW, j == 0, b##r, d1, d1, d[(r) * nb + j], 0.0f, 0);
+#define Q8_KERNEL(R, EACH)                                                                     \
+    AVX2 static void q8_0_q8_r##R(const int8_t* q, const float* d, const float* s, int64_t K,  \
+                                  int64_t nb, const uint8_t* b, float* y, int64_t ldy) {       \
+        (void)s;                                                                               \
+        const __m256i ones = _mm256_set1_epi16(1);                                             \
+        for (int64_t j = 0; j < nb; j++, b += SD_Q8_0_PAIR_BYTES) {                            \
+            for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                                   \
+                _mm_prefetch((const char*)b + 4 * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);        \
+            EACH(Q8_INIT)                                                                      \
+            for (int c = 0; c < 8; c++) {                                                      \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i*)(b + 32 + 64 * c));      \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i*)(b + 64 + 64 * c));      \
+                const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);              \
+                const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
+                EACH(Q8_ROW)                                                                   \
+            }                                                                                  \
+            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));             \
+            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));      \
+            EACH(Q8_FINISH)                                                                    \
+        }                                                                                      \
+    }
+Q8_KERNEL(1, EACH1)
+Q8_KERNEL(2, EACH2)
+Q8_KERNEL(3, EACH3)
+Q8_KERNEL(4, EACH4)
+
+typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_t,
+                      const uint8_t*, float*, int64_t);
+static const q8_fn TABLE[2][TILE] = {{q4_1_q8_r1, q4_1_q8_r2, q4_1_q8_r3, q4_1_q8_r4},
+                                     {q8_0_q8_r1, q8_0_q8_r2, q8_0_q8_r3, q8_0_q8_r4}};
+
+/* y[T, ldy] = x[T, K] @ W.T for the formats SD_Q4_1_Q8 / SD_Q8_0_Q8, as a work-sharing loop
+ * (see sd_linear_for). Every thread rounds all rows itself (T * K work beside the T * K * out
+ * of the products), into its own buffer, then the team splits the panel pairs. */
+void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
+                      int64_t ldy) {
+    const int64_t nb = K / SD_QBLOCK, pairs = w->panels / 2;
+    const int q8 = w->fmt == SD_Q8_0_Q8;
+    const int64_t bytes = q8 ? SD_Q8_0_PAIR_BYTES : SD_Q4_1_PAIR_BYTES;
+    int8_t* q = malloc((size_t)(T * K + 2 * T * nb * (int64_t)sizeof(float)) + 64);
+    float* d = (float*)(((uintptr_t)(q + T * K) + 63) & ~(uintptr_t)63);
+    float* s = d + T * nb;
+    if (!q) {
+        fprintf(stderr, "specdec: sd_linear_q8_for: out of memory for %lld rows\n", (long long)T);
+        abort();
+    }
+    for (int64_t t = 0; t < T; t++) quantize_row(x + t * K, K, q + t * K, d + t * nb, s + t * nb);
+    /* row tiles of at most TILE, as even as possible */
+    const int64_t tiles = (T + TILE - 1) / TILE, base = tiles ? T / tiles : 0;
+    const int64_t extra = tiles ? T % tiles : 0;
+#pragma omp for schedule(static)
+    for (int64_t p = 0; p < pairs; p++) {
+        const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
+        for (int64_t i = 0, t = 0; i < tiles; i++) {
+            const int64_t r = base + (i < extra);
+            TABLE[q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair,
+                             y + t * ldy + 2 * p * PW, ldy);
+            t += r;
+        }
+    }
+    free(q);
+}

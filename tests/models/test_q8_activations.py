@@ -1,0 +1,85 @@
+"""8-bit activations over a GGUF's blocks (specdec/models/q8_activations.py, native/linear_q8.c).
+
+Random blocks: the compiled kernel bitwise its pure-torch reference for any rows (so a row's
+result never depends on the call), the activations' rounding within half a step of each
+block's scale, and the products within ~1 % of the fp32 ones. The real model: speculation in
+this mode is token for token plain decoding in this mode, and bad settings are refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_gguf_weights import KERNELS, KINDS, needs_kernels, random_blocks
+
+from specdec import LLM, SamplingParams
+from specdec.models import gguf_weights as gw
+from specdec.models import q8_activations as qa
+
+
+def test_rows_round_to_int8_within_half_a_step():
+    x = torch.randn(5, 96) * torch.tensor([1e-3, 1.0, 30.0]).repeat_interleave(32)
+    x[2, 32:64] = 0.0  # a block of zeros: scale 0, quants 0
+    q, d, s = qa.quantize_rows(x)
+    back = q.float() * d.unsqueeze(-1)
+    assert (back - x.reshape(5, 3, 32)).abs().le(d.unsqueeze(-1) / 2 * (1 + 1e-6)).all()
+    assert q.abs().max() == 127 and d[2, 1] == 0 and (q[2, 1] == 0).all()
+    assert torch.equal(s, d * q.float().sum(-1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("out, inp", [(40, 96), (16, 32), (203, 160), (7, 64)])
+def test_kernel_is_bitwise_the_reference(kind, out, inp):
+    b = random_blocks(kind, out, inp, seed=out)
+    panels = qa.prepare(b)
+    assert panels.nbytes == gw.prepare(b).nbytes  # the same bytes, laid out for int8 rows
+    fp32 = gw.dequantize(b)
+    for t in (1, 2, 3, 4, 5, 8, 13):
+        x = torch.randn(t, inp)
+        y = KERNELS.linear(x, panels)
+        assert torch.equal(y, qa.reference_linear(x, b))
+        exact = x.double() @ fp32.double().T
+        assert ((y.double() - exact).norm() / exact.norm()) < 0.02
+
+
+@needs_kernels
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(0, 23), min_size=1, max_size=24), kind=st.sampled_from(KINDS))
+def test_rows_do_not_depend_on_the_call(rows, kind):
+    panels = qa.prepare(random_blocks(kind, 50, 192, seed=1))
+    x = torch.randn(24, 192, generator=torch.Generator().manual_seed(2))
+    full = KERNELS.linear(x, panels)
+    assert torch.equal(KERNELS.linear(x[rows].contiguous(), panels), full[rows])
+
+
+def test_activations_option_is_checked(tiny_llama):
+    with pytest.raises(ValueError, match="activations must be one of float, q8"):
+        LLM(model=str(tiny_llama), activations="int4")
+    with pytest.raises(ValueError, match="activations='q8' computes with a GGUF's own blocks: "
+                                         "it needs weights='native' or 'auto'"):
+        LLM(model=str(tiny_llama), activations="q8", weights="dequantized")
+    with pytest.raises(ValueError, match="activations='q8' cannot run here: the model does not "
+                                         "come from a GGUF file"):
+        LLM(model=str(tiny_llama), activations="q8")
+
+
+@needs_kernels
+def test_smollm2_q8_speculation_is_plain_decoding(smollm2_dir):
+    """eagle3 (its head's Q8_0 matrices over int8 rows too) and ngram together, under a static
+    budget: the tokens of plain decoding in the same mode, from a cache of q8 panels."""
+    kw = dict(model=str(smollm2_dir), max_model_len=256, activations="q8")
+    plain = LLM(**kw)
+    assert (plain.engine.weights, plain.engine.activations) == ("native", "q8")
+    assert {p.fmt for p in plain.engine.kernels._panels.values()} == set(qa.FORMATS.values())
+    assert (smollm2_dir / gw.CACHE_NAMES["q8"]).exists()
+    prompts = ["Write a haiku about the sea.", "def fibonacci(n):"]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    spec = LLM(**kw, drafter="eagle3+ngram", controller="static", controller_args={"budget": 4})
+    assert spec.engine.draft_weights == "q8_0"
+    got = spec.generate(prompts, sp)
+    assert [o.token_ids for o in got] == want
+    assert sum(sum(o.metrics.accepted_by_depth) for o in got) > 0
