@@ -5,7 +5,7 @@ the limits.
 
 SmolLM2-135M-Instruct, the engine's own step profile (``specdec.costs.profile_forward``: one
 request feeding n rows over 64 cached tokens, logits for every row, fastest of several runs),
-for each configuration ``dtype:linear_kernels:weights`` in fresh engines built one after another
+for each configuration ``dtype:linear_kernels:weights[:activations]`` in fresh engines built one after another
 in this process
 (``--rounds`` times, interleaved, so that the spread of T(1) across engines shows). Beside them:
 the memory-bound time (weight bytes streamed / the stream bandwidth measured here with a large
@@ -49,23 +49,25 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-CONFIGS = ("float32:invariant:native,float32:invariant:dequantized,"
+CONFIGS = ("float32:invariant:native:q8,float32:invariant:native,float32:invariant:dequantized,"
            "bfloat16:invariant:dequantized,float32:plain:dequantized")
 
 
-def profile(dtype: str, policy: str, weights: str) -> dict:
+def profile(dtype: str, policy: str, weights: str, activations: str = "float") -> dict:
     llm = LLM(model="smollm2-135m-instruct", dtype=dtype, linear_kernels=policy,
-              weights=weights, max_model_len=256, max_num_batched_tokens=256)
+              weights=weights, activations=activations, max_model_len=256,
+              max_num_batched_tokens=256)
     eng = llm.engine
     costs = profile_forward(eng.runner, ROWS)
     return {"rows": list(ROWS), "ms": [1e3 * s for s in costs.times],
             "weight_bytes": eng.weight_bytes_per_forward,
-            "weights": eng.weights}
+            "weights": eng.weights, "activations": eng.activations}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--configs", default=CONFIGS, help="dtype:linear_kernels:weights,...")
+    p.add_argument("--configs", default=CONFIGS,
+                   help="dtype:linear_kernels:weights[:activations],...")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -75,14 +77,13 @@ def main() -> None:
     print(f"stream bandwidth {bw:.1f} GB/s, fp32 matmul {fma / 1e9:.1f} G multiply-adds/s")
     for r in range(args.rounds):
         for config in args.configs.split(","):
-            dtype, policy, weights = config.split(":")
-            run = {"dtype": dtype, "policy": policy, "round": r,
-                   **profile(dtype, policy, weights)}
+            dtype, policy, *rest = config.split(":")
+            run = {"dtype": dtype, "policy": policy, "round": r, **profile(dtype, policy, *rest)}
             out["runs"].append(run)
             mem = run["weight_bytes"] / (bw * 1e9) * 1e3
             t1 = run["ms"][0]
             ratios = " ".join(f"{n}:{t / t1:.2f}" for n, t in zip(ROWS, run["ms"]))
-            print(f"{dtype:9s} {policy:9s} {run['weights']:11s} T(1) {t1:6.1f} ms "
+            print(f"{dtype:9s} {policy:9s} {run['weights']:11s} {run['activations']:5s} T(1) {t1:6.1f} ms "
                   f"({run['weight_bytes'] / 1e6:.0f} MB, memory-bound {mem:.1f} ms, "
                   f"{t1 / mem:.2f}x)  T(n)/T(1) {ratios}", flush=True)
     macs = 134.5e6  # SmolLM2-135M multiply-adds per row (layers + LM head)

@@ -66,15 +66,6 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
     }
 }
 
-/* the block's value for 8 lanes, added to y (or, at the first block, to 0) */
-AVX2 static inline void finish(float* y, int first, __m256i isum, __m256 dw, __m256 mw,
-                               float d, float s, int has_m) {
-    __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d)), _mm256_cvtepi32_ps(isum));
-    if (has_m) t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(s)));
-    const __m256 acc = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y);
-    _mm256_storeu_ps(y, _mm256_add_ps(acc, t));
-}
-
 #define A4(r) _mm256_set1_epi32(*(const int32_t*)(q + (r) * K + k))
 #define EACH1(F) F(0)
 #define EACH2(F) F(0) F(1)
@@ -82,41 +73,41 @@ AVX2 static inline void finish(float* y, int first, __m256i isum, __m256 dw, __m
 #define EACH4(F) F(0) F(1) F(2) F(3)
 
 /* R rows of quantized x (q: row stride K; d, s: row stride nb) over all nb blocks of one panel
- * pair -> y rows (columns 0..15 of each). */
-#define Q4_INIT(r) __m256i a##r = _mm256_setzero_si256(), b##r = _mm256_setzero_si256();
-#define Q4_ROW(r)                                                                             \
-    {                                                                                          \
-        const __m256i x4 = A4(r);                                                              \
-        a##r = _mm256_add_epi16(a##r, _mm256_maddubs_epi16(lo, x4));                           \
-        b##r = _mm256_add_epi16(b##r, _mm256_maddubs_epi16(hi, x4));                           \
-    }
+ * (P: 0 or 1) of a pair -> 8 columns of each y row. One panel at a time keeps every row's fp32
+ * sum and int16 / int32 block sum in registers across the blocks (2R + 3 of the 16 ymm). */
+#define INIT(r) __m256 f##r = _mm256_setzero_ps();
+#define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
+#define Q4_ZERO(r) __m256i i##r = _mm256_setzero_si256();
+#define Q4_ROW(r) i##r = _mm256_add_epi16(i##r, _mm256_maddubs_epi16(w, A4(r)));
 #define Q4_FINISH(r)                                                                          \
-    finish(y + (r) * ldy, j == 0, _mm256_madd_epi16(a##r, ones), d0, m0, d[(r) * nb + j],    \
-           s[(r) * nb + j], 1);                                                                \
-    finish(y + (r) * ldy + PW, j == 0, _mm256_madd_epi16(b##r, ones), d1, m1, d[(r) * nb + j], \
-           s[(r) * nb + j], 1);
+    {                                                                                          \
+        const __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[(r) * nb + j])),    \
+                                       _mm256_cvtepi32_ps(_mm256_madd_epi16(i##r, ones)));     \
+        f##r = _mm256_add_ps(f##r, _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(        \
+                                                              s[(r) * nb + j]))));             \
+    }
 #define Q4_KERNEL(R, EACH)                                                                     \
     AVX2 static void q4_1_q8_r##R(const int8_t* q, const float* d, const float* s, int64_t K,  \
-                                  int64_t nb, const uint8_t* b, float* y, int64_t ldy) {       \
+                                  int64_t nb, const uint8_t* b, int P, float* y, int64_t ldy) { \
         const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                 \
+        EACH(INIT)                                                                             \
         for (int64_t j = 0; j < nb; j++, b += SD_Q4_1_PAIR_BYTES) {                            \
-            for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                                   \
-                _mm_prefetch((const char*)b + 4 * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);        \
-            EACH(Q4_INIT)                                                                      \
+            if (P == 0)                                                                        \
+                for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                               \
+                    _mm_prefetch((const char*)b + 4 * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);    \
+            EACH(Q4_ZERO)                                                                      \
             /* 8 steps of <= 2 * 15 * 127 per int16 lane: <= 30480, no overflow */              \
             for (int c = 0; c < 8; c++) {                                                      \
                 const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 64 + 32 * c));     \
-                const __m256i lo = _mm256_and_si256(raw, low);                                 \
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);           \
+                const __m256i w = _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low);  \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
                 EACH(Q4_ROW)                                                                   \
             }                                                                                  \
-            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));             \
-            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));      \
-            const __m256 m0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32)));      \
-            const __m256 m1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 48)));      \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * P)));  \
+            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32 + 16 * P))); \
             EACH(Q4_FINISH)                                                                    \
         }                                                                                      \
+        EACH(STORE)                                                                            \
     }
 Q4_KERNEL(1, EACH1)
 Q4_KERNEL(2, EACH2)
@@ -125,38 +116,34 @@ Q4_KERNEL(4, EACH4)
 
 /* Q8_0: signed x signed, by vpmaddubsw(|w|, sign(x, w)); one step per int32 widening
  * (2 * 128 * 127 fits int16 once, not twice) */
-#define Q8_INIT(r) __m256i a##r = _mm256_setzero_si256(), b##r = _mm256_setzero_si256();
+#define Q8_ZERO(r) __m256i i##r = _mm256_setzero_si256();
 #define Q8_ROW(r)                                                                             \
-    {                                                                                          \
-        const __m256i x4 = A4(r);                                                              \
-        a##r = _mm256_add_epi32(                                                               \
-            a##r, _mm256_madd_epi16(_mm256_maddubs_epi16(u0, _mm256_sign_epi8(x4, w0)), ones)); \
-        b##r = _mm256_add_epi32(                                                               \
-            b##r, _mm256_madd_epi16(_mm256_maddubs_epi16(u1, _mm256_sign_epi8(x4, w1)), ones)); \
-    }
+    i##r = _mm256_add_epi32(                                                                   \
+        i##r, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(A4(r), w)), ones));
 #define Q8_FINISH(r)                                                                          \
-    finish(y + (r) * ldy, j == 0, a##r, d0, d0, d[(r) * nb + j], 0.0f, 0);                     \
-    finish(y + (r) * ldy + PW, j == 0, b##r, d1, d1, d[(r) * nb + j], 0.0f, 0);
+    f##r = _mm256_add_ps(f##r, _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[(r) * nb + j])), \
+                                             _mm256_cvtepi32_ps(i##r)));
 #define Q8_KERNEL(R, EACH)                                                                     \
     AVX2 static void q8_0_q8_r##R(const int8_t* q, const float* d, const float* s, int64_t K,  \
-                                  int64_t nb, const uint8_t* b, float* y, int64_t ldy) {       \
+                                  int64_t nb, const uint8_t* b, int P, float* y, int64_t ldy) { \
         (void)s;                                                                               \
         const __m256i ones = _mm256_set1_epi16(1);                                             \
+        EACH(INIT)                                                                             \
         for (int64_t j = 0; j < nb; j++, b += SD_Q8_0_PAIR_BYTES) {                            \
-            for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                                   \
-                _mm_prefetch((const char*)b + 4 * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);        \
-            EACH(Q8_INIT)                                                                      \
+            if (P == 0)                                                                        \
+                for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                               \
+                    _mm_prefetch((const char*)b + 4 * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);    \
+            EACH(Q8_ZERO)                                                                      \
             for (int c = 0; c < 8; c++) {                                                      \
-                const __m256i w0 = _mm256_loadu_si256((const __m256i*)(b + 32 + 64 * c));      \
-                const __m256i w1 = _mm256_loadu_si256((const __m256i*)(b + 64 + 64 * c));      \
-                const __m256i u0 = _mm256_abs_epi8(w0), u1 = _mm256_abs_epi8(w1);              \
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(b + 32 + 64 * c + 32 * P)); \
+                const __m256i u = _mm256_abs_epi8(w);                                          \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
                 EACH(Q8_ROW)                                                                   \
             }                                                                                  \
-            const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));             \
-            const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16)));      \
+            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * P)));  \
             EACH(Q8_FINISH)                                                                    \
         }                                                                                      \
+        EACH(STORE)                                                                            \
     }
 Q8_KERNEL(1, EACH1)
 Q8_KERNEL(2, EACH2)
@@ -164,7 +151,7 @@ Q8_KERNEL(3, EACH3)
 Q8_KERNEL(4, EACH4)
 
 typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_t,
-                      const uint8_t*, float*, int64_t);
+                      const uint8_t*, int, float*, int64_t);
 static const q8_fn TABLE[2][TILE] = {{q4_1_q8_r1, q4_1_q8_r2, q4_1_q8_r3, q4_1_q8_r4},
                                      {q8_0_q8_r1, q8_0_q8_r2, q8_0_q8_r3, q8_0_q8_r4}};
 
@@ -192,8 +179,9 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
         const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
         for (int64_t i = 0, t = 0; i < tiles; i++) {
             const int64_t r = base + (i < extra);
-            TABLE[q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair,
-                             y + t * ldy + 2 * p * PW, ldy);
+            for (int panel = 0; panel < 2; panel++)
+                TABLE[q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair, panel,
+                                 y + t * ldy + (2 * p + panel) * PW, ldy);
             t += r;
         }
     }
