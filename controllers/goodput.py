@@ -228,19 +228,20 @@ class GoodputController:
         gains = {i: self._gains(r.request_id, arm) for i, r in enumerate(requests)}
         heap = [(-gains[i][0], i, 0) for i in gains if self.max_depth > 0]
         heapq.heapify(heap)
-        tokens, rows, depth_now = float(len(requests)), base_rows, 0
-
-        def step(rows: int, depth: int) -> float:
-            return self._forward(rows) + self._arm_draft(arm, depth) + self.overhead
-
-        best = (tokens / step(rows, 0), 0)  # (goodput, admitted count)
+        tokens, depth_now = float(len(requests)), 0
+        # the step's seconds by admitted count and depth, read once (planning is per step)
+        most = min(cap, sum(len(g) for g in gains.values()))
+        forward = (self.costs.table(max(base_rows, 1), most + 1) if self.costs is not None
+                   else [1.0] * (most + 1))
+        draft = [self._arm_draft(arm, d) + self.overhead for d in range(self.max_depth + 1)]
+        best = (tokens / (forward[0] + draft[0]), 0)  # (goodput, admitted count)
         order: list[int] = []
         while heap and len(order) < cap:
             g, i, d = heapq.heappop(heap)
             order.append(i)
-            tokens, rows = tokens - g, rows + 1
+            tokens = tokens - g
             depth_now = max(depth_now, d + 1)
-            rate = tokens / step(rows, depth_now)
+            rate = tokens / (forward[len(order)] + draft[depth_now])
             if rate > best[0]:
                 best = (rate, len(order))
             if d + 1 < len(gains[i]):

@@ -56,6 +56,20 @@ class StepCosts:
         """Predicted forward seconds for ``n`` rows (n >= 1)."""
         return self.scale * self._curve(n)
 
+    def table(self, first: int, count: int) -> list[float]:
+        """``[seconds(first + j) for j in range(count)]`` (first >= 1), in one walk of the
+        curve (a controller's planning reads hundreds of row counts a step)."""
+        rows, times, out = self.rows, self.times, []
+        if len(rows) == 1:
+            return [self.scale * times[0] * max(first + j, 1) / rows[0] for j in range(count)]
+        i = 1
+        for n in range(max(first, 1), max(first, 1) + count):
+            while i < len(rows) - 1 and rows[i] < n:
+                i += 1
+            r0, r1, t0, t1 = rows[i - 1], rows[i], times[i - 1], times[i]
+            out.append(self.scale * max(t0 + (t1 - t0) * (n - r0) / (r1 - r0), 1e-9))
+        return out
+
     def _curve(self, n: float) -> float:
         rows, times = self.rows, self.times
         n = max(float(n), 1.0)

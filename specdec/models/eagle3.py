@@ -120,6 +120,8 @@ class Eagle3Head(nn.Module):
         self.rope = RotaryEmbedding(hf_config, config.head_dim, config.max_position_embeddings,
                                     embed.dtype, embed.device)
         self.matmul: Matmul = F.linear
+        # its layer as one compiled call (specdec.models.fused), installed with the kernels
+        self.fused = None
 
     @property
     def embed(self) -> torch.Tensor:  # what runners read for the dtype
@@ -153,6 +155,10 @@ class Eagle3Head(nn.Module):
         e = rms_norm(F.embedding(input_ids, self.embed_weight), self.layer.input_norm, eps)
         h = torch.cat([e, rms_norm(features, self.hidden_norm, eps)], dim=-1)
         cos, sin = self.rope.lookup(positions)
+        key_lists = getattr(backend, "key_lists", None)
+        if self.fused is not None and key_lists and kv_cache is not None and h.shape[0] > 0:
+            y, _ = self.fused.run(features, cos, sin, key_lists(), kv_cache, qkv_input=h)
+            return ForwardOutput(y)
         kv_layer = None if kv_cache is None else kv_cache.layer(0)
         x = self.layer.attention(features, cos, sin, backend, kv_layer, self.matmul, h=h)
         return ForwardOutput(self.layer.mlp(x, self.matmul))

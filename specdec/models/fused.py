@@ -8,7 +8,8 @@ residual stream too), fp32 accumulation in a fixed order per element, K/V rounde
 dtype as they are written.
 
 The engine installs it (``kernel_choice.install_kernels``) on a ``LlamaDecoder`` whose layers it
-covers, beside the prepared linears; the model's forward takes it wherever the attention backend
+covers, and on an EAGLE-3 head (its one layer, whose projections take the caller's
+``qkv_input``), beside the prepared linears; the model's forward takes it wherever the attention backend
 offers per-row key lists (``TorchAttentionBackend.key_lists``: the compiled attention on a CPU)
 and its framework path everywhere else (dense training attention, float64, no compiled kernels).
 Which path a model takes is fixed by its configuration, never by the rows of a step, so a row's
@@ -16,6 +17,7 @@ output stays independent of its companions.
 
     fused = FusedLayers(kernels, linears, model)
     x, captured = fused.run(x, cos, sin, plan, kv_cache, num_layers, capture_layers)
+    y, _ = head_fused.run(features, cos, sin, plan, kv_cache, qkv_input=h)  # EAGLE-3
 """
 
 from __future__ import annotations
@@ -40,8 +42,13 @@ class FusedLayers:
         return (model.embed.dtype in FORMATS and model.embed.is_cpu and cfg.head_dim % 8 == 0
                 and cfg.head_dim <= 512 and cfg.num_heads % cfg.num_kv_heads == 0)
 
+    @staticmethod
+    def layers_of(model) -> list:
+        """The decoder layers sd_layer runs: a decoder's, or an EAGLE-3 head's one."""
+        return list(model.layers) if hasattr(model, "layers") else [model.layer]
+
     def _weights(self) -> list[torch.Tensor]:
-        return [w for layer in self.model.layers for w in self._layer_weights(layer)]
+        return [w for layer in self.layers_of(self.model) for w in self._layer_weights(layer)]
 
     @staticmethod
     def _layer_weights(layer) -> list[torch.Tensor]:
@@ -60,7 +67,7 @@ class FusedLayers:
         self._keep: list[torch.Tensor] = []
         self.args: list[LayerArgs] = []
         mm = self.linears
-        for layer in self.model.layers:
+        for layer in self.layers_of(self.model):
             cfg = layer.cfg
             a = LayerArgs(hidden=cfg.hidden_size, heads=cfg.num_heads,
                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
@@ -85,14 +92,19 @@ class FusedLayers:
         return t
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan, kv_cache,
-            num_layers: int | None, capture_layers: tuple[int, ...]
+            num_layers: int | None = None, capture_layers: tuple[int, ...] = (),
+            qkv_input: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """x [T, hidden] (the embeddings), cos/sin [T, 1, head_dim], ``plan`` the step's key
-        lists -> (the last layer's output in the model's dtype, {layer i: its output})."""
+        """x [T, hidden] (the embeddings; not modified), cos/sin [T, 1, head_dim], ``plan`` the
+        step's key lists; ``qkv_input`` [T, qkv_in]: the first layer's projection input instead
+        of its normed x -> (the last layer's output in the model's dtype, {layer i: its
+        output})."""
         if [w._version for w in self._watched] != self._versions:
             self._build()  # a weight changed in place since: prepare again
         dtype, t = x.dtype, x.shape[0]
-        x = x.float().contiguous()  # updated in place, layer after layer
+        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
+        if qkv_input is not None:
+            qkv_input = qkv_input.float().contiguous()
         cos = cos.reshape(t, -1).float().contiguous()
         sin = sin.reshape(t, -1).float().contiguous()
         threads = torch.get_num_threads()
@@ -109,6 +121,9 @@ class FusedLayers:
             a.kv, a.kv_fmt, a.page_size = kv.data_ptr(), FORMATS[kv.dtype], plan.page_size
             a.write_index = plan.write_index.data_ptr()
             a.key_indptr, a.key_index = plan.indptr.data_ptr(), plan.index.data_ptr()
+            given = qkv_input is not None and i == 0
+            a.qkv_input = qkv_input.data_ptr() if given else None
+            a.qkv_in = qkv_input.shape[1] if given else 0
             self.kernels.layer(a)
             if i in capture_layers:
                 captured[i] = x.to(dtype, copy=True)

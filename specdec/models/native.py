@@ -66,7 +66,8 @@ class LayerArgs(ctypes.Structure):
                                     "sin", "kv")),
                 ("kv_fmt", _I), ("page_size", _I),
                 *((n, _P) for n in ("write_index", "key_indptr", "key_index")),
-                ("max_keys", _I), ("scratch", _P), ("nthreads", _I)]
+                ("max_keys", _I), ("scratch", _P), ("nthreads", _I),
+                ("qkv_input", _P), ("qkv_in", _I)]
 
 
 class Kernels:

@@ -3,6 +3,9 @@
  *   x += o(attention(rope(norm_q(q)), rope(norm_k(k)), v))   q, k, v = qkv(rmsnorm(x)) + bias
  *   x += down(silu(gate) * up)                              gate, up = gate_up(rmsnorm(x))
  *
+ * or, given qkv_input (an EAGLE head's layer: [embedding; feature] normed by the caller),
+ * q, k, v = qkv(qkv_input) + bias, the rest the same (x is then the residual stream only).
+ *
  * Activations are fp32 throughout (the residual stream too); weights are prepared panels of
  * any format linear.c takes; K/V are rounded to the cache's format as they are written. Each
  * stage is a work-sharing loop of one OpenMP team (the barriers between them are the loops'
@@ -30,6 +33,8 @@ typedef struct {
     int64_t max_keys;
     float* scratch; /* sd_layer_scratch(args) floats */
     int64_t nthreads;
+    const float* qkv_input; /* [T, qkv_in] or NULL: the qkv projection's input, else rmsnorm(x) */
+    int64_t qkv_in;
 } sd_layer_args;
 
 static int64_t out_cols(const sd_weight* w) { return PW * w->panels; }
@@ -101,8 +106,9 @@ int sd_layer(const sd_layer_args* a) {
         || a->kv_fmt >= SD_NUM_FLOAT_FORMATS || a->qkv.out != qs + 2 * kvs || a->o.out != Hd
         || a->gate_up.out != 2 * I || a->down.out != Hd)
         return -1;
+    const int64_t qkv_k = a->qkv_input ? a->qkv_in : Hd;
     for (int i = 0; i < 4; i++)
-        if (sd_check_weight(ws[i], i == 3 ? I : (i == 1 ? qs : Hd))) return -1;
+        if (sd_check_weight(ws[i], i == 3 ? I : (i == 1 ? qs : (i == 0 ? qkv_k : Hd)))) return -1;
     const int64_t ldq = out_cols(&a->qkv), ldg = out_cols(&a->gate_up);
     const int64_t ldo = out_cols(&a->o), ldd = out_cols(&a->down);
     float* h = a->scratch;                   /* [T, hidden] normed input of a projection */
@@ -116,9 +122,14 @@ int sd_layer(const sd_layer_args* a) {
     const int64_t max_keys = a->max_keys > 0 ? a->max_keys : 1;
 #pragma omp parallel num_threads((int)a->nthreads)
     {
+        if (a->qkv_input) {
+            sd_linear_for(a->qkv_input, T, qkv_k, &a->qkv, qkv, ldq);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++) rmsnorm(a->x + t * Hd, a->input_norm, Hd, a->eps, h + t * Hd);
-        sd_linear_for(h, T, Hd, &a->qkv, qkv, ldq);
+            for (int64_t t = 0; t < T; t++)
+                rmsnorm(a->x + t * Hd, a->input_norm, Hd, a->eps, h + t * Hd);
+            sd_linear_for(h, T, Hd, &a->qkv, qkv, ldq);
+        }
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float* r = qkv + t * ldq;

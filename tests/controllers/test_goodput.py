@@ -151,6 +151,12 @@ def test_step_costs_interpolate_extrapolate_and_persist(tmp_path):
     # never cheaper with more rows; one noisy point is averaged, not carried up the curve
     assert StepCosts([1, 2], [2.0, 1.0]).times == [1.5, 1.5]
     assert StepCosts([1, 2, 4, 8], [1.0, 3.0, 1.0, 4.0]).times == [1.0, 2.0, 2.0, 4.0]
+    costs.scale = 1.3
+    for grid in ([1, 4, 8], [3, 5], [2]):  # a table is bitwise the seconds it lists
+        c = StepCosts(grid, [1.0, 2.5, 3.0][:len(grid)])
+        c.scale = 0.7
+        assert c.table(1, 14) == [c.seconds(n) for n in range(1, 15)]
+    assert costs.table(5, 10) == [costs.seconds(n) for n in range(5, 15)]
     path = tmp_path / "c.json"
     costs.save(path)
     assert StepCosts.load(path).to_dict() == costs.to_dict()

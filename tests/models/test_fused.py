@@ -4,7 +4,8 @@ Against the framework path of the same model (the oracle: ``LlamaDecoder``'s own
 every architecture the engine takes (biases, qk-norm, GQA, tied heads) in float32 and bfloat16:
 a prefill, then a step of tree rows over the cache, give close logits and close K/V. Which path
 a model takes is fixed by its configuration (float64 and models the kernels do not cover take
-the framework path), and a weight changed in place is prepared again.
+the framework path), a weight changed in place is prepared again, and an EAGLE-3 head's one
+layer ([embedding; feature] into its projections) runs compiled as well.
 """
 
 from __future__ import annotations
@@ -75,3 +76,38 @@ def test_a_weight_changed_in_place_is_prepared_again(tiny_llama):
     reference, _ = _run(llm, False)
     assert not torch.allclose(before[0], after[0])
     torch.testing.assert_close(after[0], reference[0], rtol=1e-4, atol=1e-4)
+
+
+def test_an_eagle3_heads_layer_runs_compiled_too(tiny_llama):
+    """The head's one layer takes [embedding; feature] as its projections' input (qkv_input):
+    compiled, it gives the framework path's rows and K/V."""
+    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+
+    llm0 = LLM(model=str(tiny_llama), max_model_len=64)
+    model, cfg, hf = llm0.engine.model, llm0.engine.model_config, llm0.engine.hf_config
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, 32, (1, 1, 1)), model.embed, hf)
+    head.reset_parameters(0.5)
+    head.set_vocab(torch.arange(32))
+    llm = LLM(model=str(tiny_llama), max_model_len=64, drafter="eagle3",
+              drafter_args={"head": head, "depth": 2, "topk": 2})
+    runner = llm.engine.drafter_runners[0]
+    assert runner.model is head and head.fused is not None
+    features = torch.randn(len(PROMPT), cfg.hidden_size)
+    outs = []
+    for fused in (True, False):
+        keep, head.fused = head.fused, (head.fused if fused else None)
+        runner.kv.cache.tensor.zero_()
+        table = BlockTable()
+        assert runner.kv.try_reserve(table, len(PROMPT))
+        try:
+            out = runner.forward(runner.pack([PROMPT], [0], [table], logits="all",
+                                             features=features.clone()))
+            outs.append((out.final_hidden.clone(), out.logits.clone(),
+                         runner.kv.cache.tensor.clone()))
+        finally:
+            runner.kv.release(table)
+            head.fused = keep
+    for f, r in zip(*outs):
+        torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4)
+    assert outs[0][2].abs().sum() > 0
