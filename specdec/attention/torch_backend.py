@@ -44,7 +44,7 @@ class TorchAttentionBackend:
 
     def plan(self, metadata: AttentionMetadata) -> None:
         if self.kernels is not None and metadata.slot_mapping.is_cpu:
-            self._plan = _KeyLists(metadata)
+            self._plan = _KeyLists(metadata, self.kernels)
         else:
             self._plan = _Plan(metadata)
 
@@ -125,26 +125,14 @@ class _KeyLists:
     Example, one request with 3 cached tokens and a 2-node chain (rows 0, 1: its tree mask is
     causal): row 0 sees positions 0..3, row 1 positions 0..4."""
 
-    def __init__(self, md: AttentionMetadata) -> None:
+    def __init__(self, md: AttentionMetadata, kernels: native.Kernels) -> None:
         self.metadata, self.page_size = md, md.page_size
         self.write_index = kv_write_index(md.slot_mapping, md.page_size)
         host = md.on_host()
-        qo_lens, kv_lens = md.qo_lens(), md.kv_lens()
-        indptr, pages = host.kv_indptr.tolist(), host.kv_indices.long()
-        counts, index = [], []
-        for b, (qo, kv) in enumerate(zip(qo_lens, kv_lens)):
-            pos = torch.arange(kv)
-            slots = pages[indptr[b]:indptr[b + 1]][pos // md.page_size] * md.page_size \
-                + pos % md.page_size
-            k_rows = kv_write_index(slots, md.page_size)[:kv]
-            mask = md.custom_masks[b]
-            mask = causal_mask(qo, kv, "cpu") if mask is None else mask.cpu().bool()
-            rows, cols = mask.nonzero(as_tuple=True)  # row-major: each row's keys ascending
-            index.append(k_rows[cols])
-            counts.append(torch.bincount(rows, minlength=qo))
-        counts = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.int64)
-        self.indptr = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-        self.index = torch.cat(index) if index else torch.zeros(0, dtype=torch.int64)
+        masks = [None if m is None else m.cpu().bool() for m in md.custom_masks]
+        self.indptr, self.index = kernels.key_lists(md.qo_lens(), md.kv_lens(), host.kv_indptr,
+                                                    host.kv_indices, md.page_size, masks)
+        counts = self.indptr[1:] - self.indptr[:-1]
         self.max_keys = int(counts.max()) if counts.numel() else 1
 
 

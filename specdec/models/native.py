@@ -80,6 +80,8 @@ class Kernels:
                                      _P, _P, ctypes.c_int]
         lib.sd_layer.argtypes = lib.sd_layer_scratch.argtypes = [ctypes.POINTER(LayerArgs)]
         lib.sd_layer_scratch.restype = _I
+        lib.sd_key_lists.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _P, _P]
+        lib.sd_key_lists.restype = _I
 
     @staticmethod
     def prepare(weight: torch.Tensor) -> Panels:
@@ -122,6 +124,32 @@ class Kernels:
                                    max_keys, scale, out.data_ptr(), scratch.data_ptr(), threads)
         assert rc == 0, "sd_attention refused its arguments"
         return out
+
+    def key_lists(self, qo_lens: list[int], kv_lens: list[int], kv_indptr: torch.Tensor,
+                  kv_indices: torch.Tensor, page_size: int,
+                  masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query row of a step, the K cache rows of the keys it sees, ascending (causal, or
+        its request's [qo, kv] tree mask): (indptr [T + 1], index) int64. kv_indptr /
+        kv_indices: the pages, int32 (specdec.attention.metadata)."""
+        qo = torch.tensor(qo_lens, dtype=torch.int64)
+        kv = torch.tensor(kv_lens, dtype=torch.int64)
+        offsets, given, at = [], [], 0
+        for m in masks:
+            offsets.append(-1 if m is None else at)
+            if m is not None:
+                given.append(m.reshape(-1))
+                at += m.numel()
+        flat = (torch.cat(given).to(torch.uint8) if given else torch.zeros(1, dtype=torch.uint8))
+        offsets_t = torch.tensor(offsets, dtype=torch.int64)
+        ptr, idx = kv_indptr.to(torch.int32).contiguous(), kv_indices.to(torch.int32).contiguous()
+        counts = torch.empty(int(qo.sum()), dtype=torch.int64)
+        args = (len(qo_lens), qo.data_ptr(), kv.data_ptr(), ptr.data_ptr(), idx.data_ptr(),
+                page_size, offsets_t.data_ptr(), flat.data_ptr(), counts.data_ptr())
+        index = torch.empty(self.lib.sd_key_lists(*args, None), dtype=torch.int64)
+        self.lib.sd_key_lists(*args, index.data_ptr())
+        indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+        torch.cumsum(counts, 0, out=indptr[1:])
+        return indptr, index
 
     def layer_scratch(self, args: LayerArgs) -> int:
         """Floats of scratch ``layer(args)`` needs (for args.T rows, args.max_keys keys)."""

@@ -81,3 +81,30 @@ int sd_attention(const float* q, int64_t T, int64_t H, int64_t D, const void* kv
                      scale, out, scratch);
     return 0;
 }
+
+/* The per-row key lists of a step (specdec/attention/torch_backend.py _KeyLists): for request
+ * b (qo[b] query rows over kv[b] keys, its pages kv_indices[kv_indptr[b] ..]), query row r
+ * sees key c when mask_offset[b] < 0 and c <= kv[b] - qo[b] + r (causal), else when
+ * masks[mask_offset[b] + r * kv[b] + c] != 0 (its tree mask). counts[t] (T = sum qo) gets each
+ * row's count; with index != NULL, index gets the K cache rows (page * 2 * page_size + offset)
+ * row after row, keys ascending. Returns the total count. */
+int64_t sd_key_lists(int64_t B, const int64_t* qo, const int64_t* kv, const int32_t* kv_indptr,
+                     const int32_t* kv_indices, int64_t page_size, const int64_t* mask_offset,
+                     const uint8_t* masks, int64_t* counts, int64_t* index) {
+    int64_t t = 0, n = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t* pages = kv_indices + kv_indptr[b];
+        for (int64_t r = 0; r < qo[b]; r++, t++) {
+            const uint8_t* m = mask_offset[b] < 0 ? NULL : masks + mask_offset[b] + r * kv[b];
+            const int64_t last = m ? kv[b] - 1 : kv[b] - qo[b] + r;
+            int64_t c0 = n;
+            for (int64_t c = 0; c <= last; c++) {
+                if (m && !m[c]) continue;
+                if (index) index[n] = (int64_t)pages[c / page_size] * 2 * page_size + c % page_size;
+                n++;
+            }
+            counts[t] = n - c0;
+        }
+    }
+    return n;
+}

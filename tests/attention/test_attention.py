@@ -11,11 +11,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec.attention import torch_backend
 from specdec.attention.metadata import build_metadata
 from specdec.attention.torch_backend import TorchAttentionBackend, _groups
 from specdec.kv.cache import KVCache
+from specdec.models import native
 from specdec.models.loader import load_model
 from specdec.tree import DraftTree, verify_mask
 
@@ -348,3 +351,43 @@ def test_copy_pages_copies_whole_pages_in_every_layer():
     assert torch.equal(kv.tensor[:, 6], before[:, 1]) and torch.equal(kv.tensor[:, 2], before[:, 4])
     keep = [0, 1, 3, 4, 5, 7]
     assert torch.equal(kv.tensor[:, keep], before[:, keep])
+
+
+@pytest.mark.skipif(native.load() is None, reason="compiled kernels not built")
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_key_lists_are_each_rows_visible_keys_in_order(data):
+    """The compiled path's plan (every row's cache rows, built for the whole step at once)
+    against the definition, request by request: the rows of the keys its mask (tree or
+    causal) lets it see, in position order."""
+    from specdec.attention.kv_rows import kv_write_index
+    from specdec.attention.torch_backend import _KeyLists
+    from specdec.tree import causal_mask
+
+    page = data.draw(st.sampled_from([1, 4, 16]))
+    n = data.draw(st.integers(1, 5))
+    kv = [data.draw(st.integers(1, 40)) for _ in range(n)]
+    qo = [data.draw(st.integers(1, k)) for k in kv]
+    pool = torch.randperm(200).tolist()
+    tables, masks = [], []
+    for k, q in zip(kv, qo):
+        tables.append([pool.pop() for _ in range(-(-k // page))])
+        if data.draw(st.booleans()):
+            m = torch.rand(q, k, generator=torch.Generator().manual_seed(k * 7 + q)) < 0.5
+            m[:, 0] = True
+            masks.append(m)
+        else:
+            masks.append(None)
+    md = build_metadata(tables, kv, qo, page, masks)
+    plan = _KeyLists(md, native.load())
+    want, counts = [], []
+    for t, k, q, m in zip(tables, kv, qo, masks):
+        pos = torch.arange(k)
+        k_rows = kv_write_index(torch.tensor(t)[pos // page] * page + pos % page, page)[:k]
+        m = causal_mask(q, k, "cpu") if m is None else m
+        rows, cols = m.nonzero(as_tuple=True)
+        want.append(k_rows[cols])
+        counts.append(torch.bincount(rows, minlength=q))
+    assert torch.equal(plan.index, torch.cat(want))
+    assert torch.equal(plan.indptr[1:] - plan.indptr[:-1], torch.cat(counts))
+    assert plan.max_keys == int(torch.cat(counts).max())
