@@ -30,6 +30,9 @@
 #include "kernels.h"
 
 #define TILE 4 /* rows of x per tile: 2 * TILE accumulators + weights + constants in registers */
+#ifndef AHEAD
+#define AHEAD 32 /* blocks prefetched ahead of the one in use (the first panel's pass) */
+#endif
 
 /* one row of x -> q [K] int8, d and s [K / 32] */
 AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, float* s) {
@@ -94,7 +97,7 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
         for (int64_t j = 0; j < nb; j++, b += SD_Q4_1_PAIR_BYTES) {                            \
             if (P == 0)                                                                        \
                 for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                               \
-                    _mm_prefetch((const char*)b + 4 * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);    \
+                    _mm_prefetch((const char*)b + AHEAD * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);\
             EACH(Q4_ZERO)                                                                      \
             /* 8 steps of <= 2 * 15 * 127 per int16 lane: <= 30480, no overflow */              \
             for (int c = 0; c < 8; c++) {                                                      \
@@ -132,7 +135,7 @@ Q4_KERNEL(4, EACH4)
         for (int64_t j = 0; j < nb; j++, b += SD_Q8_0_PAIR_BYTES) {                            \
             if (P == 0)                                                                        \
                 for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                               \
-                    _mm_prefetch((const char*)b + 4 * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);    \
+                    _mm_prefetch((const char*)b + AHEAD * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);\
             EACH(Q8_ZERO)                                                                      \
             for (int c = 0; c < 8; c++) {                                                      \
                 const __m256i w = _mm256_loadu_si256((const __m256i*)(b + 32 + 64 * c + 32 * P)); \
