@@ -24,6 +24,9 @@ class TrainConfig:
     regen_temperature: float = 0.0
     regen_max_tokens: int = 256
     regen_batch_size: int = 16
+    # the target's activations while it answers ("float": the fp32 model's numbers; "q8":
+    # int8 rows over a GGUF's blocks, cheaper at large batches: EngineConfig.activations)
+    regen_activations: str = "float"
     limit: int | None = None  # conversations sampled from the data (None: all)
     holdout: int = 16  # conversations kept out of training for the end-of-run evaluation
     max_length: int = 512
@@ -96,6 +99,9 @@ class TrainConfig:
                              f"{self.mixed_precision!r}")
         if self.report_to not in ("none", "wandb"):
             raise ValueError(f"report_to must be 'none' or 'wandb', got {self.report_to!r}")
+        if self.regen_activations not in ("float", "q8"):
+            raise ValueError("regen_activations must be 'float' or 'q8', got "
+                             f"{self.regen_activations!r}")
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
             raise ValueError(f"aux_layer_ids must list 3 layer ids, got {self.aux_layer_ids!r}")
 

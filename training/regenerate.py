@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def regenerate(convs: list[Conversation], target: str, out_file: Path, *, temperature: float,
                max_tokens: int, batch_size: int, seed: int, dtype: str = "float32",
-               device: str = "cpu", llm=None, skip: Path | None = None) -> list[Conversation]:
+               device: str = "cpu", activations: str = "float", llm=None,
+               skip: Path | None = None) -> list[Conversation]:
     """Conversations whose assistant turns are the target's; cached in ``out_file``. ``skip``:
     another answers file whose conversations are not answered again (a distributed run's merged
     file, beside each process's part): those are not returned either."""
@@ -36,7 +37,8 @@ def regenerate(convs: list[Conversation], target: str, out_file: Path, *, temper
     convs = [c for c in convs if _key(c) not in skipped]
     todo = [c for c in convs if _key(c) not in done]
     if todo:
-        llm = llm or LLM(model=target, dtype=dtype, device=device, drafter="ngram")
+        llm = llm or LLM(model=target, dtype=dtype, device=device, drafter="ngram",
+                         activations=activations)
         out_file.parent.mkdir(parents=True, exist_ok=True)
         with open(out_file, "a", encoding="utf-8") as f, \
                 tqdm(total=len(todo), desc="regenerate", unit="conv") as bar:

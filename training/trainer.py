@@ -169,7 +169,7 @@ def _answers(convs: list[Conversation], config: TrainConfig, out: Path,
         final = out / "regenerated.jsonl"
         kw = dict(temperature=config.regen_temperature, max_tokens=config.regen_max_tokens,
                   batch_size=config.regen_batch_size, seed=config.seed,
-                  device=engine_device(accelerator))
+                  device=engine_device(accelerator), activations=config.regen_activations)
         n, rank = accelerator.num_processes, accelerator.process_index
         if n > 1:
             regenerate(convs[rank::n], config.target, out / f"regenerated.part{rank}.jsonl",

@@ -150,7 +150,8 @@ def test_settings_are_checked():
                        ({"head_decay": 0.0}, "head_decay"), ({"loss_gamma": -1}, "loss_gamma"),
                        ({"target_layer_ids": [1, -2]}, "target_layer_ids"),
                        ({"num_layers": 0}, "num_layers"),
-                       ({"max_steps": 0}, "max_steps must be an int >= 1")):
+                       ({"max_steps": 0}, "max_steps must be an int >= 1"),
+                       ({"regen_activations": "int4"}, "regen_activations must be 'float' or")):
         with pytest.raises(ValueError, match=words):
             TrainConfig(**base, **bad)
     assert TrainConfig(**base, max_steps=0, init_from="d").max_steps == 0  # recalibrate only
