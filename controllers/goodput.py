@@ -54,6 +54,9 @@ from specdec.controllers.base import (
 from specdec.costs import StepCosts
 
 GAIN_FLOOR = 0.01  # chain nodes less likely than this to be accepted are not planned
+# an exploration that leaves a request still not worth drafting doubles its interval, up to
+# this many times the base (a drafter that does not pay costs ~1/8 of the exploring it did)
+MAX_BACKOFF = 8
 
 
 class _Line:
@@ -88,7 +91,8 @@ class GoodputController:
     prune: run the second phase; costs: a ``StepCosts`` to use instead of profiling (tests);
     prior: the acceptance assumed at depth 1 before anything was verified; explore_every: a
     request kept at budget 0 drafts one level every explore_every x batch-size steps, so its
-    estimate can recover (0: never).
+    estimate can recover (0: never); each exploration after which it is still not worth
+    drafting doubles its interval, up to MAX_BACKOFF times, and drafting resets it.
     """
 
     name = "goodput"
@@ -109,6 +113,8 @@ class GoodputController:
         self.budget, self.width, self.prune_trees = budget, width, bool(prune)
         self.explore_every = explore_every
         self._idle: dict[str, int] = {}  # steps since a request last drafted
+        self._backoff: dict[str, int] = {}  # a request's exploration interval multiplier
+        self._exploring: set[str] = set()  # requests explored in the last budgets call
         self.max_depth = min(max_depth or budget, budget)
         self.costs = costs
         self.prior = float(prior)
@@ -165,15 +171,23 @@ class GoodputController:
         # started together do not all explore in the same step. With several arms (a composed
         # drafter's members) the explorations take them in turn
         interval = self.explore_every * max(1, len(requests))
+        explored_before, self._exploring = self._exploring, set()
         for i, r in enumerate(requests):
             rid = r.request_id
             if rid not in self._idle:
                 self._idle[rid] = -(zlib.crc32(rid.encode()) % max(interval, 1))
+            backoff = self._backoff.get(rid, 1)
+            if depths[i] > 0:
+                backoff = 1
+            elif rid in explored_before:  # its exploration did not make it pay
+                backoff = min(2 * backoff, MAX_BACKOFF)
+            self._backoff[rid] = backoff
             idle = self._idle[rid] + 1 if depths[i] == 0 else 0
-            if self.explore_every and idle >= interval:
+            if self.explore_every and idle >= interval * backoff:
                 depths[i], idle = 1, 0
                 arms[i] = self.arms[self._explored % len(self.arms)]
                 self._explored += 1
+                self._exploring.add(rid)
             self._idle[rid] = idle
         out = [NO_DRAFT if k == 0 else DraftBudget(min(self.budget, k * self.width), k, a)
                for k, a in zip(depths, arms)]
@@ -347,6 +361,8 @@ class GoodputController:
         drafter-wide estimates, the confidence calibration and the cost model stay), so a request
         reusing the id starts from the drafter's history. Not called on preemption."""
         self._idle.pop(request_id, None)
+        self._backoff.pop(request_id, None)
+        self._exploring.discard(request_id)
         for d in self.depths.values():
             d.forget(request_id)
 

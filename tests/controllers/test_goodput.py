@@ -17,7 +17,7 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
-from specdec.controllers.goodput import GoodputController, _Line
+from specdec.controllers.goodput import MAX_BACKOFF, GoodputController, _Line
 from specdec.costs import StepCosts
 from specdec.tree import DraftTree
 
@@ -41,12 +41,29 @@ def test_no_draft_when_verification_costs_more_than_it_returns():
     c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=4)
     assert c.budgets(views(4), batch(4)) == [NO_DRAFT] * 4
     assert c.decision["depths"][:4] == [0, 0, 0, 0]
-    # now and then a request explores one level, so its estimate can recover: each request once
-    # per 4 x 4 steps, not all in the same step
+    # now and then a request explores one level, so its estimate can recover: each request
+    # first within 2 x 4 x 4 steps, not all in the same step; an exploration after which it still
+    # does not pay doubles its interval (16, then 32 steps, ... up to MAX_BACKOFF x 16)
     explored = [[b != NO_DRAFT for b in c.budgets(views(4), batch(4))] for _ in range(64)]
-    per_request = [sum(step[i] for step in explored) for i in range(4)]
-    assert all(3 <= n <= 5 for n in per_request), per_request
+    when = [[t for t, step in enumerate(explored) if step[i]] for i in range(4)]
+    assert all(len(w) == 2 and w[0] < 32 and w[1] - w[0] == 32 for w in when), when
     assert max(sum(step) for step in explored) <= 2
+    many = [sum(b != NO_DRAFT for b in c.budgets(views(4), batch(4))) for _ in range(2000)]
+    assert 4 * 2000 / (16 * MAX_BACKOFF) - 8 <= sum(many) <= 4 * 2000 / (16 * MAX_BACKOFF) + 8
+
+
+def test_drafting_resets_the_exploration_backoff():
+    c = GoodputController(costs=linear_costs(1.0, 0.01), prior=0.02, explore_every=1)
+    for _ in range(40):  # rows nearly free but nothing accepted: explorations back off
+        c.budgets(views(1), batch(1))
+        c.observe(_report([RequestOutcome("r0", DraftBudget(1), 1, 0, False,
+                                          DraftTree.chain([1], None), ())]))
+    assert c._backoff["r0"] == MAX_BACKOFF
+    chain = DraftTree.chain([1, 2], None)
+    for _ in range(100):  # now its drafts are accepted: it drafts, at the base interval again
+        c.observe(_report([RequestOutcome("r0", DraftBudget(2), 2, 2, False, chain, (0, 1))]))
+    assert c.budgets(views(1), batch(1))[0].max_nodes > 0
+    assert c._backoff["r0"] == 1
 
 
 def test_deep_trees_when_acceptance_is_high_and_rows_are_nearly_free():

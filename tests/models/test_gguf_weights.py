@@ -60,9 +60,13 @@ def test_linear_over_blocks_is_bitwise_the_fp32_one(kind, out, inp):
 
 @needs_kernels
 @settings(max_examples=25, deadline=None)
-@given(rows=st.lists(st.integers(0, 23), min_size=1, max_size=24), kind=st.sampled_from(KINDS))
-def test_rows_over_blocks_do_not_depend_on_the_call(rows, kind):
-    panels = gw.prepare(random_blocks(kind, 50, 192, seed=1))
+@given(rows=st.lists(st.integers(0, 23), min_size=1, max_size=24), kind=st.sampled_from(KINDS),
+       q8=st.booleans())
+def test_rows_over_blocks_do_not_depend_on_the_call(rows, kind, q8):
+    """For fp32 rows and for int8 rows (activations="q8": specdec.models.q8_activations)."""
+    from specdec.models import q8_activations
+
+    panels = (q8_activations.prepare if q8 else gw.prepare)(random_blocks(kind, 50, 192, seed=1))
     x = torch.randn(24, 192, generator=torch.Generator().manual_seed(2))
     full = KERNELS.linear(x, panels)
     assert torch.equal(KERNELS.linear(x[rows].contiguous(), panels), full[rows])
