@@ -154,7 +154,8 @@ class LLMEngine:
                 m = runner.model
                 if m is not self.model and getattr(m, "source_folder", None) is not None:
                     adopted += native_panels(m, m.source_folder / GGUF_NAME, "auto", self.dtype,
-                                             self.device, c.linear_kernels, c.activations)
+                                             self.device, c.linear_kernels, c.activations,
+                                             strict=False)
         return adopted
 
     def _draft_models(self, drafter) -> list:

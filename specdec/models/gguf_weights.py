@@ -152,14 +152,14 @@ def read_matrices(path: Path, cfg) -> dict[str, Blocks]:
 
 
 def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torch.device,
-                  linear_kernels: str, activations: str = "float"
+                  linear_kernels: str, activations: str = "float", strict: bool = True
                   ) -> list[tuple[torch.Tensor, Panels]]:
     """What ``weights=mode`` ("auto" | "native" | "dequantized") gives ``model`` (loaded from
     the folder holding ``gguf``): [] for its dequantized weights, else (weight, panels) for
     every matrix it multiplies by, each checked bitwise against the weight at load, laid out
-    for ``activations`` ("float" | "q8": specdec.models.q8_activations). "native", and any
-    mode with "q8" (which exists only over the blocks), raise ValueError saying why they
-    cannot run; "auto" then logs why and returns []."""
+    for ``activations`` ("float" | "q8": specdec.models.q8_activations). "native", and "q8"
+    (which exists only over the blocks) unless not ``strict`` (a draft model: it may compute
+    otherwise), raise ValueError saying why they cannot run; "auto" logs why and returns []."""
     if mode == "dequantized":
         return []
     reason = None
@@ -178,7 +178,7 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
         except Exception as e:  # a file gguf-py cannot read
             reason = f"{gguf} cannot be read as GGUF ({type(e).__name__}: {e})"
     if reason is not None:
-        if mode == "native" or activations == "q8":
+        if mode == "native" or (activations == "q8" and strict):
             asked = "weights='native'" if mode == "native" else "activations='q8'"
             raise ValueError(f"{asked} cannot run here: {reason}")
         logger.info("weights: dequantized (native GGUF weights: %s)", reason)

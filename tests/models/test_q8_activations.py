@@ -72,3 +72,14 @@ def test_smollm2_q8_speculation_is_plain_decoding(smollm2_dir):
     got = spec.generate(prompts, sp)
     assert [o.token_ids for o in got] == want
     assert sum(sum(o.metrics.accepted_by_depth) for o in got) > 0
+
+
+def test_a_draft_model_without_blocks_is_not_refused(tiny_llama):
+    """Only the target must run q8 (strict); a draft model that cannot computes otherwise."""
+    llm = LLM(model=str(tiny_llama), weights="dequantized")
+    m, cpu = llm.engine.model, torch.device("cpu")
+    missing = tiny_llama / "model.gguf"
+    assert gw.native_panels(m, missing, "auto", torch.float32, cpu, "invariant", "q8",
+                            strict=False) == []
+    with pytest.raises(ValueError, match="activations='q8' cannot run here"):
+        gw.native_panels(m, missing, "auto", torch.float32, cpu, "invariant", "q8")
