@@ -1,5 +1,7 @@
 """MTP drafting: Medusa-style heads on the target's last hidden state, one pass per step.
 
+Only the heads a step's deepest budget reaches run (a depth-1 draft costs one head, not all).
+
 After each step the drafter keeps, per request, the target's hidden state of the last committed
 row (position N - 2: the row whose LM-head output is the newest token N - 1). Head i of that
 state ranks token N + i, i.e. tree depth i. All requests' heads run in one batched pass; each
@@ -69,11 +71,13 @@ class MTPDrafter(BaseDrafter):
                 if r.state.hidden is not None and r.state.position == len(r.token_ids) - 2]
         if not live:
             return trees
+        # only the heads as deep as the deepest budget asks (head i drafts depth i + 1)
+        deepest = max(1, max(requests[j].budget.depth_limit for j in live))
         with torch.inference_mode():
             x = self.target.norm(torch.stack([requests[j].state.hidden for j in live]))
-            y = self.heads(x.to(self.heads.lm_head.dtype))  # [R, num_heads, H]
+            y = self.heads(x.to(self.heads.lm_head.dtype), deepest)  # [R, heads used, H]
             probs = self.heads.compute_logits(y).softmax(-1)
-            top = probs.topk(self.topk, dim=-1)  # [R, num_heads, k]
+            top = probs.topk(self.topk, dim=-1)  # [R, heads used, k]
             # one device -> host copy for the batch, not one per request
             tokens, values = self.heads.token_map[top.indices].cpu(), top.values.cpu()
         for row, j in enumerate(live):

@@ -66,9 +66,11 @@ class MTPHeads(TokenMap):
             self.blocks.zero_()
             self.lm_head.copy_(head_weight.index_select(0, self.token_map).to(self.lm_head))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., H] final-normed target states -> [..., num_heads, H]."""
-        return torch.stack([self.head(i, x) for i in range(self.config.num_heads)], dim=-2)
+    def forward(self, x: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
+        """x [..., H] final-normed target states -> [..., n, H]: the first ``num_heads`` heads
+        (all by default; a draft ``n`` deep needs only heads 0..n-1)."""
+        n = self.config.num_heads if num_heads is None else min(num_heads, self.config.num_heads)
+        return torch.stack([self.head(i, x) for i in range(n)], dim=-2)
 
     def head(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Head i's residual blocks: x [..., H] -> [..., H]."""

@@ -78,6 +78,21 @@ def test_heads_read_the_last_committed_state_and_trees_take_the_calibrated_shape
         tree.validate(max_nodes=budget.max_nodes, vocab_size=cfg.vocab_size)
 
 
+def test_only_the_heads_a_budget_reaches_run(target, monkeypatch):
+    """A depth-1 budget runs head 0 alone (its draft costs one head, not all of them)."""
+    folder, model, cfg = target
+    heads = random_heads(model, cfg, num_heads=3)
+    ran, original = [], MTPHeads.head
+    monkeypatch.setattr(MTPHeads, "head", lambda self, i, x: ran.append(i) or original(self, i, x))
+    plain = greedy(folder, PROMPTS[:2])
+    for depth in (1, 2):
+        ran.clear()
+        spec = greedy(folder, PROMPTS[:2], drafter="mtp", drafter_args={"heads": heads},
+                      controller="static", controller_args={"budget": depth})
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+        assert ran and set(ran) == set(range(depth))
+
+
 def test_heads_for_another_target_are_refused(target):
     folder, model, cfg = target
     heads = MTPHeads(MTPConfig(cfg.hidden_size, cfg.vocab_size, 64, 2, 1, cfg.num_layers + 1),
