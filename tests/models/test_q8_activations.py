@@ -58,14 +58,17 @@ def test_activations_option_is_checked(tiny_llama):
 @needs_kernels
 def test_smollm2_q8_speculation_is_plain_decoding(smollm2_dir):
     """eagle3 (its head's Q8_0 matrices over int8 rows too) and ngram together, under a static
-    budget: the tokens of plain decoding in the same mode, from a cache of q8 panels."""
+    budget: the tokens of plain decoding in the same mode, from a cache of q8 panels, greedy
+    and (a seed gives the same text with and without speculation) sampled."""
     kw = dict(model=str(smollm2_dir), max_model_len=256, activations="q8")
     plain = LLM(**kw)
     assert (plain.engine.weights, plain.engine.activations) == ("native", "q8")
     assert {p.fmt for p in plain.engine.kernels._panels.values()} == set(qa.FORMATS.values())
     assert (smollm2_dir / gw.CACHE_NAMES["q8"]).exists()
     prompts = ["Write a haiku about the sea.", "def fibonacci(n):"]
-    sp = SamplingParams(temperature=0, max_tokens=24)
+    sp = [SamplingParams(temperature=0, max_tokens=24)] * 2 + [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=7 + i, max_tokens=24) for i in range(2)]
+    prompts = prompts * 2
     want = [o.token_ids for o in plain.generate(prompts, sp)]
     spec = LLM(**kw, drafter="eagle3+ngram", controller="static", controller_args={"budget": 4})
     assert spec.engine.draft_weights == "q8_0"
