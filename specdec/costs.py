@@ -66,8 +66,7 @@ class StepCosts:
         for n in range(max(first, 1), max(first, 1) + count):
             while i < len(rows) - 1 and rows[i] < n:
                 i += 1
-            r0, r1, t0, t1 = rows[i - 1], rows[i], times[i - 1], times[i]
-            out.append(self.scale * max(t0 + (t1 - t0) * (n - r0) / (r1 - r0), 1e-9))
+            out.append(self.scale * self._segment(i, n))
         return out
 
     def _curve(self, n: float) -> float:
@@ -75,8 +74,11 @@ class StepCosts:
         n = max(float(n), 1.0)
         if len(rows) == 1:
             return times[0] * n / rows[0]
-        i = min(max(bisect_left(rows, n), 1), len(rows) - 1)
-        r0, r1, t0, t1 = rows[i - 1], rows[i], times[i - 1], times[i]
+        return self._segment(min(max(bisect_left(rows, n), 1), len(rows) - 1), n)
+
+    def _segment(self, i: int, n: float) -> float:
+        """The curve at ``n`` on the line through grid points i - 1 and i."""
+        r0, r1, t0, t1 = self.rows[i - 1], self.rows[i], self.times[i - 1], self.times[i]
         return max(t0 + (t1 - t0) * (n - r0) / (r1 - r0), 1e-9)
 
     def observe(self, n: int, seconds: float) -> None:

@@ -81,7 +81,6 @@ class LLMEngine:
         draft_models = self._draft_models(drafter)
         adopted = self._native_weights(folder)
         self.weights = "native" if adopted else "dequantized"
-        self.activations = config.activations
         quantized = self._draft_weights(draft_models, adopted)
         self.draft_weights = ("none" if not draft_models else
                               mode_of(quantized) if quantized else "float")
@@ -172,6 +171,11 @@ class LLMEngine:
         models = [m for m in models if not any(id(w) in have for w in m.matrices())]
         return draft_panels(models, self.config.draft_weights, self.dtype, self.device,
                             self.config.linear_kernels, self.config.activations)
+
+    @property
+    def activations(self) -> str:
+        """What the GGUF's blocks multiply ("float" | "q8": EngineConfig.activations)."""
+        return self.config.activations
 
     @property
     def weight_bytes_per_forward(self) -> int:

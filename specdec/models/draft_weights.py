@@ -23,7 +23,7 @@ import torch
 
 from specdec.models import native
 from specdec.models import q8_activations
-from specdec.models.gguf_weights import BLOCK, FORMATS, Blocks, prepare
+from specdec.models.gguf_weights import BLOCK, FORMATS, Blocks
 from specdec.models.native import Panels
 
 CHOICES = ("auto", "q8_0", "q4_1", "float")  # "auto": q8_0 where the kernels run, else float
@@ -76,7 +76,7 @@ def draft_panels(models: list, mode: str, dtype: torch.dtype, device: torch.devi
         logger.info("draft weights: float (quantized draft weights: %s)", reason)
         return []
     kind = "Q8_0" if mode == "auto" else mode.upper()
-    make = q8_activations.prepare if activations == "q8" else prepare
+    make = q8_activations.preparer(activations)
     out = [(w, make(quantize(w, kind))) for m in models for w in m.matrices()]
     logger.info("draft weights: %s, %d matrices (%.1f MB)", kind, len(out),
                 sum(p.nbytes for _, p in out) / 1e6)

@@ -157,7 +157,8 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rope.lookup(positions)
         key_lists = getattr(backend, "key_lists", None)
         if self.fused is not None and key_lists and kv_cache is not None and h.shape[0] > 0:
-            y, _ = self.fused.run(features, cos, sin, key_lists(), kv_cache, qkv_input=h)
+            # the features are the batch's: the layer updates its residual stream in place
+            y, _ = self.fused.run(features.clone(), cos, sin, key_lists(), kv_cache, qkv_input=h)
             return ForwardOutput(y)
         kv_layer = None if kv_cache is None else kv_cache.layer(0)
         x = self.layer.attention(features, cos, sin, backend, kv_layer, self.matmul, h=h)

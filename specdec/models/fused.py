@@ -95,14 +95,14 @@ class FusedLayers:
             num_layers: int | None = None, capture_layers: tuple[int, ...] = (),
             qkv_input: torch.Tensor | None = None
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """x [T, hidden] (the embeddings; not modified), cos/sin [T, 1, head_dim], ``plan`` the
+        """x [T, hidden] (the embeddings; updated in place when fp32: pass one you own), cos/sin [T, 1, head_dim], ``plan`` the
         step's key lists; ``qkv_input`` [T, qkv_in]: the first layer's projection input instead
         of its normed x -> (the last layer's output in the model's dtype, {layer i: its
         output})."""
         if [w._version for w in self._watched] != self._versions:
             self._build()  # a weight changed in place since: prepare again
         dtype, t = x.dtype, x.shape[0]
-        x = x.to(torch.float32, memory_format=torch.contiguous_format, copy=True)  # updated in place
+        x = x.float().contiguous()  # updated in place, layer after layer
         if qkv_input is not None:
             qkv_input = qkv_input.float().contiguous()
         cos = cos.reshape(t, -1).float().contiguous()

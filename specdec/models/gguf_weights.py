@@ -230,7 +230,7 @@ def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, Blocks],
     weight."""
     from specdec.models import q8_activations
 
-    make = {"float": prepare, "q8": q8_activations.prepare}[activations]
+    make = q8_activations.preparer(activations)
     out = []
     for name, weight in params.items():
         b = blocks[name]

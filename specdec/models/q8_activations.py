@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Callable
+
+from specdec.models import gguf_weights
 from specdec.models.gguf_weights import BLOCK, Blocks, _split, pair_rows, pair_scales
 from specdec.models.native import PANEL, Panels
 
@@ -41,6 +44,11 @@ def prepare(b: Blocks) -> Panels:
     data = torch.cat(parts, dim=-1).contiguous()
     return Panels(data, b.out_features, in_features=b.in_features, fmt=FORMATS[b.kind],
                   panels=2 * pairs)
+
+
+def preparer(activations: str) -> Callable[[Blocks], Panels]:
+    """The layout the kernels need for ``activations`` ("float" | "q8"): blocks -> panels."""
+    return {"float": gguf_weights.prepare, "q8": prepare}[activations]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
