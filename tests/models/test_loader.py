@@ -195,8 +195,35 @@ def test_shape_mismatch_is_named(llama_copy, name, shape):
 def test_corrupt_gguf_is_named(tmp_path, content):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(content)
+    import gguf
+
+    reader = gguf.GGUFReader
     with pytest.raises(ValueError, match=re.escape(str(bad))):
         convert_gguf(bad, tmp_path / "out")
+    assert gguf.GGUFReader is reader  # the conversion's memoized reader is gone, failed or not
+
+
+def test_conversion_parses_each_gguf_file_once(tmp_path):
+    import gguf
+    import numpy as np
+
+    from specdec.models.aliases import _gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert isinstance(first, reader)
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
 
 
 def test_corrupt_gguf_through_resolve_leaves_no_cache_entry(tmp_path, monkeypatch):
