@@ -11,7 +11,7 @@ one torch thread (the shapes are small: with two threads on two busy cores each 
 OpenMP barrier, measured 7-10x slower), and the "smollm2-135m" shape is replaced by
 ``REHEARSAL_SMOLLM2``, SmolLM2's layout (GQA group 3, head_dim 64, tied embeddings) at 2 layers
 and a 512-token vocabulary (30 layers and 49152 tokens in bf16 on the CPU took most of the
-rehearsal's minutes, for the same code paths).
+rehearsal's minutes, for the same code paths), and "tiny-gpu" by ``REHEARSAL_TINY``.
 
     SPECDEC_TEST_DEVICE=cpu PYTHONPATH=tests/gpu python -m pytest -p cpu_rehearsal tests/gpu/test_gpu.py
 """
@@ -28,6 +28,11 @@ CUDA_ONLY = ("test_flashinfer_graph_shape_replays_after_each_plan",
 REHEARSAL_SMOLLM2 = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=2,
                          num_attention_heads=3, num_key_value_heads=1, vocab_size=512,
                          rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+# "tiny-gpu" at head_dim 64 and 4 layers (EAGLE-3's feature layers) but 2 heads: bf16 matmuls
+# run without bf16 units on most CPUs, and at hidden 256 they took most of the rehearsal
+REHEARSAL_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, vocab_size=512,
+                      rope_theta=10000.0, tie_word_embeddings=False, rms_norm_eps=1e-6)
 
 
 def _install() -> None:
@@ -63,6 +68,7 @@ def _install() -> None:
 
     torch.set_num_threads(1)
     gpu_helpers.SHAPES["smollm2-135m"] = REHEARSAL_SMOLLM2
+    gpu_helpers.SHAPES["tiny-gpu"] = REHEARSAL_TINY
     attention.resolve_backend = resolve
     runner.ModelRunner.enable_cuda_graphs = enable_runner
     engine.LLMEngine._enable_cuda_graphs = enable_engine
