@@ -41,45 +41,45 @@ class TreeLayout:
 
     @classmethod
     def build(cls, trees: list[DraftTree], cu_rows: list[int], device) -> TreeLayout:
+        """Built in flat Python lists and made two tensors (moved to the device as two), then
+        split into the fields: a few small torch ops per tree cost ~0.25 ms a tree (2 ms a step
+        at batch 8)."""
         b = len(trees)
         n = max((t.num_nodes for t in trees), default=0)
-        kids = [[t.children(i) for i in range(-1, t.num_nodes)] for t in trees]
-        s = max((len(c) for k in kids for c in k), default=0)
-        tokens = torch.zeros(b, n, dtype=torch.int64)
-        depth = torch.zeros(b, n, dtype=torch.int64)
-        valid = torch.zeros(b, n, dtype=torch.bool)
-        first = torch.zeros(b, n, dtype=torch.bool)
-        anc = torch.zeros(b, n, n, dtype=torch.bool)
-        children = torch.full((b, n + 1, max(s, 1)), -1, dtype=torch.int64)
         last = cu_rows[-1] - 1  # padded entries point at a real row; they are never used
-        node_row = torch.tensor([[min(cu_rows[i] + j, last) for j in range(n + 1)]
-                                 for i in range(b)], dtype=torch.int64)
-        parents = torch.full((b, n), -1, dtype=torch.int64)
-        for i, (tree, k) in enumerate(zip(trees, kids)):
+        node_row = [min(cu_rows[i] + j, last) for i in range(b) for j in range(n + 1)]
+        tokens, parents, depth = [0] * (b * n), [-1] * (b * n), [0] * (b * n)
+        valid, first, anc = [False] * (b * n), [False] * (b * n), [False] * (b * n * n)
+        kids: list[list[int]] = [[] for _ in range(b * (n + 1))]
+        for i, tree in enumerate(trees):
             m = tree.num_nodes
             if not m:
                 continue
-            tokens[i, :m] = tree.tokens.cpu()
-            parents[i, :m] = tree.parents.cpu()
-            depth[i, :m] = tree.depths.cpu()
-            valid[i, :m] = True
-            anc[i, :m, :m] = tree.ancestor_mask.cpu()
-            for slot, cs in enumerate(k):
-                children[i, slot, :len(cs)] = torch.tensor(cs, dtype=torch.int64)
-            first[i, :m] = torch.tensor(_first_of_token(tree), dtype=torch.bool)
+            toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+            base, seen = i * n, set()
+            for j, (p, t) in enumerate(zip(pars, toks)):
+                row = (base + j) * n
+                if p >= 0:
+                    up = (base + p) * n
+                    anc[row:row + p + 1] = anc[up:up + p + 1]
+                    depth[base + j] = depth[base + p] + 1
+                anc[row + j] = True
+                kids[i * (n + 1) + p + 1].append(j)
+                first[base + j] = (p, t) not in seen  # greedy takes a token's first sibling
+                seen.add((p, t))
+            tokens[base:base + m], parents[base:base + m] = toks, pars
+            valid[base:base + m] = [True] * m
+        s = max(map(len, kids), default=0)
+        width = max(s, 1)
+        children = [c for k in kids for c in k + [-1] * (width - len(k))]
+        parent_row = [node_row[(k // n) * (n + 1) + p + 1] for k, p in enumerate(parents)]
+        ints = torch.tensor(tokens + depth + children + node_row + parent_row,
+                            dtype=torch.int64).to(device)
+        bools = torch.tensor(valid + first + anc, dtype=torch.bool).to(device)
+        tok, dep, ch, nr, pr = ints.split([b * n, b * n, b * (n + 1) * width, b * (n + 1),
+                                           b * n])
+        va, fi, an = bools.split([b * n, b * n, b * n * n])
         max_depth = max((t.max_depth + 1 for t in trees), default=0)
-        parent_row = node_row.gather(1, parents + 1)
-        to = dict(device=device)
-        return cls(tokens.to(**to), valid.to(**to), first.to(**to), depth.to(**to),
-                   anc.to(**to), children.to(**to), node_row.to(**to), parent_row.to(**to),
-                   max_depth, s)
-
-
-def _first_of_token(tree: DraftTree) -> list[bool]:
-    """Per node: no earlier sibling has the same token (later duplicates can never be taken)."""
-    seen: set[tuple[int, int]] = set()
-    out = []
-    for p, t in zip(tree.parents.tolist(), tree.tokens.tolist()):
-        out.append((p, t) not in seen)
-        seen.add((p, t))
-    return out
+        return cls(tok.view(b, n), va.view(b, n), fi.view(b, n), dep.view(b, n),
+                   an.view(b, n, n), ch.view(b, n + 1, width), nr.view(b, n + 1),
+                   pr.view(b, n), max_depth, s)

@@ -64,3 +64,8 @@ def test_random_batches_match_each_tree(batch):
             assert kids == t.children(i)
         for i, p in enumerate(t.parents.tolist()):
             assert int(lay.parent_row[b, i]) == cu[b] + 1 + p
+        pairs = list(zip(t.parents.tolist(), t.tokens.tolist()))
+        assert lay.first[b, :m].tolist() == [pairs.index(pt) == i for i, pt in enumerate(pairs)]
+    assert not lay.first[~lay.valid].any() and not lay.ancestors[~lay.valid].any()
+    assert lay.max_children == max(len(t.children(i)) for t in batch
+                                   for i in range(-1, t.num_nodes))
