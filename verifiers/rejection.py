@@ -155,12 +155,16 @@ def _randomness(batch: VerifyBatch, layout: TreeLayout, vocab: int, device):
     padding coins are 1 (never accepted, never read). ``final_noise(k)`` with k [B] the accepted
     depths gives the Exp(1) rows [B, V] of (seed, position after the accepted path, RESIDUAL)."""
     n = max(layout.tokens.shape[1], 1)
-    coins = torch.ones(batch.batch_size, n, dtype=torch.float64)
+    coins = torch.ones(batch.batch_size * n, dtype=torch.float64)
+    keys, slots = [], []  # every node's key, hashed in one call for the batch
     for b, (seed, start, tree) in enumerate(zip(batch.seeds, batch.positions, batch.trees)):
         if tree.num_nodes:
-            keys = [randomness.key(seed, start + d, randomness.COIN + s)
-                    for d, s in zip(tree.depths.tolist(), _sibling_ranks(tree))]
-            coins[b, :tree.num_nodes] = randomness.coins(keys)
+            keys += [randomness.key(seed, start + d, randomness.COIN + s)
+                     for d, s in zip(tree.depths.tolist(), _sibling_ranks(tree))]
+            slots += range(b * n, b * n + tree.num_nodes)
+    if keys:
+        coins[slots] = randomness.coins(keys)
+    coins = coins.view(batch.batch_size, n)
 
     def final_noise(k: torch.Tensor) -> torch.Tensor:
         keys = [randomness.key(seed, start + d, randomness.RESIDUAL)
