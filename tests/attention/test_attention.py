@@ -174,6 +174,34 @@ def test_groups_partition_requests_by_shape():
     assert all(p == sorted(p) for p in parts)
 
 
+def _group_cost(parts, qo_lens, kv_lens) -> int:
+    from specdec.attention.torch_backend import CALL_CELLS
+
+    return sum(len(p) * max(qo_lens[b] for b in p) * max(kv_lens[b] for b in p) + CALL_CELLS
+               for p in parts)
+
+
+def _groups_per_request(qo_lens: list[int], kv_lens: list[int]) -> int:
+    """The cheapest cost of cutting the requests sorted by shape into runs (the definition)."""
+    order = sorted(range(len(qo_lens)), key=lambda b: (qo_lens[b], kv_lens[b]))
+    best = [0] + [None] * len(order)
+    for j in range(1, len(order) + 1):
+        best[j] = min(best[i] + _group_cost([order[i:j]], qo_lens, kv_lens) for i in range(j))
+    return best[-1]
+
+
+@settings(max_examples=80, deadline=None)
+@given(shapes=st.lists(st.tuples(st.sampled_from([1, 2, 5, 64]),
+                                 st.sampled_from([3, 40, 41, 300, 2000])), min_size=1, max_size=12))
+def test_groups_by_shape_cost_what_the_per_request_program_costs(shapes):
+    qo = [min(q, kv) for q, kv in shapes]
+    kv = [k for _, k in shapes]
+    parts = _groups(qo, kv)
+    assert sorted(b for p in parts for b in p) == list(range(len(qo)))
+    assert all(p == sorted(p) for p in parts)
+    assert _group_cost(parts, qo, kv) == _groups_per_request(qo, kv)
+
+
 def _ancestors_or_self(parents: list[int], i: int) -> list[int]:
     out = []
     while i >= 0:
