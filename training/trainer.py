@@ -35,6 +35,7 @@ import os
 import random
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,6 +49,7 @@ from specdec.training.data import (
     has_answers,
     load_conversations,
     prompts_of,
+    shorten_turns,
     tokenize_all,
 )
 from specdec.training.kinds import Kind, kind
@@ -101,7 +103,7 @@ def train(config: TrainConfig) -> dict:
     tokenizer = load_tokenizer(folder)
     train_convs, held_out = _split(load_conversations([Path(f) for f in config.data],
                                                       config.limit, config.seed), config)
-    train_convs = _answers(train_convs, config, out, accelerator)
+    train_convs = _answers(train_convs, config, out, accelerator, tokenizer)
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
     k = kind(config.kind)
     dataset, calibration = _calibration_split(dataset, config, k)
@@ -159,17 +161,23 @@ def _split(convs: list[Conversation], config: TrainConfig):
     return [convs[i] for i in sorted(order[k:])], [p for p in held if p]
 
 
-def _answers(convs: list[Conversation], config: TrainConfig, out: Path,
-             accelerator) -> list[Conversation]:
+def _answers(convs: list[Conversation], config: TrainConfig, out: Path, accelerator,
+             tokenizer) -> list[Conversation]:
     """The conversations with their answers: the data's, or (--regenerate) the target's, each
-    process answering its share on its own device (a part file each, merged by the main one)."""
+    process answering its share on its own device (a part file each, merged by the main one).
+    The target answers the prompts as training will show them (``max_turn_tokens``)."""
     if config.regenerate:
         from specdec.training.regenerate import merge_parts, regenerate
 
         final = out / "regenerated.jsonl"
+        shorten = None
+        if config.max_turn_tokens is not None:  # the target answers what the drafter sees
+            shorten = partial(shorten_turns, tokenizer=tokenizer,
+                              max_turn_tokens=config.max_turn_tokens)
         kw = dict(temperature=config.regen_temperature, max_tokens=config.regen_max_tokens,
                   batch_size=config.regen_batch_size, seed=config.seed,
-                  device=engine_device(accelerator), activations=config.regen_activations)
+                  device=engine_device(accelerator), activations=config.regen_activations,
+                  prompt_of=shorten)
         n, rank = accelerator.num_processes, accelerator.process_index
         if n > 1:
             regenerate(convs[rank::n], config.target, out / f"regenerated.part{rank}.jsonl",
