@@ -199,10 +199,10 @@ def _gather_slots(md: AttentionMetadata, members: list[int], kv_lens: list[int],
 
 
 def _ranges(starts: list[int], lens: list[int], device) -> torch.Tensor:
-    """[sum(lens)] int64: start, start + 1, ... of each (start, len), concatenated."""
-    n = torch.tensor(lens, device=device)
-    first = torch.tensor(starts, device=device) - (n.cumsum(0) - n)
-    return torch.arange(int(n.sum()), device=device) + first.repeat_interleave(n)
+    """[sum(lens)] int64: start, start + 1, ... of each (start, len), concatenated (one host
+    list, one tensor: cheaper than an op per request at any batch)."""
+    return torch.tensor([s + j for s, n in zip(starts, lens) for j in range(n)],
+                        dtype=torch.int64, device=device)
 
 
 def _mask(md, members, qo_lens, kv_lens, qmax, lmax) -> torch.Tensor | None:
@@ -213,15 +213,16 @@ def _mask(md, members, qo_lens, kv_lens, qmax, lmax) -> torch.Tensor | None:
         return None
     device = md.slot_mapping.device
     qo = torch.tensor(qo_lens, device=device)[:, None, None]
-    kv = torch.tensor(kv_lens, device=device)[:, None, None]
     r = torch.arange(qmax, device=device)[None, :, None]
     c = torch.arange(lmax, device=device)[None, None, :]
-    # causal rows (the qo new rows are the last qo of kv slots); padding rows see slot 0 only:
-    # any finite row avoids NaNs, and they are dropped
-    mask = torch.where(r < qo, c <= kv - qo + r, c == 0)
+    # padding rows see slot 0 only: any finite row avoids NaNs, and they are dropped
+    if all(m is not None for m in customs):
+        mask = (r >= qo) & (c == 0)
+    else:  # causal rows: the qo new rows are the last qo of kv slots
+        kv = torch.tensor(kv_lens, device=device)[:, None, None]
+        mask = torch.where(r < qo, c <= kv - qo + r, c == 0)
     for i, (q, k, custom) in enumerate(zip(qo_lens, kv_lens, customs)):
         if custom is not None:
             assert custom.shape == (q, k), (custom.shape, q, k)
-            mask[i, :q] = False
             mask[i, :q, :k] = custom
     return mask.unsqueeze(1)
