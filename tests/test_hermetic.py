@@ -29,3 +29,10 @@ def test_subprocesses_see_the_suite_cache(suite_cache):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True)
     assert out.stdout.strip() == str(suite_cache[0])
+
+
+def test_property_tests_have_no_deadline():
+    """A slow or busy machine must not fail a property test by timing (tests/conftest.py)."""
+    from hypothesis import settings
+
+    assert settings.default.deadline is None
