@@ -21,8 +21,7 @@ import logging
 import numpy as np
 import torch
 
-from specdec.models import native
-from specdec.models import q8_activations
+from specdec.models import native, q8_activations
 from specdec.models.gguf_weights import BLOCK, FORMATS, Blocks
 from specdec.models.native import Panels
 

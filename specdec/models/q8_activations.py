@@ -15,9 +15,9 @@ rows that cost a fraction of an fp32 row's FMAs.
 
 from __future__ import annotations
 
-import torch
-
 from collections.abc import Callable
+
+import torch
 
 from specdec.models import gguf_weights
 from specdec.models.gguf_weights import BLOCK, Blocks, _split, pair_rows, pair_scales
