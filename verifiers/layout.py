@@ -79,7 +79,7 @@ class TreeLayout:
         tok, dep, ch, nr, pr = ints.split([b * n, b * n, b * (n + 1) * width, b * (n + 1),
                                            b * n])
         va, fi, an = bools.split([b * n, b * n, b * n * n])
-        max_depth = max((t.max_depth + 1 for t in trees), default=0)
+        max_depth = max(depth) + 1 if n else 0  # padded entries are 0; a tree has nodes
         return cls(tok.view(b, n), va.view(b, n), fi.view(b, n), dep.view(b, n),
                    an.view(b, n, n), ch.view(b, n + 1, width), nr.view(b, n + 1),
                    pr.view(b, n), max_depth, s)
