@@ -10,7 +10,8 @@ true features (``num_cached``) and the target features of committed tokens it ha
 2. expansion, for each further level: the ``topk`` candidates of the previous level with the
    highest cumulative draft probability get a row each (feature: their parent's row output,
    position N-1+level, attending to the prefix and their own ancestors' rows: ``nodes_mask``),
-   and each contributes its top-k children as candidates of the next level.
+   and each contributes its top-k children as candidates of the next level. A level runs only
+   while some request's budget could still take one of its candidates (``_can_grow``).
 3. the tree: the ``budget`` candidates with the highest cumulative probability (ancestor-closed,
    since probabilities only shrink along a path), in that order, mapped to target ids by d2t.
 
@@ -102,9 +103,8 @@ class Eagle3Drafter(BaseDrafter):
         live = [r for r in requests if self._reserve(r)]
         if not live:
             return trees
-        depth = max(min(self.depth, r.budget.depth_limit) for r in live)
         y, logp = self._catch_up(live)
-        levels, rows = self._expand(live, y, logp, depth)
+        levels, rows = self._expand(live, y, logp)
         index = {id(r): i for i, r in enumerate(requests)}
         for j, r in enumerate(live):
             trees[index[id(r)]] = self._select(levels[j], rows[j], r.budget.max_nodes,
@@ -144,16 +144,22 @@ class Eagle3Drafter(BaseDrafter):
             r.state.pending.clear()
         return out.final_hidden.index_select(0, batch.logits_indices), out.logits.log_softmax(-1)
 
-    def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor, depth: int):
+    def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor):
         """Levels of candidates per request, and per request the expanded rows as
-        (level, candidate index) in row order."""
+        (level, candidate index) in row order. A further level runs while some request's tree
+        could still take one of its candidates (``_can_grow``): the trees are those of the full
+        expansion, without the forwards whose candidates the budgets would all drop."""
         k = self.topk
         top_i, top_v = _host_topk(logp, k)
         levels = [[_Level([-1] * k, top_i[b], top_v[b])] for b in range(len(reqs))]
         rows: list[list[tuple[int, int]]] = [[] for _ in reqs]
+        depths = [min(self.depth, r.budget.depth_limit) for r in reqs]
         parent_y = y  # [B, H] feature of each request's current parents (catch-up row)
-        for level in range(1, depth):
+        for level in range(1, max(depths)):
             picks = [self._frontier(levels[b][-1], k) for b in range(len(reqs))]
+            if not any(level < depths[b] and _can_grow(levels[b], picks[b], r.budget.max_nodes)
+                       for b, r in enumerate(reqs)):
+                break
             out = self._forward_level(reqs, levels, rows, picks, parent_y, level)
             parent_y = out.final_hidden  # [B * k, H], request b's rows at b*k .. b*k+k-1
             top_i, top_v = _host_topk(out.logits.log_softmax(-1), k)
@@ -223,6 +229,16 @@ class Eagle3Drafter(BaseDrafter):
         return DraftTree(torch.tensor(tokens, dtype=torch.int64),
                          torch.tensor(parents, dtype=torch.int64), None,
                          torch.tensor(probs, dtype=torch.float32).exp())
+
+
+def _can_grow(levels: list[_Level], picks: list[int], budget: int) -> bool:
+    """Whether a child of the picked candidates of the last level could be among the ``budget``
+    best candidates of the tree. A child's cumulative log-prob is at most its parent's, and on a
+    tie the shallower candidate ranks first, so every candidate at least as probable as the best
+    pick ranks ahead of all their descendants: with ``budget`` of them, none can enter."""
+    best = max(levels[-1].logp[c] for c in picks)
+    ahead = sum(v >= best for level in levels for v in level.logp)
+    return ahead < budget
 
 
 def _host_topk(logp: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:

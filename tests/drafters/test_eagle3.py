@@ -74,20 +74,31 @@ def _num_candidates(depth: int, k: int) -> int:
     return k + (depth - 1) * k * k
 
 
-def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch):
+@pytest.mark.parametrize("depth, topk, budget, skips", [(3, 2, 7, False), (4, 2, 3, True),
+                                                       (5, 3, 4, True)])
+def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch, depth, topk, budget, skips):
+    """The oracle expands every level; the drafter skips the levels no budget can take
+    (small budgets: most of them), and must still give exactly the oracle's trees."""
     folder, model, cfg, hf = target4
     head = random_head(model, cfg, hf, seed=1)
-    depth, topk = 3, 2
     seen = record_proposals(monkeypatch, Eagle3Drafter)
+    steps, levels = [], []
+    expand, forward_level = Eagle3Drafter._expand, Eagle3Drafter._forward_level
+    monkeypatch.setattr(Eagle3Drafter, "_expand", lambda self, reqs, *a: steps.append(
+        max(min(depth, r.budget.depth_limit) for r in reqs) - 1) or expand(self, reqs, *a))
+    monkeypatch.setattr(Eagle3Drafter, "_forward_level",
+                        lambda self, *a: levels.append(a[-1]) or forward_level(self, *a))
     greedy(folder, PROMPTS[:5], drafter="eagle3",
             drafter_args={"head": head, "depth": depth, "topk": topk},
-            controller_args={"budget": 7})
+            controller_args={"budget": budget})
     assert len(seen) > 10
-    for tokens, budget, tree in seen:
-        ref = _oracle_tree(model, head, tokens, depth, topk, budget.max_nodes)
+    for tokens, b, tree in seen:
+        ref = _oracle_tree(model, head, tokens, depth, topk, b.max_nodes)
         assert tree.tokens.tolist() == ref[0] and tree.parents.tolist() == ref[1]
         torch.testing.assert_close(tree.path_probs.double(), torch.tensor(ref[2]).double(),
                                    rtol=1e-5, atol=0)
+    full = sum(steps)  # level forwards of the full expansion
+    assert len(levels) < full if skips else len(levels) == full
 
 
 def _oracle_tree(model, head, tokens, depth, k, budget):
