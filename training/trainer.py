@@ -101,7 +101,7 @@ def train(config: TrainConfig) -> dict:
     dtype = getattr(torch, config.dtype)
     model, cfg, hf = load_model(folder, dtype, accelerator.device, config.max_length + 16)
     tokenizer = load_tokenizer(folder)
-    train_convs, held_out = _split(load_conversations([Path(f) for f in config.data],
+    train_convs, held_out = held_out_split(load_conversations([Path(f) for f in config.data],
                                                       config.limit, config.seed), config)
     train_convs = _answers(train_convs, config, out, accelerator, tokenizer)
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
@@ -152,7 +152,7 @@ def _prepare_out(out: Path, resume: bool) -> Path:
     return out
 
 
-def _split(convs: list[Conversation], config: TrainConfig):
+def held_out_split(convs: list[Conversation], config: TrainConfig):
     """(training conversations, held-out prompts): a seeded split, the same on every rerun."""
     order = list(range(len(convs)))
     random.Random(config.seed).shuffle(order)

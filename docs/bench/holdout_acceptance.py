@@ -22,13 +22,13 @@ from specdec import LLM, SamplingParams
 from specdec.bench import match_rates, speculation_summary
 from specdec.training.config import TrainConfig
 from specdec.training.data import load_conversations
-from specdec.training.trainer import _split
+from specdec.training.trainer import held_out_split
 
 
 def held_out_prompts(recipe: str) -> list[list[dict]]:
     config = TrainConfig.from_sources(recipe, {"out": "unused"})  # only the split
     convs = load_conversations([Path(f) for f in config.data], config.limit, config.seed)
-    return _split(convs, config)[1]
+    return held_out_split(convs, config)[1]
 
 
 def _run(llm: LLM, prompts, max_tokens: int):
