@@ -101,8 +101,8 @@ def train(config: TrainConfig) -> dict:
     dtype = getattr(torch, config.dtype)
     model, cfg, hf = load_model(folder, dtype, accelerator.device, config.max_length + 16)
     tokenizer = load_tokenizer(folder)
-    train_convs, held_out = held_out_split(load_conversations([Path(f) for f in config.data],
-                                                      config.limit, config.seed), config)
+    convs = load_conversations([Path(f) for f in config.data], config.limit, config.seed)
+    train_convs, held_out = held_out_split(convs, config)
     train_convs = _answers(train_convs, config, out, accelerator, tokenizer)
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
     k = kind(config.kind)

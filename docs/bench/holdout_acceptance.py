@@ -18,8 +18,9 @@ import json
 import time
 from pathlib import Path
 
-from specdec import LLM, SamplingParams
-from specdec.bench import match_rates, speculation_summary
+from specdec import LLM
+from specdec.bench import EngineSystem, match_rates, speculation_summary
+from specdec.models.tokenizer import chat_token_ids
 from specdec.training.config import TrainConfig
 from specdec.training.data import load_conversations
 from specdec.training.trainer import held_out_split
@@ -29,14 +30,6 @@ def held_out_prompts(recipe: str) -> list[list[dict]]:
     config = TrainConfig.from_sources(recipe, {"out": "unused"})  # only the split
     convs = load_conversations([Path(f) for f in config.data], config.limit, config.seed)
     return held_out_split(convs, config)[1]
-
-
-def _run(llm: LLM, prompts, max_tokens: int):
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    bad = [o for o in outs if o.finish_reason == "error"]
-    if bad:
-        raise RuntimeError(f"engine request failed: {bad[0].error}")
-    return outs
 
 
 def main() -> None:
@@ -51,7 +44,9 @@ def main() -> None:
     args = p.parse_args()
     prompts = held_out_prompts(args.recipe)
     t0 = time.perf_counter()
-    plain = _run(LLM(activations=args.activations), prompts, args.max_tokens)
+    plain_llm = LLM(activations=args.activations)
+    ids = [chat_token_ids(plain_llm.tokenizer, p) for p in prompts]
+    plain = EngineSystem(plain_llm, args.max_tokens).run(ids)[1]
     ref = dict(enumerate(plain))
     report = {"recipe": args.recipe, "num_prompts": len(prompts), "budget": args.budget,
               "max_tokens": args.max_tokens, "activations": args.activations, "drafters": {}}
@@ -61,7 +56,7 @@ def main() -> None:
             raise SystemExit(f"--drafter wants KIND=PATH, got {spec!r}")
         llm = LLM(activations=args.activations, drafter=kind, drafter_args={"path": path},
                   controller="static", controller_args={"budget": args.budget})
-        outs = _run(llm, prompts, args.max_tokens)
+        outs = EngineSystem(llm, args.max_tokens).run(ids)[1]
         row = speculation_summary(outs)
         row["greedy_match_rate"] = match_rates(dict(enumerate(outs)), ref)[0]
         report["drafters"][spec] = row
