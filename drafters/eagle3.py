@@ -11,7 +11,7 @@ true features (``num_cached``) and the target features of committed tokens it ha
    highest cumulative draft probability get a row each (feature: their parent's row output,
    position N-1+level, attending to the prefix and their own ancestors' rows: ``nodes_mask``),
    and each contributes its top-k children as candidates of the next level. A level runs only
-   while some request's budget could still take one of its candidates (``_can_grow``).
+   for the candidates whose children some request's budget could still take (``_useful``).
 3. the tree: the ``budget`` candidates with the highest cumulative probability (ancestor-closed,
    since probabilities only shrink along a path), in that order, mapped to target ids by d2t.
 
@@ -107,8 +107,7 @@ class Eagle3Drafter(BaseDrafter):
         levels, rows = self._expand(live, y, logp)
         index = {id(r): i for i, r in enumerate(requests)}
         for j, r in enumerate(live):
-            trees[index[id(r)]] = self._select(levels[j], rows[j], r.budget.max_nodes,
-                                               min(self.depth, r.budget.depth_limit))
+            trees[index[id(r)]] = self._select(levels[j], rows[j], r.budget.max_nodes)
         return trees
 
     def _reserve(self, r: DraftRequest) -> bool:
@@ -146,73 +145,76 @@ class Eagle3Drafter(BaseDrafter):
 
     def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor):
         """Levels of candidates per request, and per request the expanded rows as
-        (level, candidate index) in row order. A further level runs while some request's tree
-        could still take one of its candidates (``_can_grow``): the trees are those of the full
-        expansion, without the forwards whose candidates the budgets would all drop."""
+        (level, candidate index) in row order. Of each level's ``topk`` most probable
+        candidates only those whose children could still be among the request's ``budget``
+        best get a row (``_useful``); a request without one sits the level out, and the
+        expansion stops when no request has one. The trees are those of the full expansion,
+        without the rows whose candidates the budgets would all drop."""
         k = self.topk
         top_i, top_v = _host_topk(logp, k)
         levels = [[_Level([-1] * k, top_i[b], top_v[b])] for b in range(len(reqs))]
         rows: list[list[tuple[int, int]]] = [[] for _ in reqs]
         depths = [min(self.depth, r.budget.depth_limit) for r in reqs]
-        parent_y = y  # [B, H] feature of each request's current parents (catch-up row)
+        parent_y = y  # the last forward's outputs; request b's catch-up row is row b of y
+        out_row = [{-1: b} for b in range(len(reqs))]  # per request: rows[b] index -> row
         for level in range(1, max(depths)):
-            picks = [self._frontier(levels[b][-1], k) for b in range(len(reqs))]
-            if not any(level < depths[b] and _can_grow(levels[b], picks[b], r.budget.max_nodes)
-                       for b, r in enumerate(reqs)):
+            picks = [_useful(levels[b], k, r.budget.max_nodes) if level < depths[b] else []
+                     for b, r in enumerate(reqs)]
+            if not any(picks):
                 break
-            out = self._forward_level(reqs, levels, rows, picks, parent_y, level)
-            parent_y = out.final_hidden  # [B * k, H], request b's rows at b*k .. b*k+k-1
+            out, out_row = self._forward_level(reqs, levels, rows, picks, parent_y, out_row,
+                                               level)
+            parent_y = out.final_hidden
             top_i, top_v = _host_topk(out.logits.log_softmax(-1), k)
-            for b in range(len(reqs)):
+            for b, pick in enumerate(picks):
+                if not pick:
+                    continue
                 cand = levels[b][-1]
-                first = len(rows[b]) - k
+                first = len(rows[b]) - len(pick)
                 parent, token, lp = [], [], []
-                for j, c in enumerate(picks[b]):
-                    row = b * k + j
+                for j, c in enumerate(pick):
+                    row = out_row[b][first + j]
                     parent += [first + j] * k
                     token += top_i[row]
                     lp += [cand.logp[c] + v for v in top_v[row]]
                 levels[b].append(_Level(parent, token, lp))
         return levels, rows
 
-    @staticmethod
-    def _frontier(cand: _Level, k: int) -> list[int]:
-        """The k candidates of a level with the highest cumulative probability."""
-        order = sorted(range(len(cand.logp)), key=lambda i: -cand.logp[i])
-        return order[:k]
-
-    def _forward_level(self, reqs, levels, rows, picks, parent_y, level: int):
-        """One row per picked candidate of every request, batched; updates ``rows``."""
-        k = self.topk
-        feeds, starts, positions, masks, feat_rows = [], [], [], [], []
+    def _forward_level(self, reqs, levels, rows, picks, parent_y, out_row, level: int):
+        """One row per pick of every request that has picks, batched; extends ``rows``.
+        Returns the forward's output and, per request, its new rows' rows[b] index -> row of
+        that output (each row's feature is its parent's output row in ``out_row``)."""
+        feeds, starts, positions, masks, tables, feat_rows = [], [], [], [], [], []
+        new_row: list[dict[int, int]] = [{} for _ in reqs]
         for b, r in enumerate(reqs):
+            pick = picks[b]
+            if not pick:
+                continue
             n = len(r.token_ids)
             cand = levels[b][-1]
             prev_rows = len(rows[b])
-            for c in picks[b]:
+            for j, c in enumerate(pick):
                 rows[b].append((level - 1, c))
+                new_row[b][prev_rows + j] = len(feat_rows)
+                feat_rows.append(out_row[b][cand.parent[c]])
             tree = _row_tree(levels[b], rows[b])
-            feeds.append([cand.token[c] for c in picks[b]])  # draft ids; mapped below
+            feeds.append([cand.token[c] for c in pick])  # draft ids; mapped below
             starts.append(n - 1 + prev_rows)
-            positions.append([n - 1 + level - 1] * k)
-            new = torch.arange(prev_rows, prev_rows + k)
-            masks.append(nodes_mask(tree, n - 1, new))
-            parent_index = [cand.parent[c] for c in picks[b]]
-            feat_rows += [b if p < 0 or level == 1 else b * k + p - (prev_rows - k)
-                          for p in parent_index]
+            positions.append([n - 1 + level - 1] * len(pick))
+            masks.append(nodes_mask(tree, n - 1, torch.arange(prev_rows, prev_rows + len(pick))))
+            tables.append(r.state.table)
         d2t = self._d2t
         ids = [[t + d2t[t] for t in f] for f in feeds]  # the target's ids (its embedding)
         features = parent_y.index_select(0, torch.tensor(feat_rows, device=parent_y.device))
-        batch = self.runner.pack(ids, starts,
-                                 [r.state.table for r in reqs], logits="all",
-                                 positions=positions, masks=masks, features=features)
-        return self.runner.forward(batch)
+        batch = self.runner.pack(ids, starts, tables, logits="all", positions=positions,
+                                 masks=masks, features=features)
+        return self.runner.forward(batch), new_row
 
-    def _select(self, levels: list[_Level], rows: list[tuple[int, int]], budget: int,
-                depth: int) -> DraftTree:
-        """The ``budget`` most probable candidates of the first ``depth`` levels, as a tree."""
-        flat = [(lv, c) for lv in range(min(depth, len(levels)))
-                for c in range(len(levels[lv].token))]
+    def _select(self, levels: list[_Level], rows: list[tuple[int, int]],
+                budget: int) -> DraftTree:
+        """The ``budget`` most probable candidates of the levels (as deep as the request's
+        depth: ``_expand`` stops there), as a tree."""
+        flat = [(lv, c) for lv in range(len(levels)) for c in range(len(levels[lv].token))]
         # best first; a child's log-prob is its parent's plus a log-prob <= 0, and ties go to
         # the shallower node, so the first `budget` are ancestor-closed and topological
         flat.sort(key=lambda lc: (-levels[lc[0]].logp[lc[1]], lc[0], lc[1]))
@@ -231,14 +233,19 @@ class Eagle3Drafter(BaseDrafter):
                          torch.tensor(probs, dtype=torch.float32).exp())
 
 
-def _can_grow(levels: list[_Level], picks: list[int], budget: int) -> bool:
-    """Whether a child of the picked candidates of the last level could be among the ``budget``
-    best candidates of the tree. A child's cumulative log-prob is at most its parent's, and on a
-    tie the shallower candidate ranks first, so every candidate at least as probable as the best
-    pick ranks ahead of all their descendants: with ``budget`` of them, none can enter."""
-    best = max(levels[-1].logp[c] for c in picks)
-    ahead = sum(v >= best for level in levels for v in level.logp)
-    return ahead < budget
+def _useful(levels: list[_Level], k: int, budget: int) -> list[int]:
+    """The last level's ``k`` most probable candidates (EAGLE-2's frontier), best first, cut to
+    those a child of which could be among the tree's ``budget`` best candidates. A child's
+    cumulative log-prob is at most its parent's, and on a tie the shallower candidate ranks
+    first, so every candidate at least as probable as a pick ranks ahead of all its
+    descendants: when ``budget`` of them exist, none of its descendants can enter."""
+    last = levels[-1].logp
+    frontier = sorted(range(len(last)), key=lambda i: -last[i])[:k]
+    every = sorted((v for level in levels for v in level.logp), reverse=True)
+    if len(every) < budget:
+        return frontier
+    cut = every[budget - 1]  # the budget-th best log-prob: a pick at most this probable is out
+    return [c for c in frontier if last[c] > cut]
 
 
 def _host_topk(logp: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
