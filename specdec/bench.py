@@ -234,11 +234,15 @@ def run_bench(args) -> dict:
 
 def runtime_info(engine) -> dict:
     """What ran: dtype, device, attention backend, CUDA graphs, the matmul kernels chosen on
-    this machine, the weights (native GGUF blocks or dequantized), the draft weights and the bytes of them one
+    this machine (and the q8 kernels' instruction set), the weights (native GGUF blocks or dequantized), the draft weights and the bytes of them one
     forward streams, the KV split."""
+    from specdec.models import native
+
     kernels = engine.kernels.describe()
+    q8_isa = native.load().q8_isa if engine.activations == "q8" else None
     return {"dtype": str(engine.dtype), "device": str(engine.device), "weights": engine.weights,
-            "activations": engine.activations, "draft_weights": engine.draft_weights,
+            "activations": engine.activations, "q8_isa": q8_isa,
+            "draft_weights": engine.draft_weights,
             "weight_bytes_per_token": engine.weight_bytes_per_forward,
             "attention_backend": engine.runner.backend.name,
             "cuda_graphs": engine.runner.graphs is not None,

@@ -20,12 +20,14 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
 
-ABI = 4
+ABI = 5
 PANEL = 8
+Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # sd_q8_isa's values, by index
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 logger = logging.getLogger("specdec")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -82,6 +84,12 @@ class Kernels:
         lib.sd_layer_scratch.restype = _I
         lib.sd_key_lists.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _P, _P]
         lib.sd_key_lists.restype = _I
+
+    @property
+    def q8_isa(self) -> str:
+        """The instruction set the 8-bit-activation kernels run here (bitwise the same results
+        on every one; ``SPECDEC_NATIVE_ISA=avx2`` or ``avx-vnni`` in the environment caps it)."""
+        return Q8_ISAS[self.lib.sd_q8_isa()]
 
     @staticmethod
     def prepare(weight: torch.Tensor) -> Panels:
@@ -183,4 +191,8 @@ def load() -> Kernels | None:
     if not features & 1:
         logger.info("this CPU has no AVX2/FMA: using the pure-torch path")
         return None
+    cap = os.environ.get("SPECDEC_NATIVE_ISA")
+    if cap is not None and cap not in Q8_ISAS[:-1]:
+        logger.warning("SPECDEC_NATIVE_ISA=%r is not one of %s: ignored (the widest kernels "
+                       "this CPU has run)", cap, ", ".join(Q8_ISAS[:-1]))
     return Kernels(lib)

@@ -26,6 +26,7 @@
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -77,86 +78,214 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
 
 /* R rows of quantized x (q: row stride K; d, s: row stride nb) over all nb blocks of one panel
  * (P: 0 or 1) of a pair -> 8 columns of each y row. One panel at a time keeps every row's fp32
- * sum and int16 / int32 block sum in registers across the blocks (2R + 3 of the 16 ymm). */
+ * sum and integer block sum in registers across the blocks (2R + 3 of the 16 ymm).
+ *
+ * Each kernel exists per instruction set (its name's suffix, its target attribute), chosen at
+ * run time (sd_q8_isa). They differ only in how a block's integer sum isum is formed, and isum
+ * is exact in all of them, so every instruction set gives bitwise the same y:
+ *   avx2: vpmaddubsw adds pairs of products into int16, vpmaddwd widens to int32 (Q4_1: once
+ *         a block; Q8_0: every step, since two steps could overflow int16);
+ *   vnni: vpdpbusd adds four products into int32 in one instruction (AVX-VNNI): one
+ *         instruction per row and step instead of two (Q4_1) or three (Q8_0);
+ *   512:  AVX512-VNNI, both panels of a pair at once (below). */
 #define INIT(r) __m256 f##r = _mm256_setzero_ps();
 #define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
-#define Q4_ZERO(r) __m256i i##r = _mm256_setzero_si256();
-#define Q4_ROW(r) i##r = _mm256_add_epi16(i##r, _mm256_maddubs_epi16(w, A4(r)));
-#define Q4_FINISH(r)                                                                          \
+#define IZERO(r) __m256i i##r = _mm256_setzero_si256();
+#define Q4_ROW_avx2(r) i##r = _mm256_add_epi16(i##r, _mm256_maddubs_epi16(w, A4(r)));
+#define Q4_ISUM_avx2(r) _mm256_madd_epi16(i##r, ones)
+#define Q4_ROW_vnni(r) i##r = DPBUSD(i##r, w, A4(r));
+#define Q4_ISUM_vnni(r) i##r
+#define Q4_FINISH(r, ISA)                                                                      \
     {                                                                                          \
         const __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[(r) * nb + j])),    \
-                                       _mm256_cvtepi32_ps(_mm256_madd_epi16(i##r, ones)));     \
+                                       _mm256_cvtepi32_ps(Q4_ISUM_##ISA(r)));                  \
         f##r = _mm256_add_ps(f##r, _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(        \
                                                               s[(r) * nb + j]))));             \
     }
-#define Q4_KERNEL(R, EACH)                                                                     \
-    AVX2 static void q4_1_q8_r##R(const int8_t* q, const float* d, const float* s, int64_t K,  \
-                                  int64_t nb, const uint8_t* b, int P, float* y, int64_t ldy) { \
+#define Q4_FINISH_avx2(r) Q4_FINISH(r, avx2)
+#define Q4_FINISH_vnni(r) Q4_FINISH(r, vnni)
+#define Q4_KERNEL(R, EACH, ISA, SUF, ATTR)                                                     \
+    ATTR static void q4_1_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
+                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
+                                       float* y, int64_t ldy) {                               \
         const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                 \
+        (void)ones;                                                                            \
         EACH(INIT)                                                                             \
         for (int64_t j = 0; j < nb; j++, b += SD_Q4_1_PAIR_BYTES) {                            \
             if (P == 0)                                                                        \
                 for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                               \
                     _mm_prefetch((const char*)b + AHEAD * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);\
-            EACH(Q4_ZERO)                                                                      \
-            /* 8 steps of <= 2 * 15 * 127 per int16 lane: <= 30480, no overflow */              \
+            EACH(IZERO)                                                                        \
+            /* 8 steps of <= 2 * 15 * 127 per int16 lane (avx2): <= 30480, no overflow */      \
             for (int c = 0; c < 8; c++) {                                                      \
                 const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 64 + 32 * c));     \
                 const __m256i w = _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low);  \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
-                EACH(Q4_ROW)                                                                   \
+                EACH(Q4_ROW_##ISA)                                                             \
             }                                                                                  \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * P)));  \
             const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32 + 16 * P))); \
-            EACH(Q4_FINISH)                                                                    \
+            EACH(Q4_FINISH_##ISA)                                                              \
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
-Q4_KERNEL(1, EACH1)
-Q4_KERNEL(2, EACH2)
-Q4_KERNEL(3, EACH3)
-Q4_KERNEL(4, EACH4)
 
-/* Q8_0: signed x signed, by vpmaddubsw(|w|, sign(x, w)); one step per int32 widening
- * (2 * 128 * 127 fits int16 once, not twice) */
-#define Q8_ZERO(r) __m256i i##r = _mm256_setzero_si256();
-#define Q8_ROW(r)                                                                             \
+/* Q8_0: signed x signed, as |w| (unsigned) x sign(x, w) (signed) */
+#define Q8_ROW_avx2(r)                                                                        \
     i##r = _mm256_add_epi32(                                                                   \
         i##r, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(A4(r), w)), ones));
+#define Q8_ROW_vnni(r) i##r = DPBUSD(i##r, u, _mm256_sign_epi8(A4(r), w));
 #define Q8_FINISH(r)                                                                          \
     f##r = _mm256_add_ps(f##r, _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[(r) * nb + j])), \
                                              _mm256_cvtepi32_ps(i##r)));
-#define Q8_KERNEL(R, EACH)                                                                     \
-    AVX2 static void q8_0_q8_r##R(const int8_t* q, const float* d, const float* s, int64_t K,  \
-                                  int64_t nb, const uint8_t* b, int P, float* y, int64_t ldy) { \
+#define Q8_KERNEL(R, EACH, ISA, SUF, ATTR)                                                     \
+    ATTR static void q8_0_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
+                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
+                                       float* y, int64_t ldy) {                               \
         (void)s;                                                                               \
         const __m256i ones = _mm256_set1_epi16(1);                                             \
+        (void)ones;                                                                            \
         EACH(INIT)                                                                             \
         for (int64_t j = 0; j < nb; j++, b += SD_Q8_0_PAIR_BYTES) {                            \
             if (P == 0)                                                                        \
                 for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                               \
                     _mm_prefetch((const char*)b + AHEAD * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);\
-            EACH(Q8_ZERO)                                                                      \
+            EACH(IZERO)                                                                        \
             for (int c = 0; c < 8; c++) {                                                      \
                 const __m256i w = _mm256_loadu_si256((const __m256i*)(b + 32 + 64 * c + 32 * P)); \
                 const __m256i u = _mm256_abs_epi8(w);                                          \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
-                EACH(Q8_ROW)                                                                   \
+                EACH(Q8_ROW_##ISA)                                                             \
             }                                                                                  \
             const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * P)));  \
             EACH(Q8_FINISH)                                                                    \
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
-Q8_KERNEL(1, EACH1)
-Q8_KERNEL(2, EACH2)
-Q8_KERNEL(3, EACH3)
-Q8_KERNEL(4, EACH4)
 
 typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_t,
                       const uint8_t*, int, float*, int64_t);
-static const q8_fn TABLE[2][TILE] = {{q4_1_q8_r1, q4_1_q8_r2, q4_1_q8_r3, q4_1_q8_r4},
-                                     {q8_0_q8_r1, q8_0_q8_r2, q8_0_q8_r3, q8_0_q8_r4}};
+
+/* both formats at 1..TILE rows for one instruction set, and their table [format][rows - 1] */
+#define KERNELS(ISA, SUF, ATTR)                                                                \
+    Q4_KERNEL(1, EACH1, ISA, SUF, ATTR) Q4_KERNEL(2, EACH2, ISA, SUF, ATTR)                    \
+    Q4_KERNEL(3, EACH3, ISA, SUF, ATTR) Q4_KERNEL(4, EACH4, ISA, SUF, ATTR)                    \
+    Q8_KERNEL(1, EACH1, ISA, SUF, ATTR) Q8_KERNEL(2, EACH2, ISA, SUF, ATTR)                    \
+    Q8_KERNEL(3, EACH3, ISA, SUF, ATTR) Q8_KERNEL(4, EACH4, ISA, SUF, ATTR)                    \
+    static const q8_fn TABLE##SUF[2][TILE] = {                                                 \
+        {q4_1_q8_r1##SUF, q4_1_q8_r2##SUF, q4_1_q8_r3##SUF, q4_1_q8_r4##SUF},                  \
+        {q8_0_q8_r1##SUF, q8_0_q8_r2##SUF, q8_0_q8_r3##SUF, q8_0_q8_r4##SUF}};
+
+KERNELS(avx2, _avx2, AVX2)
+#define DPBUSD _mm256_dpbusd_avx_epi32
+KERNELS(vnni, _avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))))
+#undef DPBUSD
+
+/* AVX512-VNNI: both panels of a pair in one 512-bit register (16 output rows x 4 k: panel 0's
+ * rows in the low half, panel 1's in the high half), so one vpdpbusd serves 16 columns and y
+ * gets 16 adjacent columns (panels 2p and 2p + 1) per row; every element's fp32 operations are
+ * those of the 256-bit kernels, in the same order. Q8_0 has no 512-bit vpsignb: x is negated
+ * under the mask of w's signs instead (|w| * -x = w * x; x is never -128). */
+#define INIT16(r) __m512 f##r = _mm512_setzero_ps();
+#define STORE16(r) _mm512_storeu_ps(y + (r) * ldy, f##r);
+#define IZERO16(r) __m512i i##r = _mm512_setzero_si512();
+#define A16(r) _mm512_set1_epi32(*(const int32_t*)(q + (r) * K + k))
+#define Q4_ROW16(r) i##r = _mm512_dpbusd_epi32(i##r, w, A16(r));
+#define Q4_FINISH16(r)                                                                         \
+    {                                                                                          \
+        const __m512 t = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d[(r) * nb + j])),    \
+                                       _mm512_cvtepi32_ps(i##r));                              \
+        f##r = _mm512_add_ps(f##r, _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(        \
+                                                              s[(r) * nb + j]))));             \
+    }
+#define Q8_ROW16(r) i##r = _mm512_dpbusd_epi32(i##r, u, _mm512_mask_sub_epi8(A16(r), neg, zero, A16(r)));
+#define Q8_FINISH16(r)                                                                        \
+    f##r = _mm512_add_ps(f##r, _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d[(r) * nb + j])), \
+                                             _mm512_cvtepi32_ps(i##r)));
+#define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define Q4_KERNEL16(R, EACH)                                                                   \
+    AVX512 static void q4_1_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
+                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
+                                          int64_t ldy) {                                       \
+        const __m512i low = _mm512_set1_epi8(15);                                              \
+        EACH(INIT16)                                                                           \
+        for (int64_t j = 0; j < nb; j++, b += SD_Q4_1_PAIR_BYTES) {                            \
+            for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                                   \
+                _mm_prefetch((const char*)b + AHEAD * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);    \
+            EACH(IZERO16)                                                                      \
+            for (int c = 0; c < 8; c++) {                                                      \
+                const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 64 + 32 * c));     \
+                const __m512i w = _mm512_and_si512(                                            \
+                    _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), \
+                    low);                                                                      \
+                const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
+                EACH(Q4_ROW16)                                                                 \
+            }                                                                                  \
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));          \
+            const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));   \
+            EACH(Q4_FINISH16)                                                                  \
+        }                                                                                      \
+        EACH(STORE16)                                                                          \
+    }
+#define Q8_KERNEL16(R, EACH)                                                                   \
+    AVX512 static void q8_0_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
+                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
+                                          int64_t ldy) {                                       \
+        (void)s;                                                                               \
+        const __m512i zero = _mm512_setzero_si512();                                           \
+        EACH(INIT16)                                                                           \
+        for (int64_t j = 0; j < nb; j++, b += SD_Q8_0_PAIR_BYTES) {                            \
+            for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                                   \
+                _mm_prefetch((const char*)b + AHEAD * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);    \
+            EACH(IZERO16)                                                                      \
+            for (int c = 0; c < 8; c++) {                                                      \
+                const __m512i w = _mm512_loadu_si512((const void*)(b + 32 + 64 * c));          \
+                const __m512i u = _mm512_abs_epi8(w);                                          \
+                const __mmask64 neg = _mm512_movepi8_mask(w);                                  \
+                const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
+                EACH(Q8_ROW16)                                                                 \
+            }                                                                                  \
+            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));          \
+            EACH(Q8_FINISH16)                                                                  \
+        }                                                                                      \
+        EACH(STORE16)                                                                          \
+    }
+typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, int64_t,
+                           const uint8_t*, float*, int64_t);
+Q4_KERNEL16(1, EACH1) Q4_KERNEL16(2, EACH2) Q4_KERNEL16(3, EACH3) Q4_KERNEL16(4, EACH4)
+Q8_KERNEL16(1, EACH1) Q8_KERNEL16(2, EACH2) Q8_KERNEL16(3, EACH3) Q8_KERNEL16(4, EACH4)
+static const q8_pair_fn TABLE_512[2][TILE] = {
+    {q4_1_q8_r1_512, q4_1_q8_r2_512, q4_1_q8_r3_512, q4_1_q8_r4_512},
+    {q8_0_q8_r1_512, q8_0_q8_r2_512, q8_0_q8_r3_512, q8_0_q8_r4_512}};
+
+/* [SD_Q8_AVX2 / SD_Q8_AVXVNNI] -> that instruction set's table (AVX512-VNNI: TABLE_512) */
+static const q8_fn (*const TABLES[])[TILE] = {TABLE_avx2, TABLE_avxvnni};
+
+static int pick_q8_isa(void) {
+    /* the best this CPU has, at most the one the environment names */
+    const char* want = getenv("SPECDEC_NATIVE_ISA");
+    const int cap = !want                         ? SD_Q8_AVX512VNNI
+                    : strcmp(want, "avx2") == 0     ? SD_Q8_AVX2
+                    : strcmp(want, "avx-vnni") == 0 ? SD_Q8_AVXVNNI
+                                                    : SD_Q8_AVX512VNNI;
+    __builtin_cpu_init();
+    if (cap >= SD_Q8_AVX512VNNI && __builtin_cpu_supports("avx512vnni") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
+        return SD_Q8_AVX512VNNI;
+    if (cap >= SD_Q8_AVXVNNI && __builtin_cpu_supports("avxvnni")) return SD_Q8_AVXVNNI;
+    return SD_Q8_AVX2;
+}
+
+int sd_q8_isa(void) {
+    /* decided once per process (the environment is read once: a linear call is ~10 us) */
+    static int isa = -1;
+    int got = __atomic_load_n(&isa, __ATOMIC_RELAXED);
+    if (got < 0) {
+        got = pick_q8_isa();
+        __atomic_store_n(&isa, got, __ATOMIC_RELAXED);
+    }
+    return got;
+}
 
 /* y[T, ldy] = x[T, K] @ W.T for the formats SD_Q4_1_Q8 / SD_Q8_0_Q8, as a work-sharing loop
  * (see sd_linear_for). Every thread rounds all rows itself (T * K work beside the T * K * out
@@ -165,6 +294,7 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
                       int64_t ldy) {
     const int64_t nb = K / SD_QBLOCK, pairs = w->panels / 2;
     const int q8 = w->fmt == SD_Q8_0_Q8;
+    const int isa = sd_q8_isa();
     const int64_t bytes = q8 ? SD_Q8_0_PAIR_BYTES : SD_Q4_1_PAIR_BYTES;
     int8_t* q = malloc((size_t)(T * K + 2 * T * nb * (int64_t)sizeof(float)) + 64);
     float* d = (float*)(((uintptr_t)(q + T * K) + 63) & ~(uintptr_t)63);
@@ -182,9 +312,13 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
         const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
         for (int64_t i = 0, t = 0; i < tiles; i++) {
             const int64_t r = base + (i < extra);
-            for (int panel = 0; panel < 2; panel++)
-                TABLE[q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair, panel,
-                                 y + t * ldy + (2 * p + panel) * PW, ldy);
+            if (isa == SD_Q8_AVX512VNNI)
+                TABLE_512[q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair,
+                                     y + t * ldy + 2 * p * PW, ldy);
+            else
+                for (int panel = 0; panel < 2; panel++)
+                    TABLES[isa][q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair, panel,
+                                           y + t * ldy + (2 * p + panel) * PW, ldy);
             t += r;
         }
     }

@@ -203,6 +203,7 @@ def test_bench_llama_cpp_baselines(tmp_path, chat_model, dataset, monkeypatch):
     assert report["greedy_match_rate"] < 1.0  # the fake is not the model: reported, not forced
     assert report["runtime"]["weights"] == "dequantized"
     assert report["runtime"]["weight_bytes_per_token"] > 0
+    assert report["runtime"]["q8_isa"] is None  # float activations: no q8 kernels ran
 
 
 def test_bench_extra_baseline_needs_its_kind(chat_model, dataset, capsys):

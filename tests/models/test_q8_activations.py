@@ -9,6 +9,11 @@ this mode is token for token plain decoding in this mode, and bad settings are r
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from test_gguf_weights import KERNELS, KINDS, needs_kernels, random_blocks
@@ -16,6 +21,7 @@ from test_gguf_weights import KERNELS, KINDS, needs_kernels, random_blocks
 from specdec import LLM, SamplingParams
 from specdec.models import gguf_weights as gw
 from specdec.models import q8_activations as qa
+from specdec.models.native import Q8_ISAS
 
 
 def test_rows_round_to_int8_within_half_a_step():
@@ -86,3 +92,26 @@ def test_a_draft_model_without_blocks_is_not_refused(tiny_llama):
                             strict=False) == []
     with pytest.raises(ValueError, match="activations='q8' cannot run here"):
         gw.native_panels(m, missing, "auto", torch.float32, cpu, "invariant", "q8")
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ["avx2", "avx-vnni"])
+def test_every_narrower_isa_is_bitwise_the_reference(isa):
+    """The test above runs the widest kernels this CPU has; the narrower ones (what CPUs
+    without AVX512-VNNI or VNNI run) are asked for by the environment, in a process of their
+    own (the choice is made once per process)."""
+    if Q8_ISAS.index(isa) >= Q8_ISAS.index(KERNELS.q8_isa):
+        pytest.skip(f"this CPU's widest q8 kernels are {KERNELS.q8_isa} (the test above)")
+    here = Path(__file__).parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
+            "import test_q8_activations as t\n"
+            "print(t.KERNELS.q8_isa)\n"
+            "for kind in t.KINDS:\n"
+            "    for out, inp in [(40, 96), (203, 160), (7, 64)]:\n"
+            "        t.test_kernel_is_bitwise_the_reference(kind, out, inp)\n")
+    env = {**os.environ, "SPECDEC_NATIVE_ISA": isa}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = done.stdout.split()[0]
+    assert Q8_ISAS.index(ran) <= Q8_ISAS.index(isa), ran  # at most the one asked for
