@@ -234,8 +234,8 @@ def run_bench(args) -> dict:
 
 def runtime_info(engine) -> dict:
     """What ran: dtype, device, attention backend, CUDA graphs, the matmul kernels chosen on
-    this machine (and the q8 kernels' instruction set), the weights (native GGUF blocks or dequantized), the draft weights and the bytes of them one
-    forward streams, the KV split."""
+    this machine (and the q8 kernels' instruction set), the weights (native GGUF blocks or
+    dequantized), the draft weights and the bytes of them one forward streams, the KV split."""
     from specdec.models import native
 
     kernels = engine.kernels.describe()

@@ -177,9 +177,16 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
         {q8_0_q8_r1##SUF, q8_0_q8_r2##SUF, q8_0_q8_r3##SUF, q8_0_q8_r4##SUF}};
 
 KERNELS(avx2, _avx2, AVX2)
+/* AVX-VNNI needs gcc >= 11 or clang >= 12; an older compiler builds the others only */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define SD_HAVE_AVXVNNI 1
 #define DPBUSD _mm256_dpbusd_avx_epi32
 KERNELS(vnni, _avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))))
 #undef DPBUSD
+#else
+#define SD_HAVE_AVXVNNI 0
+#define TABLE_avxvnni TABLE_avx2
+#endif
 
 /* AVX512-VNNI: both panels of a pair in one 512-bit register (16 output rows x 4 k: panel 0's
  * rows in the low half, panel 1's in the high half), so one vpdpbusd serves 16 columns and y
@@ -272,7 +279,9 @@ static int pick_q8_isa(void) {
     if (cap >= SD_Q8_AVX512VNNI && __builtin_cpu_supports("avx512vnni") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw"))
         return SD_Q8_AVX512VNNI;
+#if SD_HAVE_AVXVNNI
     if (cap >= SD_Q8_AVXVNNI && __builtin_cpu_supports("avxvnni")) return SD_Q8_AVXVNNI;
+#endif
     return SD_Q8_AVX2;
 }
 
