@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from specdec.bench_data import Item, first_turn_items, load_questions, next_turn_items
 from specdec.bench_llamacpp import LLAMA_CPP_BASELINES, LlamaCppSystem, gguf_path
 from specdec.llm import LLM
+from specdec.models import native
 from specdec.models.config import resolve_dtype
 from specdec.models.loader import resolve_model_path
 from specdec.outputs import RequestMetrics
@@ -236,8 +237,6 @@ def runtime_info(engine) -> dict:
     """What ran: dtype, device, attention backend, CUDA graphs, the matmul kernels chosen on
     this machine (and the q8 kernels' instruction set), the weights (native GGUF blocks or
     dequantized), the draft weights and the bytes of them one forward streams, the KV split."""
-    from specdec.models import native
-
     kernels = engine.kernels.describe()
     q8_isa = native.load().q8_isa if engine.activations == "q8" else None
     return {"dtype": str(engine.dtype), "device": str(engine.device), "weights": engine.weights,
