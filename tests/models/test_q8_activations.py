@@ -115,3 +115,16 @@ def test_every_narrower_isa_is_bitwise_the_reference(isa):
     assert done.returncode == 0, done.stderr[-3000:]
     ran = done.stdout.split()[0]
     assert Q8_ISAS.index(ran) <= Q8_ISAS.index(isa), ran  # at most the one asked for
+
+
+@needs_kernels
+def test_an_unknown_isa_cap_is_said_and_ignored():
+    code = ("from specdec.models.native import load, Q8_ISAS\n"
+            "k = load()\n"
+            "print(k.q8_isa)\n")
+    env = {**os.environ, "SPECDEC_NATIVE_ISA": "sse9"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SPECDEC_NATIVE_ISA='sse9' is not one of avx2, avx-vnni" in done.stderr
+    assert done.stdout.split()[0] == KERNELS.q8_isa  # the widest, as without the variable
