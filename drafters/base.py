@@ -36,6 +36,17 @@ whose own call raises fail. Otherwise (the default) nothing is replayed:
 A call for a single request that raises fails that request; one for several, whose requests the
 engine cannot blame, is reported as a RuntimeWarning (and in ``engine.plugin_errors``).
 There is no rollback hook: on_verified is where a step's proposal is resolved, failed or not.
+
+Prefix caching. A request admitted while the target has KV cached for the leading full pages of
+its tokens reuses them instead of computing them, so on_verified never hears of those tokens.
+Before that, ``restore(state, token_ids, page_keys)`` (after ``init_state``) is asked to bring
+the drafter's state up to as many of those pages as it can and to return how many; the target
+then reuses that many pages and computes the rest (heard in on_verified as usual). A drafter
+whose state is per-position KV caches its own full pages under the content keys the engine gives
+(``page_keys[p]`` names tokens 0 .. (p + 1) * page_size - 1: ``specdec.kv.prefix``; its runner's
+``kv.register_full`` / ``kv.cached_prefix`` / ``kv.adopt``), so a restore is a lookup and its
+drafts after a hit are exactly those without the cache. Without the hook (or returning 0) the
+drafter loses nothing but the reuse.
 """
 
 from __future__ import annotations
@@ -127,6 +138,9 @@ class DraftRequest:
     state: Any  # this drafter's per-request state (from init_state)
     no_kv: bool = False  # set by mark_no_kv()
     error: str | None = None  # set by fail()
+    # with prefix caching: content keys of the request's full pages computed so far (key p names
+    # tokens 0 .. (p + 1) * page_size - 1; see "Prefix caching"); empty without it
+    page_keys: tuple[bytes, ...] = ()
 
     def mark_no_kv(self) -> None:
         """Say that this request gets no draft this step because the drafter had no KV for it."""
@@ -223,6 +237,9 @@ class Drafter(Protocol):
     def release(self, state: Any) -> None:
         """Free per-request resources (finish, abort, preemption, error)."""
 
+    # optional: restore(state, token_ids: TokenView, page_keys: list[bytes]) -> int, pages of
+    # cached target KV the state now covers ("Prefix caching"); absent: 0
+
 
 class BaseDrafter:
     """Defaults for the optional parts of the protocol."""
@@ -239,3 +256,11 @@ class BaseDrafter:
 
     def release(self, state: Any) -> None:
         return None
+
+    def restore(self, state: Any, token_ids: TokenView, page_keys: list[bytes]) -> int:
+        """Pages of a cached prefix this drafter's state covers ("Prefix caching"). The default
+        claims none, which is right for every drafter (the target then computes the prefix and
+        the drafter hears of it); one that keeps nothing per position (it reads ``token_ids``
+        and the hidden states of the last committed tokens) returns ``len(page_keys)``, one
+        with per-position KV restores it from its own cache."""
+        return 0

@@ -75,6 +75,15 @@ class BlockDiffusionDrafter(BaseDrafter):
         state.num_cached = 0
         state.last = None
 
+    def restore(self, state: BlockState, token_ids, page_keys: list[bytes]) -> int:
+        """The context KV of the cached pages, cached in this drafter's runner under the same
+        keys (context slot i depends on the target's features of token i: tokens 0..i)."""
+        kv = self.runner.kv
+        pages = kv.cached_prefix(page_keys)
+        kv.adopt(state.table, pages)
+        state.num_cached = len(pages) * kv.page_size
+        return len(pages)
+
     def on_verified(self, batch: VerifiedBatch) -> None:
         for i, r in enumerate(batch.requests):
             if r.num_committed:
@@ -148,6 +157,7 @@ class BlockDiffusionDrafter(BaseDrafter):
             s.num_cached = len(r.token_ids) - 1
             s.pending.clear()
             self.runner.kv.truncate(s.table, s.num_cached)  # the block rows were scratch
+            self.runner.kv.register_full(s.table, list(r.page_keys), s.num_cached)
         return tokens, top.values.view(len(reqs), b - 1, -1)
 
 

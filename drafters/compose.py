@@ -31,6 +31,7 @@ from specdec.tree import DraftTree, merge_trees
 class ComposedState:
     states: list  # one per drafter
     maps: list[list[int]]  # per drafter: its last tree's node -> merged node (-1: dropped)
+    request: tuple = ()  # (request_id, prompt_token_ids): to rebuild a member's state
 
 
 class ComposedDrafter:
@@ -45,7 +46,25 @@ class ComposedDrafter:
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> ComposedState:
         return ComposedState([d.init_state(request_id, prompt_token_ids) for d in self.drafters],
-                             [[] for _ in self.drafters])
+                             [[] for _ in self.drafters], (request_id, prompt_token_ids))
+
+    def restore(self, state: ComposedState, token_ids, page_keys: list[bytes]) -> int:
+        """The pages every member restores: a member that restored more than a later one is
+        rebuilt from scratch and asked again for fewer, until all agree."""
+        m, done = len(page_keys), [None] * len(self.drafters)
+        while True:
+            for k, d in enumerate(self.drafters):
+                if done[k] is not None and done[k] != m:  # restored more: start it afresh
+                    d.release(state.states[k])
+                    state.states[k] = d.init_state(*state.request)
+                    done[k] = None
+                if done[k] is None:
+                    hook = getattr(d, "restore", None)
+                    done[k] = min(m, hook(state.states[k], token_ids, page_keys[:m])
+                                  if hook is not None else 0)
+                    m = done[k]
+            if all(v == m for v in done):
+                return m
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         per_drafter = []

@@ -65,6 +65,15 @@ class DraftModelDrafter(BaseDrafter):
         self.runner.kv.release(state.table)
         state.num_cached = 0
 
+    def restore(self, state: DraftState, token_ids, page_keys: list[bytes]) -> int:
+        """The draft model's own KV of the cached pages, cached in its runner under the same
+        keys (its slot i depends on tokens 0..i, as the target's)."""
+        kv = self.runner.kv
+        pages = kv.cached_prefix(page_keys)
+        kv.adopt(state.table, pages)
+        state.num_cached = len(pages) * kv.page_size
+        return len(pages)
+
     def on_verified(self, batch: VerifiedBatch) -> None:
         for r in batch.requests:
             state: DraftState = r.state
@@ -93,6 +102,8 @@ class DraftModelDrafter(BaseDrafter):
     def _reserve(self, r: DraftRequest) -> bool:
         """Room for catch-up + drafts in the draft cache; without it, no draft this step."""
         state: DraftState = r.state
+        # every slot below num_cached holds a committed token's KV (on_verified cut the rest)
+        self.runner.kv.register_full(state.table, list(r.page_keys), state.num_cached)
         need = len(r.token_ids) + min(r.budget.depth_limit, self.max_depth)
         if need > self.max_len or not self.runner.kv.try_reserve(state.table, need):
             r.mark_no_kv()

@@ -29,6 +29,7 @@ import torch
 
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.kv.block_table import BlockTable
+from specdec.kv.prefix import next_token_key
 from specdec.models.eagle3 import Eagle3Head
 from specdec.tree import DraftTree, nodes_mask
 
@@ -86,6 +87,16 @@ class Eagle3Drafter(BaseDrafter):
         state.pending.clear()
         state.num_cached = 0
 
+    def restore(self, state: Eagle3State, token_ids, page_keys: list[bytes]) -> int:
+        """The head's KV of the cached pages, cached in its runner: head slot i depends on
+        tokens 0..i + 1 (the target's features of token i, the embedding of token i + 1), so
+        its page p is keyed by the target's key and the token after the page."""
+        kv = self.runner.kv
+        pages = kv.cached_prefix(_head_keys(page_keys, token_ids, kv.page_size))
+        kv.adopt(state.table, pages)
+        state.num_cached = len(pages) * kv.page_size
+        return len(pages)
+
     def on_verified(self, batch: VerifiedBatch) -> None:
         layers = self.head.config.capture_layers
         for i, r in enumerate(batch.requests):
@@ -138,9 +149,14 @@ class Eagle3Drafter(BaseDrafter):
         batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="last",
                                  features=features)
         out = self.runner.forward(batch)
+        kv = self.runner.kv
         for r in reqs:
             r.state.num_cached = len(r.token_ids) - 1
             r.state.pending.clear()
+            if r.page_keys:
+                kv.register_full(r.state.table, _head_keys(r.page_keys, r.token_ids, kv.page_size,
+                                                           r.state.table.num_keyed),
+                                 r.state.num_cached)
         return out.final_hidden.index_select(0, batch.logits_indices), out.logits.log_softmax(-1)
 
     def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor):
@@ -246,6 +262,14 @@ def _useful(levels: list[_Level], k: int, budget: int) -> list[int]:
         return frontier
     cut = every[budget - 1]  # the budget-th best log-prob: a pick at most this probable is out
     return [c for c in frontier if last[c] > cut]
+
+
+def _head_keys(page_keys, token_ids, page_size: int, start: int = 0) -> list:
+    """The head's page keys: the target's page key and the token right after the page (for the
+    pages whose next token exists); entries before ``start`` (already registered) are None."""
+    n = min(len(page_keys), (len(token_ids) - 1) // page_size)
+    return [None] * start + [next_token_key(page_keys[p], token_ids[(p + 1) * page_size])
+                             for p in range(start, n)]
 
 
 def _host_topk(logp: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:

@@ -58,6 +58,9 @@ class MTPDrafter(BaseDrafter):
     def release(self, state: MTPState) -> None:
         state.hidden, state.position = None, -1
 
+    def restore(self, state: MTPState, token_ids, page_keys: list[bytes]) -> int:
+        return len(page_keys)  # only the last committed token's hidden state is kept
+
     def on_verified(self, batch: VerifiedBatch) -> None:
         layer = self.hidden_layers[0]
         for i, r in enumerate(batch.requests):

@@ -69,6 +69,9 @@ class NgramDrafter(BaseDrafter):
         state.index.clear()
         state.num_indexed = 0
 
+    def restore(self, state: NgramState, token_ids, page_keys: list[bytes]) -> int:
+        return len(page_keys)  # the index is built from token_ids, cached or not
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(r) for r in requests]
 

@@ -126,6 +126,9 @@ class OracleDrafter(BaseDrafter):
     def release(self, state: OracleState) -> None:
         state.continuation = None
 
+    def restore(self, state: OracleState, token_ids, page_keys: list[bytes]) -> int:
+        return len(page_keys)  # it reads token_ids only
+
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(r) for r in requests]
 

@@ -64,6 +64,9 @@ class EngineConfig:
     drafter_args: dict[str, Any] = field(default_factory=dict)
     controller: str | None = None  # None: "goodput" with a drafter, "static" without
     controller_args: dict[str, Any] = field(default_factory=dict)
+    # reuse the KV of cached full pages across requests (specdec.kv.prefix: content keys,
+    # LRU eviction of pages no running request maps); outputs are the same either way
+    enable_prefix_caching: bool = True
     # unseeded sampled requests draw their seeds from an RNG seeded with this (None: from
     # torch's global RNG, so torch.manual_seed applies)
     seed: int | None = None
@@ -87,8 +90,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_CHOICES:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_CHOICES)}, "
                              f"got {self.attention_backend!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not (self.device == "cpu" or str(self.device).startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.linear_kernels not in LINEAR_CHOICES:

@@ -173,6 +173,33 @@ class DraftStage:
                     f"of {rec.num_proposed} nodes: {e}") from e
             rec.kept = [int(i) for i in keep]
 
+    def restore(self, seq: Sequence, keys: list[bytes]) -> int:
+        """The target is about to reuse cached KV for the pages ``keys`` of a request being
+        admitted: the drafter restores what it can (``Drafter.restore``) and says how many
+        leading pages its state now covers. No drafter: all. A drafter without the hook, or one
+        that fails in it (reported, its state rebuilt from scratch): none, so the target
+        computes those tokens and the drafter hears of them as usual."""
+        if self.drafter is None or seq.request_id in self.undrafted:
+            return len(keys)
+        self._drop_state(seq)  # a preempted request's stale state, if any
+        if self._ensure_states([StepRequest(seq, 0)]):
+            seq.finish_reason = seq.error = None  # init_state failed: it fails at propose
+            return len(keys)
+        hook = getattr(self.drafter, "restore", None)
+        if hook is None:
+            return 0
+        try:
+            got = hook(seq.drafter_state, TokenView(seq.token_ids), list(keys))
+            if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got <= len(keys):
+                raise plugins.PluginError(f"restore must return an int in [0, {len(keys)}] "
+                                          f"(pages restored), got {got!r}")
+            return got
+        except Exception as e:
+            self._report(f"drafter {self.name} failed in restore: {e!r}; request "
+                         f"{seq.request_id!r} computes its cached prefix instead")
+            self._drop_state(seq)
+            return 0
+
     def _ensure_states(self, records: list[StepRequest]) -> list[Sequence]:
         """Per-request drafter state from a request's first step on (and after preemption)."""
         failed = []
@@ -335,7 +362,7 @@ def _composed(pm, spec: str, args: dict, target: TargetInfo) -> ComposedDrafter:
 def _request(rec: StepRequest) -> DraftRequest:
     seq = rec.seq
     return DraftRequest(seq.request_id, TokenView(seq.token_ids), rec.budget, seq.params,
-                        seq.seed, seq.drafter_state)
+                        seq.seed, seq.drafter_state, page_keys=tuple(seq.page_keys))
 
 
 def _check_trees(out, n: int) -> str | None:

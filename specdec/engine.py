@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
-from specdec import plugins
+from specdec import plugins, randomness
 from specdec.batch import build_forward_batch
 from specdec.config import EngineConfig
 from specdec.controllers.base import ControllerContext
 from specdec.costs import StepCosts
 from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
+from specdec.kv.prefix import root_key
 from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
 from specdec.models.aliases import GGUF_NAME
@@ -94,9 +95,16 @@ class LLMEngine:
                                                config.max_num_seqs,
                                                config.max_num_batched_tokens,
                                                sources=self.drafting.sources))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_prefix_caching, self.drafting.restore,
+                                   self.drafting.release)
+        # everything that changes the KV a token sequence leaves: pages are shared only within
+        self.cache_namespace = "|".join(map(str, (
+            folder.resolve(), self.dtype, self.weights, config.activations,
+            config.linear_kernels, config.page_size)))
         self.stopper = StopChecker(cfg.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, Sequence] = {}
+        self.samples: dict[str, list[str]] = {}  # request id -> its samples' sequence ids
         self.totals = EngineTotals()
         self.plugin_errors: list[str] = []
         self._ids = itertools.count()
@@ -202,16 +210,31 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
-        """Queue a request; ValueError (and no change to the engine) if it is malformed."""
+        """Queue a request (``params.n`` samples of the prompt: sequences ``request_id`` and,
+        for n > 1, ``request_id/1`` .. ``request_id/n-1``, listed by ``samples_of``);
+        ValueError (and no change to the engine) if it is malformed."""
         self.check_request(prompt_token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        ids = [request_id] + [f"{request_id}/{i}" for i in range(1, params.n)]
+        if request_id in self.samples or any(i in self.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
+        root = root_key(self.cache_namespace, params.cache_salt)
         seed = None if params.greedy else self._seed(params)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        leader = None
+        for i, sid in enumerate(ids):
+            sample_seed = None if seed is None else (
+                seed if i == 0 else randomness.splitmix64(seed ^ i) & (2**63 - 1))
+            seq = Sequence(sid, list(prompt_token_ids), params, sample_seed, cache_root=root,
+                           leader=leader, sample_index=i)
+            leader = leader or seq
+            self.requests[sid] = seq
+            self.scheduler.add(seq)
+        self.samples[request_id] = ids
         return request_id
+
+    def samples_of(self, request_id: str) -> list[str]:
+        """The sequence ids of a request's samples (``[request_id]`` when n == 1)."""
+        return self.samples.get(request_id, [request_id])
 
     def _seed(self, params: SamplingParams) -> int:
         if params.seed is not None:
@@ -239,18 +262,24 @@ class LLMEngine:
             )
 
     def abort(self, request_id: str) -> None:
-        seq = self.requests.get(request_id)
-        if seq is not None and not seq.is_finished:
-            seq.finish_reason = "abort"
-            self._finish(seq)
-            self.drafting.release_ended()  # between steps: no step's observe comes first
+        """End a request (all its samples) now; its pages go back at once."""
+        for sid in self.samples_of(request_id):
+            seq = self.requests.get(sid)
+            if seq is not None and not seq.is_finished:
+                seq.finish_reason = "abort"
+                self._finish(seq)
+        self.drafting.release_ended()  # between steps: no step's observe comes first
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
     def pop_finished(self, request_id: str) -> Sequence:
+        """A finished sequence, forgotten by the engine (a request's samples: ``samples_of``)."""
         seq = self.requests.pop(request_id)
         assert seq.is_finished
+        group = request_id if seq.leader is None else seq.leader.request_id
+        if not any(i in self.requests for i in self.samples_of(group)):
+            self.samples.pop(group, None)
         return seq
 
     # ---- one step ---------------------------------------------------------------------------
@@ -258,8 +287,6 @@ class LLMEngine:
     def step(self) -> StepResult:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule(self.drafting.budgets)
-        for seq in sched.preempted:
-            self.drafting.release(seq)
         failed = self.drafting.propose(sched.scheduled) + [
             s for s in sched.preempted if s.finish_reason == "error"]
         for seq in failed:
@@ -267,7 +294,7 @@ class LLMEngine:
         records = [r for r in sched.scheduled if not r.seq.is_finished]
         if not records and not failed and self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress: no request fits the KV cache "
-                               f"({self.kv.pool.num_free} of {self.kv.pool.num_pages} pages free)")
+                               f"({self.kv.num_free_pages} of {self.kv.num_pages} pages free)")
         t1 = time.perf_counter()
         t2 = t3 = t1
         if records:
@@ -310,10 +337,25 @@ class LLMEngine:
             seq.num_computed = n + len(accepted)
             _count(seq, rec, now)
             if seq.finish_reason is not None:
-                self._finish(seq)
+                self._finish(seq, final_slots=n)  # the accepted nodes' KV was not moved
             else:
                 commits.append((seq.block_table, n, accepted))
         self.kv.commit_all(commits)
+        if self.config.enable_prefix_caching:
+            self._register_pages(records)
+
+    def _register_pages(self, records: list[StepRequest]) -> None:
+        for rec in records:
+            if not rec.seq.is_finished:
+                self._register(rec.seq, rec.seq.num_computed)
+
+    def _register(self, seq: Sequence, final_slots: int) -> None:
+        """Name the full pages below ``final_slots`` (KV that will never be written again), so
+        later requests with the same prefix reuse them (``specdec.kv.prefix``)."""
+        ps = self.config.page_size
+        full = min(final_slots // ps, len(seq.block_table.pages))
+        if self.config.enable_prefix_caching and full > seq.block_table.num_keyed:
+            self.kv.register_full(seq.block_table, seq.keys(ps, full), final_slots)
 
     def _stats(self, records, preempted, failed, times) -> StepStats:
         t0, t1, t2, t3 = times
@@ -337,9 +379,10 @@ class LLMEngine:
         if self.drafting.drafter is not None and isinstance(decision, dict) and decision:
             stats.controller = dict(decision)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: Sequence, final_slots: int | None = None) -> None:
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
+        self._register(seq, seq.num_computed if final_slots is None else final_slots)
         self.drafting.end(seq)
         self.scheduler.finish(seq)
         seq.times.finished = time.perf_counter()

@@ -16,7 +16,7 @@ from specdec.engine import LLMEngine
 from specdec.metrics import request_metrics
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.tokenizer import chat_token_ids
-from specdec.outputs import RequestOutput
+from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
 
@@ -48,22 +48,24 @@ class LLM:
         finally:
             bar.close()
             self._abort_unfinished(ids)
-        return [self._output(self.engine.pop_finished(i)) for i in ids]
+        return [self._group_output([self.engine.pop_finished(s)
+                                    for s in self.engine.samples_of(i)]) for i in ids]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
         """Yield a delta (new tokens and text) each time a request emits, then a final one."""
         ids = self._add_all(prompts, sampling_params)
-        sent_text = {i: "" for i in ids}
-        sent_tokens = {i: 0 for i in ids}
+        samples = [s for i in ids for s in self.engine.samples_of(i)]
+        sent_text = {s: "" for s in samples}
+        sent_tokens = {s: 0 for s in samples}
         try:
             while self.engine.has_unfinished():
                 for seq, _ in self._changed(self.engine.step()):
                     yield self._delta(seq, sent_text, sent_tokens)
         finally:
             self._abort_unfinished(ids)
-            for i in ids:
-                if i in self.engine.requests and self.engine.requests[i].is_finished:
-                    self.engine.pop_finished(i)
+            for s in samples:
+                if s in self.engine.requests and self.engine.requests[s].is_finished:
+                    self.engine.pop_finished(s)
 
     @staticmethod
     def _changed(result):
@@ -78,9 +80,9 @@ class LLM:
         new_tokens = seq.output_token_ids[sent_tokens[rid]:]
         delta = text[len(sent_text[rid]):] if text.startswith(sent_text[rid]) else text
         sent_text[rid], sent_tokens[rid] = text, seq.num_output_tokens
-        out = self._output(seq, text)
-        out.token_ids, out.text = new_tokens, delta
-        return out
+        sample = self._sample(seq, text)
+        sample.token_ids, sample.text = new_tokens, delta
+        return self._request_output(seq, [sample])
 
     def _add_all(self, prompts, sampling_params) -> list[str]:
         token_lists = self._tokenize_all(prompts)
@@ -125,13 +127,25 @@ class LLM:
         text = tok.decode(seq.output_token_ids, skip_special_tokens=True)
         return text if seq.stop_text_len is None else text[: seq.stop_text_len]
 
-    def _output(self, seq: Sequence, text: str | None = None) -> RequestOutput:
+    def _sample(self, seq: Sequence, text: str | None = None) -> CompletionOutput:
+        return CompletionOutput(
+            index=seq.sample_index, token_ids=seq.output_token_ids,
+            text=self._text(seq) if text is None else text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, error=seq.error, metrics=request_metrics(seq))
+
+    def _group_output(self, seqs: list[Sequence]) -> RequestOutput:
+        return self._request_output(seqs[0], [self._sample(s) for s in seqs])
+
+    @staticmethod
+    def _request_output(seq: Sequence, samples: list[CompletionOutput]) -> RequestOutput:
+        """A prompt's output: the request's id (its first sample's), the samples, and the
+        first of them repeated at the top."""
+        first = samples[0]
+        rid = seq.request_id if seq.leader is None else seq.leader.request_id
         return RequestOutput(
-            request_id=seq.request_id, prompt_token_ids=seq.prompt_token_ids,
-            token_ids=seq.output_token_ids, text=self._text(seq) if text is None else text,
-            finished=seq.is_finished, finish_reason=seq.finish_reason, error=seq.error,
-            metrics=request_metrics(seq),
-        )
+            request_id=rid, prompt_token_ids=seq.prompt_token_ids, token_ids=first.token_ids,
+            text=first.text, finished=first.finished, finish_reason=first.finish_reason,
+            error=first.error, metrics=first.metrics, outputs=samples)
 
 
 def _is_single_prompt(prompts) -> bool:

@@ -59,6 +59,7 @@ def request_metrics(seq: Sequence) -> RequestMetrics:
         draft_tokens_proposed=seq.draft_tokens_proposed,
         accepted_by_depth=list(seq.accepted_by_depth),
         num_preemptions=seq.num_preemptions,
+        num_cached_tokens=seq.num_cached_tokens,
     )
     if t.first_token is not None:
         m.ttft = t.first_token - t.arrival

@@ -20,6 +20,7 @@ class RequestMetrics:
     draft_tokens_proposed: int = 0
     accepted_by_depth: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def tau(self) -> float | None:
@@ -30,7 +31,24 @@ class RequestMetrics:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt (``SamplingParams.n`` of them)."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+
+@dataclass
 class RequestOutput:
+    """A prompt's result. ``outputs`` holds its samples in order (one unless n > 1); the fields
+    ``token_ids`` .. ``metrics`` repeat ``outputs[0]``. In a stream, a delta carries the one
+    sample that changed in ``outputs`` (its ``index`` says which) and repeats it at the top."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens (all of them, or the new ones in a stream delta)
@@ -39,3 +57,4 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    outputs: list[CompletionOutput] = field(default_factory=list)

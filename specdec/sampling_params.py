@@ -12,6 +12,8 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 # Largest accepted seed. torch.Generator.manual_seed takes up to 2**64 - 1; we stay within the
 # signed 64-bit range so a seed round-trips through int64 tensors, numpy and JSON consumers.
 MAX_SEED = 2**63 - 1
+# Most samples of one prompt (SamplingParams.n): they run as that many requests at once.
+MAX_SAMPLES = 64
 
 
 @dataclass
@@ -23,6 +25,13 @@ class SamplingParams:
     top_k -1 (or 0) disables top-k; top_p 1.0 and min_p 0.0 disable nucleus and min-p
     filtering. seed is None (a fresh random seed) or an int in [0, MAX_SEED] = [0, 2**63 - 1];
     the same seed gives the same output. Numbers must be finite and never bools.
+
+    n: samples of the prompt, 1 .. MAX_SAMPLES (64); they share the prompt's cached pages
+    (prefix caching) and each draws from its own seed stream (sample 0 from ``seed``, sample i
+    from a seed derived from it), so a seeded request is reproducible as a whole. n > 1 with
+    greedy decoding is allowed and gives n identical samples. cache_salt: None or a string; the
+    KV of a request with a salt is shared only with requests carrying the same salt (tenants
+    that must not see each other's cache timing use different salts).
     """
 
     temperature: float = 1.0
@@ -34,6 +43,8 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -50,6 +61,11 @@ class SamplingParams:
                f"max_tokens must be an int >= 1, {_got(self.max_tokens)}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
                f"seed must be None or an int in [0, 2**63 - 1], {_got(self.seed)}")
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
+               f"n must be an int in [1, {MAX_SAMPLES}] (samples of the prompt), {_got(self.n)}")
+        _check(self.cache_salt is None or isinstance(self.cache_salt, str),
+               f"cache_salt must be None or a string, got {type(self.cache_salt).__name__} "
+               f"{self.cache_salt!r}")
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s
                                                             for s in self.stop),
                f"stop must be a non-empty string or a list of them, got {self.stop!r}")

@@ -3,9 +3,17 @@
 Running requests go first (oldest first), each getting its remaining prefill chunk or its decode
 row; waiting requests are admitted while the token budget, `max_num_seqs` and free pages allow;
 then the controller's draft budgets are asked for the decode requests, knowing that composition,
-and draft slots are reserved within the tokens and pages left. When pages run out for a running request, the newest running request is
-preempted by recompute: its pages are freed and it goes back to the front of the queue, to be
-prefilled again over its prompt and everything it had generated.
+and draft slots are reserved within the tokens and pages left. When pages run out for a running
+request, the newest running request is preempted by recompute: its pages are freed and it goes
+back to the front of the queue, to be prefilled again over its prompt and everything it had
+generated.
+
+Prefix caching (``prefix_caching``): a request admitted with nothing computed first maps the
+longest run of cached full pages of its tokens (``specdec.kv.prefix``), at most up to the page
+before its last token (the last token is always computed: its logits are the first emission),
+asks the drafter to restore its own state for them (``restore``: it may take fewer pages), and
+computes only the rest. A preempted request's full pages stay cached (evictable), so its
+re-admission usually finds them.
 """
 
 from __future__ import annotations
@@ -21,12 +29,20 @@ from specdec.step import StepRequest
 
 # frontier requests and the step's composition -> one budget each (the draft stage's `budgets`)
 BudgetFn = Callable[[list[Sequence], BatchComposition], list[DraftBudget]]
+# a request and the keys of the cached pages it is about to reuse -> how many of those pages
+# its drafter state now covers (the draft stage's `restore`)
+RestoreFn = Callable[[Sequence, list[bytes]], int]
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[StepRequest]
     preempted: list[Sequence] = field(default_factory=list)
+    # prefix caching at this step's admissions: tokens / full pages looked up, and reused
+    lookup_tokens: int = 0
+    lookup_pages: int = 0
+    cached_tokens: int = 0
+    cached_pages: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -34,10 +50,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_caching: bool = False, restore: RestoreFn | None = None,
+                 on_preempt: Callable[[Sequence], None] | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefix_caching = prefix_caching
+        self.restore: RestoreFn = restore or (lambda seq, keys: len(keys))
+        # drops a request's drafter state when it loses its KV (preemption, an undone hit)
+        self.on_preempt = on_preempt or (lambda seq: None)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -80,7 +102,7 @@ class Scheduler:
             req.asked = asked
             table, start = req.seq.block_table, req.seq.num_computed + 1
             # slots its own pages and the free pages hold past the decode row (never preempts)
-            room = kv.capacity(table) + kv.pool.num_free * kv.page_size - start
+            room = kv.capacity(table) + kv.num_free_pages * kv.page_size - start
             n = min(asked.max_nodes, budget, room)
             if n > 0:
                 kv.reserve(table, start + n)
@@ -110,6 +132,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.release(seq.block_table)
+        self.on_preempt(seq)
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -122,16 +145,56 @@ class Scheduler:
         left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.prefix_caching and not _leader_done(seq):
+                break  # a sample waits for its prompt's pages (computed by the first sample)
+            if not self._reuse_prefix(seq, budget):
+                break
             n_new = min(seq.tokens_to_frontier(), budget)
             if not self.kv.can_reserve(seq.block_table, seq.num_computed + n_new):
+                if seq.num_computed:  # undo the hit: the request waits as it was
+                    self.kv.release(seq.block_table)
+                    self.on_preempt(seq)
+                    seq.num_computed = 0
                 break
             self.waiting.popleft()
+            self._count_hit(seq, out)
             self.kv.reserve(seq.block_table, seq.num_computed + n_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(StepRequest(seq, n_new))
             budget -= n_new
         return budget
+
+    def _reuse_prefix(self, seq: Sequence, budget: int) -> bool:
+        """Map the longest cached prefix of a request that has nothing computed; False if the
+        request cannot be admitted now even with it (not enough pages for the rest)."""
+        if not self.prefix_caching or seq.num_computed or seq.block_table.pages:
+            return True
+        kv, ps = self.kv, self.kv.page_size
+        keys = seq.keys(ps, (seq.num_tokens - 1) // ps)  # the last token is always computed
+        pages = kv.cached_prefix(keys)
+        if not pages:
+            return True
+        n_new = min(seq.num_tokens - len(pages) * ps, budget)
+        evictable = sum(1 for p in pages if kv.pool.refcount(p) == 0)
+        if -(-n_new // ps) > kv.num_free_pages - evictable:
+            return False
+        kv.adopt(seq.block_table, pages)
+        restored = min(len(pages), self.restore(seq, keys[:len(pages)]))
+        kv.truncate(seq.block_table, restored * ps)
+        seq.num_computed = restored * ps
+        return True
+
+    def _count_hit(self, seq: Sequence, out: SchedulerOutput) -> None:
+        if not self.prefix_caching:
+            return
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = seq.num_computed
+        seq.num_reused_tokens += seq.num_computed
+        out.lookup_tokens += seq.num_tokens
+        out.lookup_pages += (seq.num_tokens - 1) // self.kv.page_size
+        out.cached_tokens += seq.num_computed
+        out.cached_pages += seq.num_computed // self.kv.page_size
 
     def finish(self, seq: Sequence) -> None:
         """Remove a request (finished, aborted or failed) and return its pages."""
@@ -141,3 +204,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def _leader_done(seq: Sequence) -> bool:
+    """A request's first sample has computed the prompt (or ended)."""
+    lead = seq.leader
+    return lead is None or lead.is_finished or (lead.status is SequenceStatus.RUNNING
+                                               and lead.num_computed >= lead.num_prompt_tokens)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.kv.block_table import BlockTable
+from specdec.kv.prefix import extend_keys
 from specdec.sampling_params import SamplingParams
 
 
@@ -53,6 +54,17 @@ class Sequence:
     accepted_by_depth: list[int] = field(default_factory=list)  # [d] times depth d was accepted
     last_proposed: int = 0  # draft nodes verified in the latest verification
     last_accepted: int = 0  # of which accepted
+    # prefix caching (specdec.kv.prefix): the key chain's root (model namespace + cache_salt)
+    # and the keys of the full pages of token_ids computed so far
+    cache_root: bytes = b""
+    page_keys: list[bytes] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache at admission
+    num_reused_tokens: int = 0  # ... at every admission (re-admissions after preemption too)
+    # n samples of one prompt: sample `sample_index` of the group whose first sample is
+    # `leader` (None for the first); with prefix caching a sample is admitted once the leader
+    # has computed the prompt, and reuses its full pages
+    leader: Sequence | None = None
+    sample_index: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -77,6 +89,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def keys(self, page_size: int, num_pages: int) -> list[bytes]:
+        """Content keys of the first ``num_pages`` full pages (fewer if the tokens end
+        earlier), computed once each."""
+        extend_keys(self.page_keys, self.token_ids, page_size, self.cache_root, num_pages)
+        return self.page_keys[:num_pages]
 
     def tokens_to_frontier(self) -> int:
         """How many tokens must go through the model before this request can emit one."""

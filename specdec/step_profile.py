@@ -28,7 +28,7 @@ logger = logging.getLogger("specdec")
 def engine_step_costs(engine) -> StepCosts:
     """Reads the engine's runner, config, model config, dtype, device, kernels, max_model_len."""
     wanted = tuple(n for n in DEFAULT_GRID if n <= engine.config.max_num_batched_tokens)
-    free = engine.runner.kv.pool.num_free * engine.config.page_size
+    free = engine.runner.kv.num_free_pages * engine.config.page_size
     context, grid = plan_profile(wanted, free, engine.max_model_len)
     if len(grid) < 2:
         return _flat_costs(engine, wanted, context, grid, free)

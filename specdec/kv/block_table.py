@@ -37,6 +37,7 @@ class BlockTable:
 
     pages: list[int] = field(default_factory=list)
     num_slots: int = 0  # KV slots reserved: valid KV plus slots reserved for draft nodes
+    num_keyed: int = 0  # leading pages whose content key is registered (prefix caching)
 
 
 class KVCacheManager:
@@ -57,6 +58,11 @@ class KVCacheManager:
         _check_slots(num_slots)
         return max(0, -(-num_slots // self.page_size) - len(table.pages))
 
+    @property
+    def num_free_pages(self) -> int:
+        """Pages a reservation can take: free plus evictable cached ones (``PagePool``)."""
+        return self.pool.num_free
+
     def can_reserve(self, table: BlockTable, num_slots: int) -> bool:
         return self.pages_needed(table, num_slots) <= self.pool.num_free
 
@@ -76,21 +82,48 @@ class KVCacheManager:
                 f"truncate cannot grow a table: {num_slots} > {table.num_slots} reserved slots"
             )
         keep = -(-num_slots // self.page_size)
-        self.pool.free(table.pages[keep:])
+        self.pool.free(reversed(table.pages[keep:]))
         del table.pages[keep:]
         table.num_slots = num_slots
+        table.num_keyed = min(table.num_keyed, keep)
 
     def release(self, table: BlockTable) -> None:
-        """Return all the table's pages; the table becomes empty. Idempotent."""
-        self.pool.free(table.pages)
+        """Return all the table's pages, the last first (cached ones stay evictable, the tail
+        of a sequence is evicted before its head); the table becomes empty. Idempotent."""
+        self.pool.free(reversed(table.pages))
         table.pages.clear()
         table.num_slots = 0
+        table.num_keyed = 0
+
+    # ---- prefix caching ------------------------------------------------------------------------
+
+    def cached_prefix(self, keys: list[bytes]) -> list[int]:
+        """Pages holding the longest leading run of ``keys`` (``specdec.kv.prefix``)."""
+        return self.pool.lookup(keys)
+
+    def adopt(self, table: BlockTable, pages: list[int]) -> None:
+        """Start an empty table with cached pages (their KV is reused, not computed)."""
+        if table.pages:
+            raise ValueError(f"adopt needs an empty table, this one has {len(table.pages)} pages")
+        self.pool.take(pages)
+        table.pages = list(pages)
+        table.num_slots = len(pages) * self.page_size
+        table.num_keyed = len(pages)
+
+    def register_full(self, table: BlockTable, keys: list[bytes], num_final_slots: int) -> None:
+        """Name the content of the table's full pages below ``num_final_slots`` (slots whose KV
+        will never be written again) by ``keys[p]``, so that later requests can reuse them."""
+        last = min(num_final_slots // self.page_size, len(keys), len(table.pages))
+        for p in range(table.num_keyed, last):
+            self.pool.register(table.pages[p], keys[p])
+        table.num_keyed = max(table.num_keyed, last)
 
     def fork(self, table: BlockTable) -> BlockTable:
         """A new table sharing all of ``table``'s pages (copy-on-write via ``make_writable``)."""
         for p in table.pages:
             self.pool.incref(p)
-        return BlockTable(pages=list(table.pages), num_slots=table.num_slots)
+        return BlockTable(pages=list(table.pages), num_slots=table.num_slots,
+                          num_keyed=table.num_keyed)
 
     def make_writable(self, table: BlockTable, start_slot: int) -> list[tuple[int, int]]:
         """Copy-on-write: give the table private copies of shared pages holding slots >= start_slot.
@@ -111,6 +144,8 @@ class KVCacheManager:
             pairs.append((table.pages[i], dst))
             table.pages[i] = dst
         self.pool.free(src for src, _ in pairs)
+        if shared:
+            table.num_keyed = min(table.num_keyed, shared[0])
         return pairs
 
     def slot_ids(self, table: BlockTable, start: int, end: int) -> torch.Tensor:

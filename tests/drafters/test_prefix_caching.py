@@ -1,0 +1,99 @@
+"""Prefix caching end to end: the same greedy tokens and the same speculation with and without
+the cache, for plain decoding and every drafter, while the cache really is hit.
+
+A workload of three rounds: round 1 runs prompts that share a system-prompt-like head; round 2
+runs each round-1 prompt + its output + a new question (a chat's second turn); round 3 shares
+exactly two pages with round 1. Page size 4, so that a
+short prompt spans several pages. Per request the accepted draft tokens by depth must equal the
+uncached run's: a drafter whose state was restored, not computed, drafts exactly the same.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import make_tiny_model
+from drafter_helpers import random_block_diffusion, random_head
+from test_mtp import random_heads
+from specdec import LLM, SamplingParams
+from specdec.models.loader import load_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PAGE = 4
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    folder = make_tiny_model(tmp_path_factory.mktemp("prefix"), seed=4, num_hidden_layers=4)
+    model, cfg, hf = load_model(folder, torch.float64, "cpu", 512)
+    return folder, model, cfg, hf
+
+
+def _drafters(model, cfg, hf) -> dict[str, tuple[str | None, dict]]:
+    return {
+        "plain": (None, {}),
+        "ngram": ("ngram", {"min_ngram": 1}),
+        "draft_model": ("draft_model", {"early_exit_layers": 1, "max_depth": 3}),
+        "eagle3": ("eagle3", {"head": random_head(model, cfg, hf), "depth": 3, "topk": 2}),
+        "mtp": ("mtp", {"heads": random_heads(model, cfg)}),
+        "block_diffusion": ("block_diffusion", {"model": random_block_diffusion(model, cfg, hf)}),
+    }
+
+
+def _rounds(batch: int, seed: int = 0):
+    rng = random.Random(seed)
+    head = [rng.randrange(90) for _ in range(11)]  # shared by every prompt: 2 full pages + 3
+    return [head + [rng.randrange(90) for _ in range(rng.randrange(1, 9))] for _ in range(batch)]
+
+
+def _run(folder, drafter, args, batch: int, caching: bool, **engine):
+    llm = LLM(model=str(folder), dtype="float64", drafter=drafter, drafter_args=args,
+              controller="static", controller_args={"budget": 4}, page_size=PAGE,
+              enable_prefix_caching=caching, **engine)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = _rounds(batch)
+    outs1 = llm.generate(first, params)
+    rng = random.Random(1)
+    second = [p + o.token_ids + [rng.randrange(90) for _ in range(3)]
+              for p, o in zip(first, outs1)]
+    outs2 = llm.generate(second, params)
+    # third: the shared head's first 2 full pages, then new tokens (a hit that ends exactly at
+    # a page boundary, where the next token differs)
+    third = [first[0][:2 * PAGE] + [rng.randrange(90) for _ in range(5)] for _ in range(2)]
+    outs3 = llm.generate(third, params)
+    assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages, "pages leaked"
+    for r in llm.engine.drafter_runners:
+        assert r.kv.num_free_pages == r.kv.num_pages, f"drafter {r.name} leaked pages"
+    outs = outs1 + outs2 + outs3
+    assert [o.error for o in outs] == [None] * len(outs)
+    return outs
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft_model", "eagle3", "mtp",
+                                  "block_diffusion"])
+def test_same_tokens_and_drafts_with_and_without_the_cache(target, name, batch):
+    folder, model, cfg, hf = target
+    drafter, args = _drafters(model, cfg, hf)[name]
+    want = _run(folder, drafter, args, batch, caching=False)
+    got = _run(folder, drafter, args, batch, caching=True)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.metrics.accepted_by_depth for o in got] == [o.metrics.accepted_by_depth
+                                                          for o in want]
+    assert [o.metrics.draft_tokens_proposed for o in got] == [
+        o.metrics.draft_tokens_proposed for o in want]
+    assert all(o.metrics.num_cached_tokens == 0 for o in want)
+    second = got[batch:2 * batch]
+    # every second turn reuses at least its first turn's prompt pages (the drafter's too)
+    assert all(o.metrics.num_cached_tokens >= PAGE * (len(p) // PAGE) - PAGE
+               for o, p in zip(second, _rounds(batch))), [o.metrics.num_cached_tokens
+                                                          for o in second]
+    # the head's page 1 (slots 4..7) depends on token 8 for an EAGLE head: not reusable there
+    assert [o.metrics.num_cached_tokens for o in got[-2:]] == [PAGE if name == "eagle3"
+                                                              else 2 * PAGE] * 2
+    if drafter is not None and name != "ngram":
+        assert sum(o.metrics.draft_tokens_proposed for o in got) > 0
