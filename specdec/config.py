@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from os import PathLike
 from typing import Any
 
 from specdec.attention import CHOICES as ATTENTION_CHOICES
@@ -67,6 +68,11 @@ class EngineConfig:
     # reuse the KV of cached full pages across requests (specdec.kv.prefix: content keys,
     # LRU eviction of pages no running request maps); outputs are the same either way
     enable_prefix_caching: bool = True
+    # a second KV tier (specdec.kv.tier): cached pages evicted from memory are kept in this file
+    # on local disk (at most kv_tier_bytes) and brought back on a hit when reading beats
+    # recomputing; None: no tier. Needs prefix caching.
+    kv_tier_path: str | None = None
+    kv_tier_bytes: int = 2 << 30
     # unseeded sampled requests draw their seeds from an RNG seeded with this (None: from
     # torch's global RNG, so torch.manual_seed applies)
     seed: int | None = None
@@ -116,6 +122,14 @@ class EngineConfig:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an int in [0, 2**63 - 1], got {self.seed!r}")
+        if self.kv_tier_path is not None:
+            if not isinstance(self.kv_tier_path, (str, PathLike)) or not str(self.kv_tier_path):
+                raise ValueError(f"kv_tier_path must be a file path or None, got "
+                                 f"{self.kv_tier_path!r}")
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_tier_path keeps cached pages: it needs "
+                                 "enable_prefix_caching=True")
+        _positive("kv_tier_bytes", self.kv_tier_bytes)
         for name in ("num_pages", "kv_cache_memory", "max_model_len"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))

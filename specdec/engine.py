@@ -26,6 +26,7 @@ from specdec.costs import StepCosts
 from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
 from specdec.kv.prefix import root_key
+from specdec.kv.tier import DiskTier
 from specdec.memory import KVSplit, split_kv
 from specdec.metrics import EngineTotals, StepStats
 from specdec.models.aliases import GGUF_NAME
@@ -95,20 +96,35 @@ class LLMEngine:
                                                config.max_num_seqs,
                                                config.max_num_batched_tokens,
                                                sources=self.drafting.sources))
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_prefix_caching, self.drafting.restore,
-                                   self.drafting.release)
-        # everything that changes the KV a token sequence leaves: pages are shared only within
+        # everything that changes the KV a token sequence leaves: pages are shared only within one namespace
         self.cache_namespace = "|".join(map(str, (
             folder.resolve(), self.dtype, self.weights, config.activations,
             config.linear_kernels, config.page_size)))
+        self.tier = self._open_tier()
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_prefix_caching, self.drafting.restore,
+                                   self.drafting.release)
         self.stopper = StopChecker(cfg.eos_token_ids, self.max_model_len, self.tokenizer)
         self.requests: dict[str, Sequence] = {}
         self.samples: dict[str, list[str]] = {}  # request id -> its samples' sequence ids
         self.totals = EngineTotals()
+        self._evicted = 0  # the pool's evictions counted into step stats so far
+        self._tier_seen = (0, 0, 0.0)  # the tier's (hits, stores, seconds) counted so far
         self.plugin_errors: list[str] = []
         self._ids = itertools.count()
         self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
+
+    def _open_tier(self) -> DiskTier | None:
+        """The second KV tier below the target's KV (EngineConfig.kv_tier_path), if asked for.
+        Drafters' own caches have none: after a hit they restore what they still hold in
+        memory (specdec.drafters.base, "Prefix caching")."""
+        c = self.config
+        if c.kv_tier_path is None:
+            return None
+        tier = DiskTier(c.kv_tier_path, self.runner.bytes_per_page, c.kv_tier_bytes,
+                        self.cache_namespace)
+        self.kv.attach_tier(tier)
+        return tier
 
     def _new_runner(self, model, name: str, num_layers: int | None = None) -> ModelRunner:
         return ModelRunner(model, name, self.config.attention_backend, self.config.page_size,
@@ -311,6 +327,7 @@ class LLMEngine:
                 failed.append(rec.seq)
                 self._finish(rec.seq)
         stats = self._stats(records, sched.preempted, failed, (t0, t1, t2, t3))
+        self._prefix_stats(stats, sched)
         self.totals.add(stats)
         self.drafting.observe(records, stats)
         self._controller_figures(stats)
@@ -373,6 +390,22 @@ class LLMEngine:
             step_seconds=time.perf_counter() - t0, num_preempted=len(preempted),
             failed_requests=[s.request_id for s in dict.fromkeys(failed)],
         )
+
+    def _prefix_stats(self, stats: StepStats, sched) -> None:
+        stats.num_lookup_tokens, stats.num_lookup_pages = sched.lookup_tokens, sched.lookup_pages
+        stats.num_cached_tokens, stats.num_cached_pages = sched.cached_tokens, sched.cached_pages
+        pool = self.kv.pool
+        stats.num_evicted_pages, self._evicted = pool.num_evicted - self._evicted, pool.num_evicted
+        if self.tier is not None:
+            now = (self.tier.hits, self.tier.stores, self.tier.seconds)
+            stats.tier_hits, stats.tier_stores, stats.tier_seconds = (
+                a - b for a, b in zip(now, self._tier_seen))
+            self._tier_seen = now
+        if stats.num_prefill_tokens >= self.config.page_size:  # what a recomputed page costs
+            per_token = stats.forward_seconds / max(1, stats.num_prefill_tokens + stats.num_decode)
+            old = self.kv.prefill_seconds_per_token
+            self.kv.prefill_seconds_per_token = per_token if old is None else (
+                0.8 * old + 0.2 * per_token)
 
     def _controller_figures(self, stats: StepStats) -> None:
         decision = getattr(self.drafting.controller, "decision", None)

@@ -28,6 +28,17 @@ class StepStats:
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
     controller: dict | None = None  # the controller's ``decision`` figures, if it keeps them
+    # prefix caching, over this step's admissions: tokens / full pages they had to compute
+    # without the cache, and how many of them came from it instead
+    num_lookup_tokens: int = 0
+    num_lookup_pages: int = 0
+    num_cached_tokens: int = 0
+    num_cached_pages: int = 0
+    num_evicted_pages: int = 0  # cached pages the pool handed out for new content
+    # the second KV tier (EngineConfig.kv_tier_path): pages brought back / stored, and seconds
+    tier_hits: int = 0
+    tier_stores: int = 0
+    tier_seconds: float = 0.0
 
 
 @dataclass
@@ -40,6 +51,27 @@ class EngineTotals:
     verify_seconds: float = 0.0
     step_seconds: float = 0.0
     draft_no_kv: int = 0
+    lookup_tokens: int = 0
+    lookup_pages: int = 0
+    cached_tokens: int = 0
+    cached_pages: int = 0
+    evicted_pages: int = 0
+    tier_hits: int = 0
+    tier_stores: int = 0
+    tier_seconds: float = 0.0
+
+    @property
+    def prefix_hit_rate(self) -> dict[str, float | None]:
+        """Share of the tokens / full pages admissions looked up that the cache served."""
+        return {"tokens": self.cached_tokens / self.lookup_tokens if self.lookup_tokens else None,
+                "pages": self.cached_pages / self.lookup_pages if self.lookup_pages else None}
+
+    def prefix_summary(self) -> dict:
+        """The prefix-cache figures of a run (bench reports)."""
+        return {"hit_rate": self.prefix_hit_rate, "lookup_tokens": self.lookup_tokens,
+                "cached_tokens": self.cached_tokens, "cached_pages": self.cached_pages,
+                "evicted_pages": self.evicted_pages, "tier_hits": self.tier_hits,
+                "tier_stores": self.tier_stores, "tier_seconds": self.tier_seconds}
 
     def add(self, stats: StepStats) -> None:
         self.steps += 1
@@ -48,6 +80,14 @@ class EngineTotals:
         self.verify_seconds += stats.verify_seconds
         self.step_seconds += stats.step_seconds
         self.draft_no_kv += stats.num_draft_no_kv
+        self.lookup_tokens += stats.num_lookup_tokens
+        self.lookup_pages += stats.num_lookup_pages
+        self.cached_tokens += stats.num_cached_tokens
+        self.cached_pages += stats.num_cached_pages
+        self.evicted_pages += stats.num_evicted_pages
+        self.tier_hits += stats.tier_hits
+        self.tier_stores += stats.tier_stores
+        self.tier_seconds += stats.tier_seconds
 
 
 def request_metrics(seq: Sequence) -> RequestMetrics:

@@ -173,14 +173,18 @@ class Scheduler:
         kv, ps = self.kv, self.kv.page_size
         keys = seq.keys(ps, (seq.num_tokens - 1) // ps)  # the last token is always computed
         pages = kv.cached_prefix(keys)
-        if not pages:
+        tier = getattr(kv, "tier_prefix", lambda keys: 0)(keys[len(pages):])
+        if not pages and not tier:
             return True
-        n_new = min(seq.num_tokens - len(pages) * ps, budget)
+        n_new = min(seq.num_tokens - (len(pages) + tier) * ps, budget)
         evictable = sum(1 for p in pages if kv.pool.refcount(p) == 0)
-        if -(-n_new // ps) > kv.num_free_pages - evictable:
+        if -(-n_new // ps) + tier > kv.num_free_pages - evictable:
             return False
         kv.adopt(seq.block_table, pages)
-        restored = min(len(pages), self.restore(seq, keys[:len(pages)]))
+        if tier:  # brought back from the second tier, or as far as it can serve
+            kv.load_from_tier(seq.block_table, keys[len(pages):len(pages) + tier])
+        hit = len(seq.block_table.pages)
+        restored = min(hit, self.restore(seq, keys[:hit]))
         kv.truncate(seq.block_table, restored * ps)
         seq.num_computed = restored * ps
         return True

@@ -29,6 +29,7 @@ import torch
 from specdec.kv.block_table import BlockTable, KVCacheManager, slot_of
 from specdec.kv.cache import KVCache
 from specdec.kv.page_pool import PagePool
+from specdec.kv.tier import DiskTier
 
 
 class KVManager(KVCacheManager):
@@ -39,10 +40,52 @@ class KVManager(KVCacheManager):
         super().__init__(PagePool(num_pages), page_size)
         self.cache = KVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype,
                              device)
+        self.tier: DiskTier | None = None
+        # measured target seconds per prefill token (the engine keeps it): a tier read must
+        # beat recomputing a page to be used
+        self.prefill_seconds_per_token: float | None = None
 
     @property
     def num_pages(self) -> int:
         return self.pool.num_pages
+
+    # ---- the second tier ---------------------------------------------------------------------
+
+    def attach_tier(self, tier: DiskTier) -> None:
+        """Copy every cached page the pool evicts into ``tier`` first."""
+        self.tier = tier
+        self.pool.on_evict = lambda page, key: tier.put(key, self.cache.tensor[:, page])
+
+    def tier_prefix(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` the tier holds, when reading is cheaper than recomputing
+        (0 otherwise, or without a tier)."""
+        tier = self.tier
+        per_page = (None if self.prefill_seconds_per_token is None
+                    else self.prefill_seconds_per_token * self.page_size)
+        if tier is None or not tier.worth_it(per_page):
+            return 0
+        n = 0
+        while n < len(keys) and keys[n] in tier:
+            n += 1
+        return n
+
+    def load_from_tier(self, table: BlockTable, keys: list[bytes]) -> int:
+        """Append pages holding ``keys`` to a table whose slots are all computed, read from the
+        tier; stops at the first page the tier cannot serve (missing, torn). Returns how many."""
+        assert table.num_slots == len(table.pages) * self.page_size, "table must end on a page"
+        pages = self.pool.allocate(len(keys))
+        got = 0
+        for page, key in zip(pages, keys):
+            if not self.tier.get(key, self.cache.tensor[:, page]):
+                break
+            got += 1
+        self.pool.free(reversed(pages[got:]))
+        for page, key in zip(pages[:got], keys):
+            self.pool.register(page, key)
+        table.pages += pages[:got]
+        table.num_slots = len(table.pages) * self.page_size
+        table.num_keyed = len(table.pages)
+        return got
 
     def try_reserve(self, table: BlockTable, num_slots: int) -> bool:
         """Reserve if the pages are there (True); otherwise change nothing (False)."""

@@ -14,10 +14,10 @@ import random
 
 import pytest
 import torch
-
 from conftest import make_tiny_model
 from drafter_helpers import random_block_diffusion, random_head
 from test_mtp import random_heads
+
 from specdec import LLM, SamplingParams
 from specdec.models.loader import load_model
 
