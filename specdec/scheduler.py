@@ -13,7 +13,9 @@ longest run of cached full pages of its tokens (``specdec.kv.prefix``), at most 
 before its last token (the last token is always computed: its logits are the first emission),
 asks the drafter to restore its own state for them (``restore``: it may take fewer pages), and
 computes only the rest. A preempted request's full pages stay cached (evictable), so its
-re-admission usually finds them.
+re-admission usually finds them. A request whose next uncached page is being computed by a
+running request (the same system prompt arriving in one batch, the samples of one prompt) waits
+until that page is cached instead of computing it again; the requests behind it go first.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Scheduler:
         self.restore: RestoreFn = restore or (lambda seq, keys: len(keys))
         # drops a request's drafter state when it loses its KV (preemption, an undone hit)
         self.on_preempt = on_preempt or (lambda seq: None)
+        # content key of a full page some admitted request is computing -> (request, page index)
+        self.in_flight: dict[bytes, tuple[Sequence, int]] = {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -141,13 +145,16 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
-        """Admit waiting requests while tokens, seats and pages allow; returns the token budget
-        left."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if self.prefix_caching and not _leader_done(seq):
-                break  # a sample waits for its prompt's pages (computed by the first sample)
-            if not self._reuse_prefix(seq, budget):
+        """Admit waiting requests in order while tokens, seats and pages allow; returns the
+        token budget left. A request whose next uncached page another running request is
+        computing right now waits for it (and those behind it go first)."""
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            go = self._reuse_prefix(seq, budget)
+            if go is _DEFER:
+                continue
+            if go is _WAIT:
                 break
             n_new = min(seq.tokens_to_frontier(), budget)
             if not self.kv.can_reserve(seq.block_table, seq.num_computed + n_new):
@@ -156,8 +163,9 @@ class Scheduler:
                     self.on_preempt(seq)
                     seq.num_computed = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             self._count_hit(seq, out)
+            self._mark_in_flight(seq)
             self.kv.reserve(seq.block_table, seq.num_computed + n_new)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -165,21 +173,24 @@ class Scheduler:
             budget -= n_new
         return budget
 
-    def _reuse_prefix(self, seq: Sequence, budget: int) -> bool:
-        """Map the longest cached prefix of a request that has nothing computed; False if the
-        request cannot be admitted now even with it (not enough pages for the rest)."""
+    def _reuse_prefix(self, seq: Sequence, budget: int):
+        """Map the longest cached prefix of a request that has nothing computed: _GO (also
+        when nothing is cached), _WAIT (not enough pages for the rest even with it), or _DEFER
+        (the next page is being computed by a running request: it will be cached soon)."""
         if not self.prefix_caching or seq.num_computed or seq.block_table.pages:
-            return True
+            return _GO
         kv, ps = self.kv, self.kv.page_size
         keys = seq.keys(ps, (seq.num_tokens - 1) // ps)  # the last token is always computed
         pages = kv.cached_prefix(keys)
         tier = getattr(kv, "tier_prefix", lambda keys: 0)(keys[len(pages):])
+        if len(pages) + tier < len(keys) and self._in_flight(keys[len(pages) + tier]):
+            return _DEFER
         if not pages and not tier:
-            return True
+            return _GO
         n_new = min(seq.num_tokens - (len(pages) + tier) * ps, budget)
         evictable = sum(1 for p in pages if kv.pool.refcount(p) == 0)
         if -(-n_new // ps) + tier > kv.num_free_pages - evictable:
-            return False
+            return _WAIT
         kv.adopt(seq.block_table, pages)
         if tier:  # brought back from the second tier, or as far as it can serve
             kv.load_from_tier(seq.block_table, keys[len(pages):len(pages) + tier])
@@ -187,7 +198,29 @@ class Scheduler:
         restored = min(hit, self.restore(seq, keys[:hit]))
         kv.truncate(seq.block_table, restored * ps)
         seq.num_computed = restored * ps
-        return True
+        return _GO
+
+    def _mark_in_flight(self, seq: Sequence) -> None:
+        """The full prompt pages an admitted request will compute (and then cache)."""
+        if not self.prefix_caching:
+            return
+        if len(self.in_flight) > 4 * self.kv.num_free_pages + 1024:  # drop the stale ones
+            self.in_flight = {k: v for k, v in self.in_flight.items() if self._in_flight(k)}
+        first = seq.num_computed // self.kv.page_size
+        for p, key in enumerate(seq.page_keys[first:(seq.num_tokens - 1) // self.kv.page_size],
+                                first):
+            self.in_flight.setdefault(key, (seq, p))
+
+    def _in_flight(self, key: bytes) -> bool:
+        """A running request is computing the page named ``key`` (not cached yet)."""
+        entry = self.in_flight.get(key)
+        if entry is None:
+            return False
+        seq, p = entry
+        if seq.status is SequenceStatus.RUNNING and seq.block_table.num_keyed <= p:
+            return True
+        del self.in_flight[key]
+        return False
 
     def _count_hit(self, seq: Sequence, out: SchedulerOutput) -> None:
         if not self.prefix_caching:
@@ -210,8 +243,4 @@ class Scheduler:
             self.waiting.remove(seq)
 
 
-def _leader_done(seq: Sequence) -> bool:
-    """A request's first sample has computed the prompt (or ended)."""
-    lead = seq.leader
-    return lead is None or lead.is_finished or (lead.status is SequenceStatus.RUNNING
-                                               and lead.num_computed >= lead.num_prompt_tokens)
+_GO, _WAIT, _DEFER = "go", "wait", "defer"  # what _reuse_prefix says of a waiting request

@@ -61,8 +61,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the cache at admission
     num_reused_tokens: int = 0  # ... at every admission (re-admissions after preemption too)
     # n samples of one prompt: sample `sample_index` of the group whose first sample is
-    # `leader` (None for the first); with prefix caching a sample is admitted once the leader
-    # has computed the prompt, and reuses its full pages
+    # `leader` (None for the first); with prefix caching the others wait while the first
+    # computes the prompt's full pages, then reuse them (the scheduler's in-flight pages)
     leader: Sequence | None = None
     sample_index: int = 0
 

@@ -47,7 +47,8 @@ tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
 # there overwrites that page in place; if the page carries a content key (registered when it was
 # full), the key would then name content the page no longer holds. ``truncate`` keeps the key
 # (``num_keyed = min(num_keyed, ceil(n / page_size))``), so the caller must forget it first
-# (``PagePool.drop_key``: "it will be overwritten"). The engine never rolls back below
+# (``PagePool.drop_key``: "it will be overwritten", and lower the table's ``num_keyed`` so the
+# page is named again once full). The engine never rolls back below
 # ``num_computed``; this machine does, and follows that contract.
 DROP_KEY_BEFORE_REWRITE = True
 
@@ -149,6 +150,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             page = table.pages[first]  # private now: rewriting it must not keep its key
             if pool.key_of(page) is not None:
                 pool.drop_key(page)
+                table.num_keyed = min(table.num_keyed, first)  # so that it is named again
                 self.drops += 1
         for i, v in enumerate(values, start):
             page = table.pages[i // ps]
@@ -229,8 +231,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def admit_shared_prefix(self, data, extra):
         """A new request that starts with (part of) a running request's tokens."""
         src = self.reqs[self._pick(data, running=True)]
-        n = data.draw(st.integers(1, len(src.tokens)), label="prefix")
-        name, req = self._new(src.tokens[:n] + extra)
+        n = data.draw(st.integers(0, len(src.tokens)), label="prefix")
+        name, req = self._new((src.tokens[:n] + extra) or [0])
         if not self._admit(req, data):
             del self.reqs[name]
 
