@@ -79,6 +79,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): flashinfer on CUDA when installed, else torch")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly on CUDA (default: replay CUDA graphs)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every request's KV from scratch (default: reuse cached full "
+                        "pages of a common prefix)")
+    p.add_argument("--kv-tier-path", default=None, metavar="FILE",
+                   help="keep cached pages evicted from memory in this file on local disk "
+                        "(a second KV tier; default: none)")
+    p.add_argument("--kv-tier-bytes", type=_int_at_least(1), default=2 << 30,
+                   help="the tier file's size limit in bytes (default 2 GiB)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
@@ -159,6 +167,27 @@ def _bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _bench_prefix_parser(sub) -> None:
+    from specdec.bench_prefix import WORKLOADS
+
+    p = sub.add_parser("bench-prefix", help="prefix caching and the disk tier: with vs without "
+                                            "(TTFT, prefill tokens, no-hit throughput)")
+    p.add_argument("--dataset", type=_existing_file, required=True,
+                   help="MT-Bench jsonl (two turns per question)")
+    p.add_argument("--num-prompts", type=_int_at_least(1), default=16)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=64)
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
+                   help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
+    p.add_argument("--repeats", type=_int_at_least(1), default=3,
+                   help="repeats of the no-hit throughput comparison")
+    p.add_argument("--tier-dir", default=None, help="folder for the tier workload's file "
+                                                    "(default: a temporary folder)")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="write the report here")
+    _add_model_args(p)
+    _add_spec_args(p)
+    p.set_defaults(func=cmd_bench_prefix)
+
+
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a drafter for a target model on your prompts")
     p.add_argument("kind", choices=["eagle3", "mtp", "block_diffusion"], help="drafter kind")
@@ -190,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _bench_parser(sub)
+    _bench_prefix_parser(sub)
     _train_parser(sub)
     return parser
 
@@ -304,7 +334,9 @@ def _engine_kwargs(args) -> dict:
                 controller_args=args.controller_args, verifier=args.verifier,
                 linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
                 cuda_graphs=args.cuda_graphs, weights=args.weights,
-                activations=args.activations, draft_weights=args.draft_weights)
+                activations=args.activations, draft_weights=args.draft_weights,
+                enable_prefix_caching=args.enable_prefix_caching,
+                kv_tier_path=args.kv_tier_path, kv_tier_bytes=args.kv_tier_bytes)
 
 
 def cmd_generate(args) -> int:
@@ -387,6 +419,17 @@ def cmd_bench(args) -> int:
     else:
         report = run_bench(args)
         print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report written to {args.json}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_prefix(args) -> int:
+    from specdec.bench_prefix import print_prefix_report, run_prefix_bench
+
+    report = run_prefix_bench(args)
+    print_prefix_report(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
         print(f"report written to {args.json}", file=sys.stderr)

@@ -75,7 +75,9 @@ class KVCacheManager:
         table.num_slots = max(table.num_slots, num_slots)
 
     def truncate(self, table: BlockTable, num_slots: int) -> None:
-        """Shrink the table to ``num_slots`` slots, dropping pages it no longer needs."""
+        """Shrink the table to ``num_slots`` slots, dropping pages it no longer needs. A kept
+        page that is registered keeps its key: never rewrite slots below ``num_keyed`` pages
+        (the engine only ever cuts back draft slots, above everything registered)."""
         _check_slots(num_slots)
         if num_slots > table.num_slots:
             raise ValueError(

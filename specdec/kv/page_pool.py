@@ -130,13 +130,20 @@ class PagePool:
     # ---- content keys ------------------------------------------------------------------------
 
     def register(self, page: int, key: bytes) -> bool:
-        """Name an in-use page's content ``key``; False (nothing changes) when another page
-        already holds that content or this page already has a key."""
+        """Name an in-use page's content ``key``; False (nothing changes) when another page in
+        use already holds that content or this page already has a key. An evictable page
+        holding it gives the key up (and becomes free): the copy in use is the one that cannot
+        be evicted."""
         self._check_page(page)
         if self._refcount[page] == 0:
             raise ValueError(f"cannot register page {page}: it is not in use")
-        if key in self._page_of or page in self._key_of:
+        if page in self._key_of:
             return False
+        other = self._page_of.get(key)
+        if other is not None:
+            if self._refcount[other] > 0:
+                return False
+            self.drop_key(other)
         self._key_of[page] = key
         self._page_of[key] = page
         return True

@@ -12,12 +12,21 @@ Rules follow the engine and the scheduler (``Scheduler._reuse_prefix``, ``LLMEng
 admit (look up the capped keys, adopt the hit if the rest fits, a drafter restoring fewer pages,
 reserve, compute the rest, register full pages), decode with a draft tree (reserve draft slots,
 write drafts, keep the accepted ones, truncate), fork + copy-on-write, truncate (dropping draft
-slots, or rolling back computed tokens), preempt and re-admit, finish, and memory pressure so
-cached pages get evicted.
+slots, or rolling back computed tokens), preempt and re-admit, finish, forgetting a key, and
+memory pressure so cached pages get evicted.
 
 Invariants after every rule: each page is exactly one of in use / evictable / free; refcounts
 equal the number of live tables mapping the page; every running request's computed slots hold
-its own tokens; every key names exactly the content of its page; teardown frees every page.
+its own tokens; every key names exactly the content of its page; the evictable pages are the ones
+the model expects, in release order (a table's tail first), and eviction takes the oldest; a
+preempted request re-admitted with nothing evicted meanwhile finds its cached pages; teardown
+frees every page.
+
+Not checked: that a full computed page stays named while in use. ``register_full`` counts a page
+whose ``register`` failed (an equal page in use already holds the key) as keyed, so once that
+other page is released and evicted the content is not cached although a running request still
+holds it (a lost hit, never a wrong one). An equal page that is only evictable gives its key to
+the page in use (checked).
 """
 
 from __future__ import annotations
@@ -48,8 +57,8 @@ tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
 # full), the key would then name content the page no longer holds. ``truncate`` keeps the key
 # (``num_keyed = min(num_keyed, ceil(n / page_size))``), so the caller must forget it first
 # (``PagePool.drop_key``: "it will be overwritten", and lower the table's ``num_keyed`` so the
-# page is named again once full). The engine never rolls back below
-# ``num_computed``; this machine does, and follows that contract.
+# page is named again once full). The engine never rolls back below ``num_computed``; this
+# machine does, and follows that contract (False: the machine finds the stale key).
 DROP_KEY_BEFORE_REWRITE = True
 
 
@@ -77,8 +86,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.content: dict[int, list] = {p: [None] * page_size for p in range(num_pages)}
         self.key_tokens: dict[bytes, tuple[int, ...]] = {}  # every key computed -> its tokens
         self.reqs: dict[int, Request] = {}
+        self.history: list[tuple[int, ...]] = []  # tokens of every request so far
         self.next_name = 0
-        self.drops = 0  # keys dropped by rollbacks (a cached page lost without eviction)
+        self.drops = 0  # keys dropped (a cached page lost without eviction)
+        self.lru: list[int] = []  # the evictable pages we expect, least recently released first
         self.pool.on_evict = self._on_evict
 
     # ---------------------------------------------------------------- helpers
@@ -94,11 +105,36 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 dict(pool._key_of), list(pool._free), list(pool._evictable))
 
     def _on_evict(self, page: int, key: bytes) -> None:
-        """A cached page handed out for new content: nobody maps it, and it held its key's
-        content until now."""
+        """A cached page handed out for new content: the least recently released one, nobody
+        maps it, and it held its key's content until now."""
         assert self.pool.refcount(page) == 0
         assert page not in self._live_pages(), f"evicted page {page} is mapped by a request"
+        assert self.lru and self.lru[0] == page, f"evicted {page}, expected the oldest {self.lru}"
+        self.lru.pop(0)
         self._check_key_content(page, key)
+
+    def _freeing(self, op, order: list[int]) -> None:
+        """Run ``op``, which drops one reference per page of ``order`` in that order (the tail
+        of a sequence first): pages reaching 0 with a key join the LRU in that order."""
+        refs = {p: self.pool.refcount(p) for p in order}
+        op()
+        for p in order:
+            refs[p] -= 1
+            if refs[p] == 0 and self.pool.key_of(p) is not None:
+                self.lru.append(p)
+
+    def _release(self, table: BlockTable) -> None:
+        self._freeing(lambda: self.kv.release(table), table.pages[::-1])
+
+    def _truncate(self, table: BlockTable, n: int) -> None:
+        keep = _ceil_div(n, self.ps)
+        self._freeing(lambda: self.kv.truncate(table, n), table.pages[keep:][::-1])
+
+    def _drop_key(self, page: int) -> None:
+        self.pool.drop_key(page)
+        self.drops += 1
+        if page in self.lru:
+            self.lru.remove(page)
 
     def _keys(self, tokens: list[int]) -> list[bytes]:
         """Keys of every full page of ``tokens``, remembered with the tokens they name."""
@@ -146,33 +182,46 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for src, dst in pairs:
             assert dst in free_before and pool.refcount(dst) == 1 and pool.key_of(dst) is None
             self.content[dst] = list(self.content[src])
+        if pairs:  # a copy holds no key yet: it must be named again once full
+            assert table.num_keyed <= table.pages.index(pairs[0][1])
         if values and start % ps and DROP_KEY_BEFORE_REWRITE:
             page = table.pages[first]  # private now: rewriting it must not keep its key
             if pool.key_of(page) is not None:
-                pool.drop_key(page)
+                self._drop_key(page)
                 table.num_keyed = min(table.num_keyed, first)  # so that it is named again
-                self.drops += 1
         for i, v in enumerate(values, start):
             page = table.pages[i // ps]
             assert pool.refcount(page) == 1, f"writing into shared page {page}"
             self.content[page][i % ps] = v
         return True
 
-    def _compute(self, req: Request, end: int) -> None:
-        """Compute tokens computed..end-1 (their slots are reserved) and register full pages."""
+    def _compute(self, req: Request, end: int, bonus: list[int] = ()) -> None:
+        """Compute tokens computed..end-1 (their slots are reserved) and register full pages;
+        ``bonus``: tokens emitted after them, with no KV yet."""
         tokens = req.tokens
         values = [tuple(tokens[:i + 1]) for i in range(req.computed, end)]
         assert self._write(req, req.computed, values) or not values
         req.computed = end
-        self._register(req)
+        self._register(req, bonus)
 
-    def _register(self, req: Request) -> None:
-        keys = self._keys(req.tokens[:req.computed])
+    def _register(self, req: Request, bonus: list[int] = ()) -> None:
+        """Name the full computed pages, given keys of every full page of the tokens so far
+        (the bonus tokens' pages too: register_full must stop at the computed slots)."""
+        if req.computed >= self.ps:
+            self.history.append(tuple(req.tokens))
+        keys = self._keys(req.tokens + list(bonus))
+        keyed, final = req.table.num_keyed, req.computed // self.ps
+        holders = {j: self.pool._page_of.get(keys[j]) for j in range(keyed, min(final, len(keys)))}
         self.kv.register_full(req.table, keys, req.computed)
-        for j, k in enumerate(keys):  # a full computed page is named (here or by an equal page)
-            assert k in self.pool._page_of
-            if self.pool.key_of(req.table.pages[j]) == k:
-                self._check_key_content(req.table.pages[j], k)
+        for j, other in holders.items():  # an evictable equal page gives its key up: free now
+            if other is not None and self.pool.key_of(other) is None and other in self.lru:
+                self.lru.remove(other)
+                assert req.table.pages[j] == self.pool._page_of[keys[j]]
+        assert req.table.num_keyed == max(keyed, min(final, len(req.table.pages)))
+        for j in range(keyed, final):  # named now: by this page, or an equal page has it
+            assert keys[j] in self.pool._page_of
+            if self.pool.key_of(req.table.pages[j]) == keys[j]:
+                self._check_key_content(req.table.pages[j], keys[j])
 
     def _admit(self, req: Request, data) -> bool:
         """The scheduler's admission with prefix caching; False (nothing changed) if it does not
@@ -188,24 +237,26 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert self.content[p] == self._expected(tokens, j)
         before = self._snapshot()
         if hits:
-            evictable = sum(1 for p in hits if pool.refcount(p) == 0)
+            revived = [p for p in hits if pool.refcount(p) == 0]
+            evictable = len(revived)
             rest = _ceil_div(len(tokens) - len(hits) * ps, ps)
             if rest > kv.num_free_pages - evictable:
                 assert self._snapshot() == before  # lookup changes nothing
                 return False
             refs = [pool.refcount(p) for p in hits]
             kv.adopt(req.table, hits)
+            self.lru = [p for p in self.lru if p not in revived]
             assert [pool.refcount(p) for p in hits] == [r + 1 for r in refs]
             assert req.table.num_keyed == len(hits) and req.table.num_slots == len(hits) * ps
             restored = data.draw(st.integers(0, len(hits)), label="restored")
-            kv.truncate(req.table, restored * ps)
+            self._truncate(req.table, restored * ps)
             req.computed = restored * ps
             if restored == len(hits):  # the check above guarantees the rest fits
                 assert kv.can_reserve(req.table, len(tokens))
         if not kv.can_reserve(req.table, len(tokens)):
-            kv.release(req.table)  # undo the hit: the request waits as it was
+            self._release(req.table)  # undo the hit: the request waits as it was
             req.computed = 0
-            assert self._snapshot()[:3] == before[:3]
+            assert self._snapshot()[:4] == before[:4]
             return False
         kv.reserve(req.table, len(tokens))
         req.running = True
@@ -226,20 +277,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not self._admit(req, data):
             del self.reqs[name]
 
-    @precondition(lambda self: self._has(running=True))
+    @precondition(lambda self: self.history)
     @rule(data=st.data(), extra=st.lists(st.integers(0, VOCAB - 1), max_size=3))
     def admit_shared_prefix(self, data, extra):
-        """A new request that starts with (part of) a running request's tokens."""
-        src = self.reqs[self._pick(data, running=True)]
-        n = data.draw(st.integers(0, len(src.tokens)), label="prefix")
-        name, req = self._new((src.tokens[:n] + extra) or [0])
+        """A new request that starts with (part of) the tokens of an earlier one (running,
+        waiting or gone): its pages may be in use, evictable or evicted."""
+        src = data.draw(st.sampled_from(self.history), label="earlier")
+        n = data.draw(st.integers(0, len(src)), label="prefix")
+        name, req = self._new((list(src[:n]) + extra) or [0])
         if not self._admit(req, data):
             del self.reqs[name]
 
     @precondition(lambda self: self._has(running=True))
     @rule(data=st.data(), accepted=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=3),
-          drafts=st.integers(0, 3))
-    def decode(self, data, accepted, drafts):
+          drafts=st.integers(0, 3), bonus=st.integers(0, VOCAB - 1))
+    def decode(self, data, accepted, drafts, bonus):
         """One speculative step: reserve draft slots, write draft KV, keep the accepted tokens'
         KV (moved into place), drop the rest, register full pages."""
         req = self.reqs[self._pick(data, running=True)]
@@ -251,11 +303,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert self._snapshot() == before
             return
         if not self._write(req, n, [("draft", n + i) for i in range(m)]):
-            self.kv.truncate(req.table, n)  # gives the draft slots back
+            self._truncate(req.table, n)  # gives the draft slots back
             return
         req.tokens.extend(accepted)
-        self._compute(req, n + len(accepted))
-        self.kv.truncate(req.table, req.computed)
+        self._compute(req, n + len(accepted), [bonus])
+        self._truncate(req.table, req.computed)
 
     @precondition(lambda self: self._has(running=True))
     @rule(data=st.data())
@@ -280,7 +332,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         req = self.reqs[self._pick(data, running=True)]
         n = data.draw(st.integers(0, req.table.num_slots), label="keep")
         keyed = req.table.num_keyed
-        self.kv.truncate(req.table, n)
+        self._truncate(req.table, n)
         assert req.table.num_slots == n and len(req.table.pages) == _ceil_div(n, self.ps)
         assert req.table.num_keyed == min(keyed, len(req.table.pages))
         if n < req.computed:
@@ -292,14 +344,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def finish(self, data):
         """Finish or abort: the pages go back; full ones stay cached (evictable)."""
         name = self._pick(data, running=True)
-        self.kv.release(self.reqs[name].table)
+        self._release(self.reqs[name].table)
         self.kv.release(self.reqs[name].table)  # idempotent
         del self.reqs[name]
 
     def _preempt(self, req: Request) -> None:
         keys = self._keys(req.tokens)[:max(0, (len(req.tokens) - 1) // self.ps)]
         hits = len(self.kv.cached_prefix(keys))
-        self.kv.release(req.table)
+        self._release(req.table)
         assert req.table.pages == [] and req.table.num_slots == 0 == req.table.num_keyed
         req.computed, req.running = 0, False
         req.preempted_at = (hits, self.pool.num_evicted, self.drops)
@@ -335,7 +387,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         n = data.draw(st.integers(1, self.pool.num_free), label="pages")
         tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=(n - 1) * self.ps + 1,
                                     max_size=n * self.ps), label="tokens")
-        lru, num_free = list(self.pool._evictable), len(self.pool._free)
+        lru, num_free = list(self.lru), len(self.pool._free)
         evicted = self.pool.num_evicted
         _, req = self._new(tokens)
         self.kv.reserve(req.table, len(tokens))
@@ -345,6 +397,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert req.table.pages[num_free:] == lru[:taken]
         req.running = True
         self._compute(req, len(tokens))
+
+    @precondition(lambda self: self.pool.num_cached)
+    @rule(data=st.data())
+    def forget(self, data):
+        """Drop a cached page's key (its content is about to change, or the tier forgets it):
+        an evictable page becomes free, an in-use one stays mapped."""
+        page = data.draw(st.sampled_from(sorted(self.pool._key_of)), label="page")
+        rc = self.pool.refcount(page)
+        self._drop_key(page)
+        assert self.pool.key_of(page) is None and self.pool.refcount(page) == rc
+        assert (page in self.pool._free) == (rc == 0)
 
     # ---------------------------------------------------------------- invariants
 
@@ -369,6 +432,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 assert p in free and p not in evictable
         assert pool.num_free == pool.num_pages - in_use == len(free) + len(evictable)
         assert pool.num_evictable == len(evictable)
+        assert list(pool._evictable) == self.lru, "evictable pages out of release order"
         assert pool.num_cached == len(pool._key_of) == len(pool._page_of)
         assert all(pool._page_of[k] == p for p, k in pool._key_of.items())
 
@@ -403,7 +467,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not hasattr(self, "pool"):
             return
         for r in self.reqs.values():
-            self.kv.release(r.table)
+            self._release(r.table)
         pool = self.pool
         assert pool.num_free == pool.num_pages
         assert all(pool.refcount(p) == 0 for p in range(pool.num_pages))
@@ -414,7 +478,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 
 PrefixCacheMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=200, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_prefix_cache_machine = PrefixCacheMachine.TestCase
