@@ -158,8 +158,11 @@ def test_smollm2_matches_hf_generate(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    llm = LLM(model=str(smollm2_dir), max_num_batched_tokens=64, page_size=16, num_pages=14,
-              max_model_len=224)
+    # without the prefix cache: the chats share their template's system-prompt page, which
+    # would spare the pages whose lack must force a preemption here
+    engine_args = dict(model=str(smollm2_dir), max_num_batched_tokens=64, page_size=16,
+                       num_pages=14, max_model_len=224)
+    llm = LLM(enable_prefix_caching=False, **engine_args)
     tok = llm.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about autumn.",
              "Explain photosynthesis in detail, step by step, for a student. " * 6,
@@ -179,6 +182,9 @@ def test_smollm2_matches_hf_generate(smollm2_dir):
     assert len(prompts[2]) > 64, "one prompt must be chunked"
     assert sum(o.metrics.num_preemptions for o in batch) > 0, "14 pages must force preemption"
     assert pages_all_free(llm)
+    cached = LLM(**engine_args).generate([list(p) for p in prompts], params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in batch]
+    assert sum(o.metrics.num_cached_tokens for o in cached) > 0  # the system-prompt page
 
 
 @pytest.mark.slow
