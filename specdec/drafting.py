@@ -183,8 +183,10 @@ class DraftStage:
             return len(keys)
         self._drop_state(seq)  # a preempted request's stale state, if any
         if self._ensure_states([StepRequest(seq, 0)]):
-            seq.finish_reason = seq.error = None  # init_state failed: it fails at propose
-            return len(keys)
+            # init_state failed: no reuse; the request is admitted as it is and fails (or
+            # gets its state) at its first propose, as without the cache
+            seq.finish_reason = seq.error = None
+            return 0
         hook = getattr(self.drafter, "restore", None)
         if hook is None:
             return 0

@@ -96,7 +96,8 @@ class LLMEngine:
                                                config.max_num_seqs,
                                                config.max_num_batched_tokens,
                                                sources=self.drafting.sources))
-        # everything that changes the KV a token sequence leaves: pages are shared only within one namespace
+        # everything that changes the KV a token sequence leaves (pages are shared only within
+        # one namespace; a tier file of another namespace is replaced)
         self.cache_namespace = "|".join(map(str, (
             folder.resolve(), self.dtype, self.weights, config.activations,
             config.linear_kernels, config.page_size)))

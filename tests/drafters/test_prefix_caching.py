@@ -19,6 +19,8 @@ from drafter_helpers import random_block_diffusion, random_head
 from test_mtp import random_heads
 
 from specdec import LLM, SamplingParams
+from specdec.drafters.draft_model import DraftModelDrafter
+from specdec.hookspecs import hookimpl
 from specdec.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -50,10 +52,10 @@ def _rounds(batch: int, seed: int = 0):
     return [head + [rng.randrange(90) for _ in range(rng.randrange(1, 9))] for _ in range(batch)]
 
 
-def _run(folder, drafter, args, batch: int, caching: bool, **engine):
+def _run(folder, drafter, args, batch: int, caching: bool, plugins=(), **engine):
     llm = LLM(model=str(folder), dtype="float64", drafter=drafter, drafter_args=args,
               controller="static", controller_args={"budget": 4}, page_size=PAGE,
-              enable_prefix_caching=caching, **engine)
+              enable_prefix_caching=caching, plugins=plugins, **engine)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     first = _rounds(batch)
     outs1 = llm.generate(first, params)
@@ -97,3 +99,59 @@ def test_same_tokens_and_drafts_with_and_without_the_cache(target, name, batch):
                                                               else 2 * PAGE] * 2
     if drafter is not None and name != "ngram":
         assert sum(o.metrics.draft_tokens_proposed for o in got) > 0
+
+
+class _Restorer(DraftModelDrafter):
+    """draft_model (early exit) whose restore hook is replaced by ``how``."""
+
+    name = "restorer"
+    how = "raise"
+
+    def restore(self, state, token_ids, page_keys):
+        if self.how == "raise":
+            raise RuntimeError("restore bug")
+        if self.how == "bad":
+            return len(page_keys) + 1
+        if self.how == "half":  # restores the first half of what it is offered
+            return super().restore(state, token_ids, page_keys[:len(page_keys) // 2])
+        return super().restore(state, token_ids, page_keys)
+
+
+class _NoHook:
+    """A drafter without the hook (not a BaseDrafter): it gets no reuse, and loses nothing."""
+
+    def __init__(self, target, **kw):
+        self.inner = DraftModelDrafter(target, **kw)
+        self.name, self.hidden_layers, self.replay_safe = "nohook", (), False
+
+    def __getattr__(self, name):
+        if name == "restore":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+
+class _Plugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"restorer": _Restorer, "nohook": _NoHook}
+
+
+@pytest.mark.parametrize("how,reused", [("raise", False), ("bad", False), ("half", True),
+                                        ("nohook", False)])
+def test_restore_failures_and_partial_restores_keep_outputs(target, monkeypatch, how, reused):
+    """A restore that raises or answers out of range is reported and the prefix computed; one
+    restoring part of the hit gets that part reused; a drafter without the hook gets none."""
+    folder = target[0]
+    monkeypatch.setattr(_Restorer, "how", how)
+    name = "nohook" if how == "nohook" else "restorer"
+    args = {"early_exit_layers": 1, "max_depth": 3}
+    want = _run(folder, "draft_model", args, 2, caching=False)
+    if how in ("raise", "bad"):
+        with pytest.warns(RuntimeWarning, match="failed in restore"):
+            got = _run(folder, name, args, 2, caching=True, plugins=(_Plugin(),))
+    else:
+        got = _run(folder, name, args, 2, caching=True, plugins=(_Plugin(),))
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.metrics.accepted_by_depth for o in got] == [o.metrics.accepted_by_depth
+                                                          for o in want]
+    assert (sum(o.metrics.num_cached_tokens for o in got) > 0) == reused
