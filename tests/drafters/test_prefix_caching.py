@@ -71,6 +71,8 @@ def _run(folder, drafter, args, batch: int, caching: bool, plugins=(), **engine)
     for r in llm.engine.drafter_runners:
         assert r.kv.num_free_pages == r.kv.num_pages, f"drafter {r.name} leaked pages"
     outs = outs1 + outs2 + outs3
+    if llm.engine.tier is not None:
+        assert llm.engine.tier.hits > 0, "nothing came back from the tier"
     assert [o.error for o in outs] == [None] * len(outs)
     return outs
 
@@ -155,3 +157,18 @@ def test_restore_failures_and_partial_restores_keep_outputs(target, monkeypatch,
     assert [o.metrics.accepted_by_depth for o in got] == [o.metrics.accepted_by_depth
                                                           for o in want]
     assert (sum(o.metrics.num_cached_tokens for o in got) > 0) == reused
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft_model", "eagle3", "mtp",
+                                  "block_diffusion"])
+def test_same_tokens_with_the_disk_tier_under_page_pressure(target, tmp_path, name):
+    """24 pages of 4 slots for batches of 8: preemptions, evictions to the tier and reads back
+    (the drafters' own pages are only in memory: they restore what is left there)."""
+    folder, model, cfg, hf = target
+    drafter, args = _drafters(model, cfg, hf)[name]
+    small = dict(num_pages=24, max_model_len=64)
+    want = _run(folder, drafter, args, 8, caching=False, **small)
+    llm_args = dict(kv_tier_path=str(tmp_path / "kv.tier"), **small)
+    got = _run(folder, drafter, args, 8, caching=True, **llm_args)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_cached_tokens for o in got) > 0
