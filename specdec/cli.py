@@ -87,6 +87,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                         "(a second KV tier; default: none)")
     p.add_argument("--kv-tier-bytes", type=_int_at_least(1), default=2 << 30,
                    help="the tier file's size limit in bytes (default 2 GiB)")
+    p.add_argument("--kv-host-tier-bytes", type=_int_at_least(1), default=None,
+                   help="instead of a file: a tier of this many bytes of pinned host memory "
+                        "below a GPU's KV")
 
 
 def _add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
@@ -336,7 +339,8 @@ def _engine_kwargs(args) -> dict:
                 cuda_graphs=args.cuda_graphs, weights=args.weights,
                 activations=args.activations, draft_weights=args.draft_weights,
                 enable_prefix_caching=args.enable_prefix_caching,
-                kv_tier_path=args.kv_tier_path, kv_tier_bytes=args.kv_tier_bytes)
+                kv_tier_path=args.kv_tier_path, kv_tier_bytes=args.kv_tier_bytes,
+                kv_host_tier_bytes=args.kv_host_tier_bytes)
 
 
 def cmd_generate(args) -> int:

@@ -73,6 +73,9 @@ class EngineConfig:
     # recomputing; None: no tier. Needs prefix caching.
     kv_tier_path: str | None = None
     kv_tier_bytes: int = 2 << 30
+    # or a tier in (pinned) host memory of this many bytes, below a GPU's KV (specdec.kv.
+    # host_tier); on a CPU engine it only rehearses that path
+    kv_host_tier_bytes: int | None = None
     # unseeded sampled requests draw their seeds from an RNG seeded with this (None: from
     # torch's global RNG, so torch.manual_seed applies)
     seed: int | None = None
@@ -126,8 +129,14 @@ class EngineConfig:
             if not isinstance(self.kv_tier_path, (str, PathLike)) or not str(self.kv_tier_path):
                 raise ValueError(f"kv_tier_path must be a file path or None, got "
                                  f"{self.kv_tier_path!r}")
-            if not self.enable_prefix_caching:
-                raise ValueError("kv_tier_path keeps cached pages: it needs "
+        if self.kv_host_tier_bytes is not None:
+            _positive("kv_host_tier_bytes", self.kv_host_tier_bytes)
+            if self.kv_tier_path is not None:
+                raise ValueError("give one second tier: kv_tier_path (disk) or "
+                                 "kv_host_tier_bytes (host memory), not both")
+        for name in ("kv_tier_path", "kv_host_tier_bytes"):
+            if getattr(self, name) is not None and not self.enable_prefix_caching:
+                raise ValueError(f"{name} keeps cached pages: it needs "
                                  "enable_prefix_caching=True")
         _positive("kv_tier_bytes", self.kv_tier_bytes)
         for name in ("num_pages", "kv_cache_memory", "max_model_len"):

@@ -25,6 +25,7 @@ from specdec.controllers.base import ControllerContext
 from specdec.costs import StepCosts
 from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
+from specdec.kv.host_tier import HostTier
 from specdec.kv.prefix import root_key
 from specdec.kv.tier import DiskTier
 from specdec.memory import KVSplit, split_kv
@@ -115,15 +116,19 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
 
-    def _open_tier(self) -> DiskTier | None:
-        """The second KV tier below the target's KV (EngineConfig.kv_tier_path), if asked for.
-        Drafters' own caches have none: after a hit they restore what they still hold in
-        memory (specdec.drafters.base, "Prefix caching")."""
+    def _open_tier(self) -> DiskTier | HostTier | None:
+        """The second KV tier below the target's KV (EngineConfig.kv_tier_path: a file on
+        disk; kv_host_tier_bytes: host memory), if asked for. Drafters' own caches have none:
+        after a hit they restore what they still hold in memory (specdec.drafters.base,
+        "Prefix caching")."""
         c = self.config
-        if c.kv_tier_path is None:
+        if c.kv_host_tier_bytes is not None:
+            tier = HostTier(self.runner.bytes_per_page, c.kv_host_tier_bytes, self.device)
+        elif c.kv_tier_path is not None:
+            tier = DiskTier(c.kv_tier_path, self.runner.bytes_per_page, c.kv_tier_bytes,
+                            self.cache_namespace)
+        else:
             return None
-        tier = DiskTier(c.kv_tier_path, self.runner.bytes_per_page, c.kv_tier_bytes,
-                        self.cache_namespace)
         self.kv.attach_tier(tier)
         return tier
 

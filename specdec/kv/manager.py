@@ -28,6 +28,7 @@ import torch
 
 from specdec.kv.block_table import BlockTable, KVCacheManager, slot_of
 from specdec.kv.cache import KVCache
+from specdec.kv.host_tier import HostTier
 from specdec.kv.page_pool import PagePool
 from specdec.kv.tier import DiskTier
 
@@ -40,7 +41,7 @@ class KVManager(KVCacheManager):
         super().__init__(PagePool(num_pages), page_size)
         self.cache = KVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype,
                              device)
-        self.tier: DiskTier | None = None
+        self.tier: DiskTier | HostTier | None = None
         # measured target seconds per prefill token (the engine keeps it): a tier read must
         # beat recomputing a page to be used
         self.prefill_seconds_per_token: float | None = None
@@ -51,7 +52,7 @@ class KVManager(KVCacheManager):
 
     # ---- the second tier ---------------------------------------------------------------------
 
-    def attach_tier(self, tier: DiskTier) -> None:
+    def attach_tier(self, tier: DiskTier | HostTier) -> None:
         """Copy every cached page the pool evicts into ``tier`` first."""
         self.tier = tier
         self.pool.on_evict = lambda page, key: tier.put(key, self.cache.tensor[:, page])

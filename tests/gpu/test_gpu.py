@@ -284,6 +284,24 @@ def test_greedy_speculation_equals_plain_torch_backend(gpu_model, dtype):
             assert sum(o.metrics.draft_tokens_proposed for o in got) > 0
 
 
+def test_host_tier_serves_evicted_pages_with_the_same_tokens(gpu_model):
+    """Prefix caching with the host-memory tier (pinned, copies queued on the forward's stream):
+    six 150-token prompts in a 32-page KV, twice; the second pass reads the evicted pages back
+    and emits exactly what an engine without the cache does (float64: no tie can flip)."""
+    prompts = [p * 15 for p in _prompts(6, SHAPES["tiny-gpu"]["vocab_size"], seed=3)]
+    prompts = [(p + list(range(1, 151)))[:150] for p in prompts]
+    kw = dict(dtype="float64", attention_backend="torch", num_pages=32)
+    want = [o.token_ids for o in _llm(gpu_model, enable_prefix_caching=False,
+                                      **kw).generate(prompts * 2, _greedy())]
+    llm = _llm(gpu_model, kv_host_tier_bytes=64 << 20, **kw)
+    got = [llm.generate(p, _greedy())[0].token_ids for p in prompts * 2]
+    tier = llm.engine.tier
+    REPORT.add("host_tier", hits=tier.hits, stores=tier.stores)
+    assert got == want
+    assert tier.hits > 0 and tier.stores > 0
+    assert llm.engine.kv.num_free_pages == 32
+
+
 def _match_rate(got: list[list[int]], want: list[list[int]]) -> float:
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
     return same / sum(len(w) for w in want)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
+from specdec.kv.host_tier import HostTier
 from specdec.kv.tier import FILE_HEADER, SLOT_HEADER, DiskTier
 
 SHAPE = (2, 2, 4, 3, 8)  # layers, K/V, page size, heads, head dim
@@ -125,3 +126,25 @@ def test_pages_evicted_to_the_tier_come_back_with_the_same_tokens(tiny_llama, tm
     again = [llm.generate(p, params)[0].token_ids for p in prompts]
     assert again == want[3:]
     assert tier.torn > 0 and tier.hits == hits
+
+
+def test_host_tier_round_trip_and_least_recently_used_slot_reused():
+    tier = HostTier(PAGE_BYTES, 2 * PAGE_BYTES, torch.device("cpu"))
+    tier.put(b"a" * 16, _page(0))
+    tier.put(b"b" * 16, _page(1))
+    out = torch.empty(SHAPE)
+    assert tier.get(b"a" * 16, out) and torch.equal(out, _page(0))
+    tier.put(b"c" * 16, _page(2))  # b was the least recently used
+    assert b"b" * 16 not in tier and not tier.get(b"b" * 16, out)
+    assert tier.get(b"c" * 16, out) and torch.equal(out, _page(2))
+    with pytest.raises(ValueError, match="holds no page"):
+        HostTier(PAGE_BYTES, PAGE_BYTES - 1, torch.device("cpu"))
+
+
+def test_one_second_tier_at_a_time(tmp_path):
+    from specdec.config import EngineConfig
+
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(kv_tier_path=str(tmp_path / "t"), kv_host_tier_bytes=1 << 20)
+    with pytest.raises(ValueError, match="kv_host_tier_bytes must be an int >= 1"):
+        EngineConfig(kv_host_tier_bytes=0)
