@@ -57,14 +57,19 @@ address are enough to find an order.
 Now answer the customer's question."""
 
 
-def run_prefix_bench(args) -> dict:
+def run_prefix_bench(args, engine_kwargs: dict) -> dict:
+    """The workloads ``args.workloads`` on engines made with ``engine_kwargs`` (the CLI's;
+    each workload sets the cache and tier options itself)."""
     questions = load_questions(Path(args.dataset), args.num_prompts)
     workloads = args.workloads.split(",") if isinstance(args.workloads, str) else args.workloads
     unknown = set(workloads) - set(WORKLOADS)
     if unknown:
         raise ValueError(f"--workloads: unknown {sorted(unknown)}; choose from "
                          f"{', '.join(WORKLOADS)}")
-    common = _engine_args(args)
+    common = {k: v for k, v in engine_kwargs.items()
+              if k not in ("enable_prefix_caching", "kv_tier_path", "kv_tier_bytes",
+                           "kv_host_tier_bytes")}
+    common["max_num_seqs"] = 32
     params = SamplingParams(temperature=0, max_tokens=args.max_new_tokens)
     report: dict = {"config": {"model": args.model, "num_prompts": len(questions),
                                "max_new_tokens": args.max_new_tokens, "drafter": args.drafter,
@@ -81,16 +86,6 @@ def run_prefix_bench(args) -> dict:
     if "tier" in workloads:
         report["tier"] = _tier(common, questions, params, args.tier_dir)
     return report
-
-
-def _engine_args(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
-                drafter_args=args.drafter_args, controller=args.controller,
-                controller_args=args.controller_args, verifier=args.verifier,
-                linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
-                cuda_graphs=args.cuda_graphs, weights=args.weights,
-                activations=args.activations, draft_weights=args.draft_weights,
-                max_num_seqs=32)
 
 
 def _pair(cached: LLM, plain: LLM, prompts, params, turn: int, **kw):

@@ -423,21 +423,23 @@ def cmd_bench(args) -> int:
     else:
         report = run_bench(args)
         print_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report written to {args.json}", file=sys.stderr)
+    _write_report(report, args.json)
     return 0
 
 
 def cmd_bench_prefix(args) -> int:
     from specdec.bench_prefix import print_prefix_report, run_prefix_bench
 
-    report = run_prefix_bench(args)
+    report = run_prefix_bench(args, _engine_kwargs(args))
     print_prefix_report(report)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-        print(f"report written to {args.json}", file=sys.stderr)
+    _write_report(report, args.json)
     return 0
+
+
+def _write_report(report: dict, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report written to {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":
