@@ -78,7 +78,10 @@ class LLM:
         rid = seq.request_id
         text = self._text(seq)
         new_tokens = seq.output_token_ids[sent_tokens[rid]:]
-        delta = text[len(sent_text[rid]):] if text.startswith(sent_text[rid]) else text
+        if seq.params.stop and not seq.is_finished:  # a stop string may still cut this tail
+            text = text[:max(len(sent_text[rid]),
+                             len(text) - max(len(s) for s in seq.params.stop) + 1)]
+        delta = text[len(sent_text[rid]):]  # text only grows: nothing is sent twice
         sent_text[rid], sent_tokens[rid] = text, seq.num_output_tokens
         sample = self._sample(seq, text)
         sample.token_ids, sample.text = new_tokens, delta
@@ -122,10 +125,7 @@ class LLM:
 
     def _text(self, seq: Sequence) -> str:
         tok = self.engine.tokenizer
-        if tok is None:
-            return ""
-        text = tok.decode(seq.output_token_ids, skip_special_tokens=True)
-        return text if seq.stop_text_len is None else text[: seq.stop_text_len]
+        return "" if tok is None else seq.text(tok)
 
     def _sample(self, seq: Sequence, text: str | None = None) -> CompletionOutput:
         return CompletionOutput(

@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     stop_text_len: int | None = None  # text is cut here when a stop string matched
+    detokenizer: Any = None  # specdec.detokenizer.IncrementalDetokenizer, made on first use
     drafter_state: Any = None  # owned by the drafter; lives and dies with the request
     drafter_ready: bool = False  # init_state ran (its state may legitimately be None)
     times: RequestTimes = field(default_factory=RequestTimes)
@@ -89,6 +90,20 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    def text(self, tokenizer) -> str:
+        """The output text so far (O(new tokens): specdec.detokenizer); a finished request's
+        is complete, incomplete characters included, and cut where a stop string matched."""
+        if self.detokenizer is None:
+            from specdec.detokenizer import IncrementalDetokenizer
+
+            self.detokenizer = IncrementalDetokenizer(tokenizer, self.num_prompt_tokens)
+        if self.is_finished or self.finish_reason is not None:
+            self.detokenizer.flush(self.token_ids)
+        else:
+            self.detokenizer.update(self.token_ids)
+        text = self.detokenizer.text
+        return text if self.stop_text_len is None else text[:self.stop_text_len]
 
     def keys(self, page_size: int, num_pages: int) -> list[bytes]:
         """Content keys of the first ``num_pages`` full pages (fewer if the tokens end

@@ -37,10 +37,15 @@ class StopChecker:
         return None
 
     def _stop_string(self, seq: Sequence) -> bool:
+        """Did the text the last token added complete a stop string? Only the new text and the
+        longest stop's length before it are searched (O(new tokens)): an earlier occurrence
+        would have ended at an earlier token and stopped the request there."""
         if self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model was loaded without one")
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        before = len(seq.detokenizer.text) if seq.detokenizer is not None else 0
+        text = seq.text(self.tokenizer)
+        start = max(0, before - max(len(s) for s in seq.params.stop) + 1)
+        hits = [i for i in (text.find(s, start) for s in seq.params.stop) if i >= 0]
         if hits:
             seq.stop_text_len = min(hits)
         return bool(hits)

@@ -105,3 +105,20 @@ def test_engine_cuts_accepted_drafts_at_max_tokens_and_stop_ids(tiny_llama):
     out = spec.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                                                  stop_token_ids=[stop]))[0]
     assert out.token_ids == cut and out.finish_reason == "stop"
+
+
+@pytest.mark.slow
+def test_stream_deltas_never_resend_and_hold_back_a_possible_stop(smollm2_dir):
+    """Streamed deltas add up to the final text, each only adds, and no delta carries text a
+    stop string spanning tokens later cuts (held back by the longest stop's length - 1)."""
+    from specdec import LLM, SamplingParams
+
+    llm = LLM(model=str(smollm2_dir), max_model_len=256)
+    chat = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+    # the model answers "1. 1\n2. 2\n..."; the stop spans five tokens
+    params = SamplingParams(temperature=0, max_tokens=80, stop=["\n7. 7", "never appears"])
+    final = llm.generate(chat, params)[0]
+    assert final.finish_reason == "stop" and final.text.endswith("6. 6"), final.text
+    deltas = [d.text for d in llm.stream(chat, params)]
+    assert "".join(deltas) == final.text
+    assert all("\n7" not in "".join(deltas[:i]) for i in range(len(deltas) + 1))
