@@ -19,6 +19,7 @@ from specdec.models.tokenizer import chat_token_ids
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling_params import SamplingParams
 from specdec.sequence import Sequence
+from specdec.streaming import DeltaTracker, changed
 
 
 class LLM:
@@ -55,36 +56,21 @@ class LLM:
         """Yield a delta (new tokens and text) each time a request emits, then a final one."""
         ids = self._add_all(prompts, sampling_params)
         samples = [s for i in ids for s in self.engine.samples_of(i)]
-        sent_text = {s: "" for s in samples}
-        sent_tokens = {s: 0 for s in samples}
+        sent = DeltaTracker(self.engine.tokenizer)
         try:
             while self.engine.has_unfinished():
-                for seq, _ in self._changed(self.engine.step()):
-                    yield self._delta(seq, sent_text, sent_tokens)
+                for seq in changed(self.engine.step()):
+                    yield self._delta(seq, sent)
         finally:
             self._abort_unfinished(ids)
             for s in samples:
                 if s in self.engine.requests and self.engine.requests[s].is_finished:
                     self.engine.pop_finished(s)
 
-    @staticmethod
-    def _changed(result):
-        seen = {id(s): (s, n) for s, n in result.emitted}
-        for s in result.finished:
-            seen.setdefault(id(s), (s, 0))
-        return list(seen.values())
-
-    def _delta(self, seq: Sequence, sent_text: dict, sent_tokens: dict) -> RequestOutput:
-        rid = seq.request_id
-        text = self._text(seq)
-        new_tokens = seq.output_token_ids[sent_tokens[rid]:]
-        if seq.params.stop and not seq.is_finished:  # a stop string may still cut this tail
-            text = text[:max(len(sent_text[rid]),
-                             len(text) - max(len(s) for s in seq.params.stop) + 1)]
-        delta = text[len(sent_text[rid]):]  # text only grows: nothing is sent twice
-        sent_text[rid], sent_tokens[rid] = text, seq.num_output_tokens
-        sample = self._sample(seq, text)
-        sample.token_ids, sample.text = new_tokens, delta
+    def _delta(self, seq: Sequence, sent: DeltaTracker) -> RequestOutput:
+        delta = sent.delta(seq)
+        sample = self._sample(seq, "")
+        sample.token_ids, sample.text = delta.token_ids, delta.text
         return self._request_output(seq, [sample])
 
     def _add_all(self, prompts, sampling_params) -> list[str]:
