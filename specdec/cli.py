@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -191,6 +192,28 @@ def _bench_prefix_parser(sub) -> None:
     p.set_defaults(func=cmd_bench_prefix)
 
 
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=_int_at_least(0), default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $SPECDEC_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: --model)")
+    p.add_argument("--max-model-len", type=_int_at_least(2), default=None)
+    p.add_argument("--max-num-seqs", type=_int_at_least(1), default=32)
+    p.add_argument("--max-queued", type=_int_at_least(1), default=256,
+                   help="requests waiting beyond this get 503 with Retry-After")
+    p.add_argument("--max-tokens-limit", type=_int_at_least(1), default=None,
+                   help="largest max_tokens a request may ask (default: max_model_len)")
+    p.add_argument("--max-body-bytes", type=_int_at_least(1), default=1 << 20)
+    _add_model_args(p)
+    _add_spec_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
 def _train_parser(sub) -> None:
     p = sub.add_parser("train", help="train a drafter for a target model on your prompts")
     p.add_argument("kind", choices=["eagle3", "mtp", "block_diffusion"], help="drafter kind")
@@ -223,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _bench_parser(sub)
     _bench_prefix_parser(sub)
+    _serve_parser(sub)
     _train_parser(sub)
     return parser
 
@@ -433,6 +457,29 @@ def cmd_bench_prefix(args) -> int:
     report = run_prefix_bench(args, _engine_kwargs(args))
     print_prefix_report(report)
     _write_report(report, args.json)
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from specdec.engine_loop import EngineLoop
+    from specdec.llm import LLM
+    from specdec.server import ServerLimits, create_app
+
+    llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              **_engine_kwargs(args))
+    loop = EngineLoop(llm.engine, max_queued=args.max_queued).start()
+    key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
+    app = create_app(loop, args.served_model_name or args.model, key,
+                     ServerLimits(args.max_body_bytes, args.max_tokens_limit))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and key is None:
+        print(f"{PROG} serve: warning: listening on {args.host} without an API key",
+              file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        loop.shutdown()
     return 0
 
 

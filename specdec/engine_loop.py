@@ -94,6 +94,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._ids = itertools.count()
         self.error: str | None = None  # a step that raised: every request then failed with it
+        # called in the engine thread with every sample's final event (aborted ones too)
+        self.on_finish: list = []
         self.num_steps = 0
 
     def start(self) -> EngineLoop:
@@ -190,11 +192,14 @@ class EngineLoop:
             return
         delta = sent.delta(seq)
         done = seq.is_finished
-        stream._put(StreamEvent(seq.sample_index, delta.token_ids, delta.text, done,
-                                seq.finish_reason if done else None, seq.error,
-                                request_metrics(seq) if done else None, seq.num_prompt_tokens))
+        event = StreamEvent(seq.sample_index, delta.token_ids, delta.text, done,
+                            seq.finish_reason if done else None, seq.error,
+                            request_metrics(seq) if done else None, seq.num_prompt_tokens)
+        stream._put(event)
         if not done:
             return
+        for hook in self.on_finish:
+            hook(event)
         sent.forget(seq.request_id)
         self.engine.pop_finished(seq.request_id)
         if not any(s in self.engine.requests for s in self.engine.samples_of(rid)):

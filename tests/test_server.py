@@ -1,0 +1,185 @@
+"""specdec serve through real clients: the openai package (chat and completions, streamed and
+not, n samples, stop strings spanning tokens, seeds) against LLM.generate's output; concurrent
+streams with aborts mid-stream; auth, limits and bad input; /health, /v1/models, /metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.engine_loop import EngineLoop
+from specdec.server import ServerLimits, create_app
+
+pytestmark = pytest.mark.slow
+
+KEY = "test-key"
+CHAT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
+
+
+class _Server:
+    def __init__(self, app):
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir):
+    llm = LLM(model=str(smollm2_dir), max_model_len=256)
+    greedy = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0,
+                                                                           max_tokens=8)]
+    llm.reference = [o.text for o in llm.generate([CHAT, "The capital of France is"], greedy)]
+    loop = EngineLoop(llm.engine, max_queued=8).start()
+    app = create_app(loop, "smollm2", KEY, ServerLimits(max_body_bytes=4096, max_tokens=64))
+    server = _Server(app)
+    yield llm, loop, server
+    server.stop()
+    loop.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    from openai import OpenAI
+
+    return OpenAI(base_url=served[2].url + "/v1", api_key=KEY, max_retries=0)
+
+
+def test_chat_and_completion_equal_the_engine_streamed_or_not(served, client):
+    llm = served[0]
+    want, want_completion = llm.reference  # LLM.generate's, before the server started
+    ids = llm.tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    got = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=24,
+                                         temperature=0)
+    assert got.choices[0].message.content == want
+    assert got.usage.completion_tokens == 24 and got.usage.prompt_tokens == len(ids)
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model="smollm2", messages=CHAT, max_tokens=24, temperature=0, stream=True)
+        if c.choices]
+    assert "".join(parts) == want
+    comp = client.completions.create(model="smollm2", prompt="The capital of France is",
+                                     max_tokens=8, temperature=0)
+    assert comp.choices[0].text == want_completion
+
+
+def test_n_samples_stop_strings_and_seeds(client):
+    stop = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=60,
+                                          temperature=0, stop=["\n7. 7"])
+    assert stop.choices[0].finish_reason == "stop"
+    assert stop.choices[0].message.content.endswith("6. 6")
+    a = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12,
+                                       temperature=1.0, seed=5, n=3)
+    b = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=12,
+                                       temperature=1.0, seed=5, n=3)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert len({c.message.content for c in a.choices}) > 1
+
+
+def test_concurrent_streams_with_aborts_leak_nothing(served):
+    llm, loop, server = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "smollm2", "messages": CHAT, "max_tokens": 64, "temperature": 0,
+            "stream": True}
+    results: dict[int, str] = {}
+
+    def client(i: int):
+        with httpx.Client(base_url=server.url, headers=headers, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = 0
+                for line in r.iter_lines():
+                    lines += line.startswith("data: ")
+                    if i % 2 and lines >= 4:  # odd clients hang up mid-stream
+                        results[i] = "aborted"
+                        return
+                    if line == "data: [DONE]":
+                        results[i] = "done"
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {i: "aborted" if i % 2 else "done" for i in range(6)}
+    deadline = time.time() + 10
+    while (llm.engine.requests or llm.engine.kv.num_free_pages != llm.engine.kv.num_pages) \
+            and time.time() < deadline:
+        time.sleep(0.05)
+    assert not llm.engine.requests, "an aborted request was left running"
+    assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
+    text = httpx.get(server.url + "/metrics", headers=headers, timeout=10).text
+    aborted = [line for line in text.splitlines()
+               if line.startswith('specdec_requests_finished_total{finish_reason="abort"}')]
+    assert aborted and float(aborted[0].split()[-1]) == 3.0, aborted  # ended, not run out
+
+
+@pytest.mark.parametrize("body,status,field", [
+    (b"{not json", 400, None),
+    (b'{"model": "smollm2", "messages": [], "max_tokens": 4}', 400, "messages"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], '
+     b'"max_tokens": "4"}', 400, "max_tokens"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], '
+     b'"max_tokens": 65}', 400, "max_tokens"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], '
+     b'"temperature": -1}', 400, "temperature"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 0}', 400,
+     "n"),
+    (b'{"model": "other", "messages": [{"role": "user", "content": "hi"}]}', 404, "model"),
+    (b'{"model": "smollm2", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}',
+     413, None),
+])
+def test_bad_input_is_an_openai_error_naming_the_field(served, body, status, field):
+    r = httpx.post(served[2].url + "/v1/chat/completions", content=body, timeout=30,
+                   headers={"Authorization": f"Bearer {KEY}",
+                            "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["param"] == field
+
+
+def test_prompt_over_max_model_len_auth_health_models_metrics(served):
+    url, auth = served[2].url, {"Authorization": f"Bearer {KEY}"}
+    long = {"model": "smollm2", "prompt": list(range(1, 300)), "max_tokens": 4}
+    r = httpx.post(url + "/v1/completions", json=long, headers=auth, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "max_model_len" in r.json()["error"]["message"]
+    assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+    assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"},
+                     timeout=10).status_code == 401
+    assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+    models = httpx.get(url + "/v1/models", headers=auth, timeout=10).json()
+    assert [m["id"] for m in models["data"]] == ["smollm2"]
+    text = httpx.get(url + "/metrics", headers=auth, timeout=10).text
+    for name in ("specdec_requests_running", "specdec_time_to_first_token_seconds_bucket",
+                 "specdec_kv_cache_usage", "specdec_prefix_cache_hit_rate"):
+        assert name in text
+
+
+def test_a_full_queue_answers_503_with_retry_after(smollm2_dir):
+    llm = LLM(model=str(smollm2_dir), max_model_len=128)
+    loop = EngineLoop(llm.engine, max_queued=1)  # not started: the first request stays queued
+    server = _Server(create_app(loop, "smollm2"))
+    try:
+        loop.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        r = httpx.post(server.url + "/v1/completions", timeout=30,
+                       json={"prompt": [1, 2, 3], "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "server_busy"
+    finally:
+        server.stop()
+        loop.shutdown()
