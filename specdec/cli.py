@@ -192,6 +192,34 @@ def _bench_prefix_parser(sub) -> None:
     p.set_defaults(func=cmd_bench_prefix)
 
 
+def _bench_serve_parser(sub) -> None:
+    p = sub.add_parser("bench-serve", help="load on the HTTP server at request rates: TTFT / "
+                                           "TPOT / ITL percentiles, throughput, goodput")
+    p.add_argument("--dataset", type=_existing_file, required=True,
+                   help="MT-Bench / Spec-Bench or HumanEval jsonl (first turns as chats)")
+    p.add_argument("--num-prompts", type=_int_at_least(1), default=32)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
+    p.add_argument("--request-rates", default="0.5,1,inf", metavar="R,R,...",
+                   help="requests/s, inf = all at once (default 0.5,1,inf)")
+    p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson")
+    p.add_argument("--max-concurrency", type=_int_at_least(1), default=16)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--drafters", default="none", metavar="none,NAME,...",
+                   help="one server per entry (none = plain decoding), one after the other")
+    p.add_argument("--compare-generate", action="store_true",
+                   help="time LLM.generate at batch 1 on the same prompts first: the server's "
+                        "TPOT overhead at the first rate (use --max-concurrency 1 for it)")
+    p.add_argument("--url", default=None, help="a running server instead of in-process ones")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    _add_model_args(p)
+    _add_spec_args(p)
+    p.set_defaults(func=cmd_bench_serve)
+
+
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat)")
     p.add_argument("--host", default="127.0.0.1",
@@ -247,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parser(sub)
     _bench_prefix_parser(sub)
     _serve_parser(sub)
+    _bench_serve_parser(sub)
     _train_parser(sub)
     return parser
 
@@ -456,6 +485,15 @@ def cmd_bench_prefix(args) -> int:
 
     report = run_prefix_bench(args, _engine_kwargs(args))
     print_prefix_report(report)
+    _write_report(report, args.json)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    from specdec.bench_serve import print_serve_report, run_serve_bench
+
+    report = run_serve_bench(args, _engine_kwargs(args))
+    print_serve_report(report)
     _write_report(report, args.json)
     return 0
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.bench_serve import InProcessServer
 from specdec.engine_loop import EngineLoop
 from specdec.server import ServerLimits, create_app
 
@@ -18,24 +19,6 @@ pytestmark = pytest.mark.slow
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
-
-
-class _Server:
-    def __init__(self, app):
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +29,7 @@ def served(smollm2_dir):
     llm.reference = [o.text for o in llm.generate([CHAT, "The capital of France is"], greedy)]
     loop = EngineLoop(llm.engine, max_queued=8).start()
     app = create_app(loop, "smollm2", KEY, ServerLimits(max_body_bytes=4096, max_tokens=64))
-    server = _Server(app)
+    server = InProcessServer(app)
     yield llm, loop, server
     server.stop()
     loop.shutdown()
@@ -173,7 +156,7 @@ def test_prompt_over_max_model_len_auth_health_models_metrics(served):
 def test_a_full_queue_answers_503_with_retry_after(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), max_model_len=128)
     loop = EngineLoop(llm.engine, max_queued=1)  # not started: the first request stays queued
-    server = _Server(create_app(loop, "smollm2"))
+    server = InProcessServer(create_app(loop, "smollm2"))
     try:
         loop.submit([1, 2, 3], SamplingParams(max_tokens=2))
         r = httpx.post(server.url + "/v1/completions", timeout=30,
@@ -183,3 +166,18 @@ def test_a_full_queue_answers_503_with_retry_after(smollm2_dir):
     finally:
         server.stop()
         loop.shutdown()
+
+
+def test_bench_serve_load_measures_every_request(served):
+    """The load generator's figures on a short run: every request counted, each token once."""
+    import asyncio
+
+    from specdec.bench_serve import run_load, summarize
+
+    results, seconds = asyncio.run(run_load(served[2].url, "smollm2", [CHAT] * 3, rate=20.0,
+                                            max_concurrency=2, max_tokens=8, poisson=True,
+                                            api_key=KEY))
+    assert [r.ok for r in results] == [True] * 3 and all(r.tokens == 8 for r in results)
+    s = summarize(results, seconds, slo_ttft_ms=1e6, slo_tpot_ms=1e-6)
+    assert s["failed"] == 0 and s["ttft_ms"]["p50"] > 0 and s["slo_met"] == 0.0
+    assert s["goodput_tokens_per_s"] == 0 < s["output_tokens_per_s"]
