@@ -17,9 +17,11 @@ is measured, as it would be for a load generator on the serving host.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,7 +146,7 @@ def _generate_tpot(llm, prompts, max_tokens: int) -> dict:
 def run_serve_bench(args, engine_kwargs: dict) -> dict:
     from specdec.engine_loop import EngineLoop
     from specdec.llm import LLM
-    from specdec.server import create_app
+    from specdec.server import ServerThread, create_app
 
     prompts = _prompts(args)
     rates = _rates(args.request_rates)
@@ -163,17 +165,18 @@ def run_serve_bench(args, engine_kwargs: dict) -> dict:
             llm = LLM(max_num_seqs=max(32, args.max_concurrency), **kw)
             if args.compare_generate:
                 runs["generate_tpot_ms"] = _generate_tpot(llm, prompts, args.max_new_tokens)
-            loop = EngineLoop(llm.engine, max_queued=max(256, len(prompts))).start()
-            server = InProcessServer(create_app(loop, model))
+            loop = EngineLoop(llm.engine, max_queued=max(256, len(prompts)))
+            server = ServerThread(create_app(loop, model))
             url = server.url
-        for rate in rates:
-            results, seconds = asyncio.run(run_load(
-                url, model, prompts, rate, args.max_concurrency, args.max_new_tokens,
-                args.arrival == "poisson", api_key=args.api_key))
-            runs[str(rate)] = summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
-        if server is not None:
+        load = functools.partial(_load_rates, url, model, prompts, rates, args, runs)
+        if server is None:
+            load()
+        else:  # the engine steps in this thread, the one that built it (EngineLoop.run)
+            clients = threading.Thread(target=_then(load, loop.shutdown), daemon=True)
+            clients.start()
+            loop.run()
+            clients.join()
             server.stop()
-            loop.shutdown()
             gen = runs.get("generate_tpot_ms", {}).get("p50")
             first = runs[str(rates[0])]["tpot_ms"].get("p50")
             runs["server_tpot_overhead"] = first / gen - 1 if gen and first else None
@@ -183,26 +186,22 @@ def run_serve_bench(args, engine_kwargs: dict) -> dict:
     return report
 
 
-class InProcessServer:
-    """uvicorn on 127.0.0.1 and a free port, in a thread."""
+def _load_rates(url: str, model: str, prompts, rates: list[float], args, runs: dict) -> None:
+    """Every rate in turn against the server at ``url``; results into ``runs``."""
+    for rate in rates:
+        results, seconds = asyncio.run(run_load(
+            url, model, prompts, rate, args.max_concurrency, args.max_new_tokens,
+            args.arrival == "poisson", api_key=args.api_key))
+        runs[str(rate)] = summarize(results, seconds, args.slo_ttft_ms, args.slo_tpot_ms)
 
-    def __init__(self, app) -> None:
-        import threading
 
-        import uvicorn
-
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+def _then(first, second):
+    def both() -> None:
+        try:
+            first()
+        finally:
+            second()
+    return both
 
 
 def plot_serve(report: dict, path: str) -> None:

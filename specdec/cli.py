@@ -499,25 +499,28 @@ def cmd_bench_serve(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import uvicorn
-
     from specdec.engine_loop import EngineLoop
     from specdec.llm import LLM
-    from specdec.server import ServerLimits, create_app
+    from specdec.server import ServerLimits, ServerThread, create_app
 
     llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               **_engine_kwargs(args))
-    loop = EngineLoop(llm.engine, max_queued=args.max_queued).start()
+    loop = EngineLoop(llm.engine, max_queued=args.max_queued)
     key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
     app = create_app(loop, args.served_model_name or args.model, key,
                      ServerLimits(args.max_body_bytes, args.max_tokens_limit))
     if args.host not in ("127.0.0.1", "localhost", "::1") and key is None:
         print(f"{PROG} serve: warning: listening on {args.host} without an API key",
               file=sys.stderr)
+    server = ServerThread(app, args.host, args.port, log_level="info")
+    print(f"{PROG} serve: {server.url}/v1 (Ctrl-C stops)", file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        loop.run()  # the engine steps in the thread that built it; HTTP runs in another
+    except KeyboardInterrupt:
+        pass
     finally:
         loop.shutdown()
+        server.stop()
     return 0
 
 

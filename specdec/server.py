@@ -310,6 +310,33 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
     return app
 
 
+class ServerThread:
+    """uvicorn serving ``app`` from a thread (the engine loop keeps the main thread: see
+    ``EngineLoop.run``); port 0 takes a free one (``url`` says which)."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning") -> None:
+        import threading
+
+        import uvicorn
+
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port,
+                                                    log_level=log_level))
+        self.thread = threading.Thread(target=self.server.run, name="specdec-http", daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise RuntimeError(f"the HTTP server could not start on {host}:{port} (see the "
+                                   "log above)")
+            time.sleep(0.02)
+        bound = self.server.servers[0].sockets[0].getsockname()
+        self.url = f"http://{bound[0]}:{bound[1]}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
 async def _abort_on_disconnect(request: Request, stream) -> None:
     while True:
         if await request.is_disconnected():

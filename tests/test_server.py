@@ -11,9 +11,8 @@ import httpx
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.bench_serve import InProcessServer
 from specdec.engine_loop import EngineLoop
-from specdec.server import ServerLimits, create_app
+from specdec.server import ServerLimits, ServerThread, create_app
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +28,7 @@ def served(smollm2_dir):
     llm.reference = [o.text for o in llm.generate([CHAT, "The capital of France is"], greedy)]
     loop = EngineLoop(llm.engine, max_queued=8).start()
     app = create_app(loop, "smollm2", KEY, ServerLimits(max_body_bytes=4096, max_tokens=64))
-    server = InProcessServer(app)
+    server = ServerThread(app)
     yield llm, loop, server
     server.stop()
     loop.shutdown()
@@ -156,7 +155,7 @@ def test_prompt_over_max_model_len_auth_health_models_metrics(served):
 def test_a_full_queue_answers_503_with_retry_after(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), max_model_len=128)
     loop = EngineLoop(llm.engine, max_queued=1)  # not started: the first request stays queued
-    server = InProcessServer(create_app(loop, "smollm2"))
+    server = ServerThread(create_app(loop, "smollm2"))
     try:
         loop.submit([1, 2, 3], SamplingParams(max_tokens=2))
         r = httpx.post(server.url + "/v1/completions", timeout=30,
