@@ -14,3 +14,5 @@ data=../shared/data/eval/mt_bench.jsonl
 .venv/bin/specdec bench-serve --dataset $data --num-prompts 16 --max-new-tokens 64 \
     --request-rates 0.25,1,4 --max-concurrency 16 --drafters none,ngram --slo-tpot-ms 60 \
     --json "$out/load.json" --plot "$out/load.png" 2>"$out/load.log" | tee "$out/load.txt"
+# the server's TPOT cost at batch 1, engine-side and client-side, against LLM.generate in one run
+.venv/bin/python docs/bench/issue21_engine_side.py 2>/dev/null | tail -1 | tee "$out/engine_side.txt"
