@@ -9,9 +9,11 @@ between streamed chunks) P50/P90/P99, request and token throughput, and goodput:
 of the requests that met ``--slo-ttft-ms`` and ``--slo-tpot-ms``. ``--compare-generate`` first
 times ``LLM.generate`` at batch 1 on the same prompts: the server's overhead on TPOT.
 
-The clients run in this process beside the server (the engine steps in its own thread; the
-event loop and uvicorn share the GIL with it): on a 2-core machine their cost is part of what
-is measured, as it would be for a load generator on the serving host.
+The clients run in this process beside the server (the engine steps in the main thread, uvicorn
+and the clients' event loop in others, sharing the GIL with it): on a 2-core machine their cost
+is part of what is measured, as it would be for a load generator on the serving host. Each run
+(system and rate) sends its own ``cache_salt``, so it starts with a cold prefix cache instead of
+finding the previous rate's prompts.
 """
 
 from __future__ import annotations
@@ -84,10 +86,12 @@ async def run_load(url: str, model: str, prompts: list[list[dict]], rate: float,
     sem = asyncio.Semaphore(max_concurrency)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
+    salt = f"bench-serve-{time.time_ns()}"  # each run starts with a cold prefix cache
+
     async def limited(client, messages):
         async with sem:
             body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                    "temperature": 0, "stream": True}
+                    "temperature": 0, "stream": True, "cache_salt": salt}
             return await _one(client, url + "/v1/chat/completions", body, headers)
 
     limits = httpx.Limits(max_connections=max_concurrency + 4)

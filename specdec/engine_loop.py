@@ -97,6 +97,7 @@ class EngineLoop:
         # called in the engine thread with every sample's final event (aborted ones too)
         self.on_finish: list = []
         self.num_steps = 0
+        self.last_stats = None  # the latest step's StepStats (controller figures, for /metrics)
 
     def start(self) -> EngineLoop:
         """Step in a background thread (see ``run`` for why the main thread is better)."""
@@ -165,6 +166,7 @@ class EngineLoop:
                 self._fail_all(f"engine step failed: {e!r}", sent)
                 continue
             self.num_steps += 1
+            self.last_stats = result.stats
             for seq in changed(result):
                 self._emit(seq, sent)
         self._fail_all("the server is shutting down", sent)

@@ -25,6 +25,7 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     ignore_eos: StrictBool = False
     logprobs: StrictBool | StrictInt | None = None  # not served: a 400 when asked for
+    cache_salt: StrictStr | None = None  # as vLLM's: prefix-cache pages shared only within it
 
     def stops(self) -> list[str]:
         if self.stop is None:

@@ -95,6 +95,9 @@ class Metrics:
         self.drafted = Counter("specdec_draft_tokens", "draft tokens verified", registry=r)
         self.accepted = Counter("specdec_accepted_tokens_by_depth",
                                 "draft tokens accepted, by tree depth", ["depth"], registry=r)
+        self.controller = Gauge("specdec_controller_figure",
+                                "the draft controller's latest decision figures (list figures: "
+                                "their mean)", ["figure"], registry=r)
         self._generated = self._forwards = 0
 
     def finished(self, event: StreamEvent) -> None:
@@ -125,6 +128,13 @@ class Metrics:
         t = engine.totals
         self.draft_share.set(t.draft_seconds / t.step_seconds if t.step_seconds else 0.0)
         self.tau.set(self._generated / self._forwards if self._forwards else 0.0)
+        stats = self.loop.last_stats
+        for name, value in ((stats.controller or {}) if stats is not None else {}).items():
+            if isinstance(value, list) and value and all(isinstance(v, (int, float))
+                                                         for v in value):
+                name, value = f"{name}_mean", sum(value) / len(value)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.controller.labels(name).set(value)
         return generate_latest(self.registry)
 
 
@@ -200,7 +210,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None,
             return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
                                   top_k=req.top_k, min_p=float(req.min_p), n=req.n,
                                   seed=req.seed, max_tokens=max_tokens, stop=req.stops(),
-                                  ignore_eos=req.ignore_eos)
+                                  ignore_eos=req.ignore_eos, cache_salt=req.cache_salt)
         except ValueError as e:
             raise APIError(400, str(e)) from None
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -148,7 +149,8 @@ def test_prompt_over_max_model_len_auth_health_models_metrics(served):
     assert [m["id"] for m in models["data"]] == ["smollm2"]
     text = httpx.get(url + "/metrics", headers=auth, timeout=10).text
     for name in ("specdec_requests_running", "specdec_time_to_first_token_seconds_bucket",
-                 "specdec_kv_cache_usage", "specdec_prefix_cache_hit_rate"):
+                 "specdec_kv_cache_usage", "specdec_prefix_cache_hit_rate",
+                 "specdec_tokens_per_target_forward", "specdec_draft_time_share"):
         assert name in text
 
 
@@ -180,3 +182,35 @@ def test_bench_serve_load_measures_every_request(served):
     s = summarize(results, seconds, slo_ttft_ms=1e6, slo_tpot_ms=1e-6)
     assert s["failed"] == 0 and s["ttft_ms"]["p50"] > 0 and s["slo_met"] == 0.0
     assert s["goodput_tokens_per_s"] == 0 < s["output_tokens_per_s"]
+
+
+def test_speculation_figures_in_usage_and_metrics(tiny_llama):
+    """A drafter behind the server: usage counts its drafted and accepted tokens, /metrics
+    shows the controller's figures and acceptance by depth (a tokenizer-less model: token-id
+    prompts, empty text)."""
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
+              drafter_args={"min_ngram": 1}, controller="static",
+              controller_args={"budget": 4})  # static: drafts whatever this machine's speed
+    loop = EngineLoop(llm.engine).start()
+    server = ServerThread(create_app(loop, "tiny"))
+    try:
+        body = {"prompt": [5, 6, 7, 5, 6, 7, 5, 6], "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True}
+        usage = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["usage"]
+        assert usage["completion_tokens"] == 24 and usage["drafted_tokens"] > 0
+        assert 0 <= usage["accepted_tokens"] <= usage["drafted_tokens"]
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert "specdec_accepted_tokens_by_depth_total" in text
+        assert "specdec_draft_tokens_total" in text
+        # the controller's figures: what a goodput controller's last decision said
+        loop.last_stats = SimpleNamespace(controller={"expected_tokens": 1.7, "depths": [2, 4],
+                                                      "sources": ["ngram"]})
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert 'specdec_controller_figure{figure="expected_tokens"} 1.7' in text
+        assert 'specdec_controller_figure{figure="depths_mean"} 3.0' in text
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    finally:
+        server.stop()
+        loop.shutdown()
