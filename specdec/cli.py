@@ -171,15 +171,18 @@ def _bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+def _add_dataset_args(p, help_text: str, num_prompts: int, max_new_tokens: int) -> None:
+    p.add_argument("--dataset", type=_existing_file, required=True, help=help_text)
+    p.add_argument("--num-prompts", type=_int_at_least(1), default=num_prompts)
+    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=max_new_tokens)
+
+
 def _bench_prefix_parser(sub) -> None:
     from specdec.bench_prefix import WORKLOADS
 
     p = sub.add_parser("bench-prefix", help="prefix caching and the disk tier: with vs without "
                                             "(TTFT, prefill tokens, no-hit throughput)")
-    p.add_argument("--dataset", type=_existing_file, required=True,
-                   help="MT-Bench jsonl (two turns per question)")
-    p.add_argument("--num-prompts", type=_int_at_least(1), default=16)
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=64)
+    _add_dataset_args(p, "MT-Bench jsonl (two turns per question)", 16, 64)
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--repeats", type=_int_at_least(1), default=3,
@@ -195,10 +198,8 @@ def _bench_prefix_parser(sub) -> None:
 def _bench_serve_parser(sub) -> None:
     p = sub.add_parser("bench-serve", help="load on the HTTP server at request rates: TTFT / "
                                            "TPOT / ITL percentiles, throughput, goodput")
-    p.add_argument("--dataset", type=_existing_file, required=True,
-                   help="MT-Bench / Spec-Bench or HumanEval jsonl (first turns as chats)")
-    p.add_argument("--num-prompts", type=_int_at_least(1), default=32)
-    p.add_argument("--max-new-tokens", type=_int_at_least(1), default=128)
+    _add_dataset_args(p, "MT-Bench / Spec-Bench or HumanEval jsonl (first turns as chats)",
+                      32, 128)
     p.add_argument("--request-rates", default="0.5,1,inf", metavar="R,R,...",
                    help="requests/s, inf = all at once (default 0.5,1,inf)")
     p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson")
