@@ -1,4 +1,4 @@
-"""The engine stepping in a background thread for many concurrent clients.
+"""The engine stepping in one thread for many concurrent clients in others.
 
 Clients ``submit`` requests from any thread (or event loop) and read their outputs from a
 ``RequestStream``: one ``StreamEvent`` per sample each time a step adds tokens, then a final one
@@ -6,8 +6,8 @@ per sample. Requests and aborts reach the engine thread through an inbox that it
 steps, so the engine itself is only ever touched by that thread. An abort (a client that went
 away) ends the request before the next step: its pages go back at once.
 
-    loop = EngineLoop(llm.engine).start()
-    stream = loop.submit(prompt_ids, SamplingParams(max_tokens=64))
+    loop = EngineLoop(llm.engine).start()   # a background thread (tests); a server calls
+    stream = loop.submit(prompt_ids, SamplingParams(max_tokens=64))   # loop.run() instead
     for event in stream:                 # or `async for` inside an event loop
         print(event.text, end="")
     loop.shutdown()
