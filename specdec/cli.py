@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -514,7 +515,8 @@ def cmd_serve(args) -> int:
         print(f"{PROG} serve: warning: listening on {args.host} without an API key",
               file=sys.stderr)
     server = ServerThread(app, args.host, args.port, log_level="info")
-    print(f"{PROG} serve: {server.url}/v1 (Ctrl-C stops)", file=sys.stderr)
+    print(f"{PROG} serve: {server.url}/v1 (Ctrl-C or SIGTERM stops)", file=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: loop.shutdown())  # e.g. docker stop: end cleanly
     try:
         loop.run()  # the engine steps in the thread that built it; HTTP runs in another
     except KeyboardInterrupt:

@@ -214,3 +214,32 @@ def test_speculation_figures_in_usage_and_metrics(tiny_llama):
     finally:
         server.stop()
         loop.shutdown()
+
+
+def test_specdec_serve_starts_answers_and_stops_on_sigterm(tiny_llama):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model",
+                             str(tiny_llama), "--port", "0", "--dtype", "float64"],
+                            stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        url = None
+        deadline = time.time() + 120
+        while url is None and time.time() < deadline:
+            line = proc.stderr.readline()
+            if "specdec serve: http://" in line:
+                url = line.split("serve: ")[1].split("/v1")[0]
+            assert line or proc.poll() is None, "specdec serve exited at start"
+        assert url is not None
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+        r = httpx.post(url + "/v1/completions", timeout=60,
+                       json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
+        assert r.json()["usage"]["completion_tokens"] == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
