@@ -157,7 +157,7 @@ class BlockDiffusionDrafter(BaseDrafter):
             s.num_cached = len(r.token_ids) - 1
             s.pending.clear()
             self.runner.kv.truncate(s.table, s.num_cached)  # the block rows were scratch
-            self.runner.kv.register_full(s.table, list(r.page_keys), s.num_cached)
+            self.runner.kv.register_full(s.table, r.page_keys, s.num_cached)
         return tokens, top.values.view(len(reqs), b - 1, -1)
 
 

@@ -103,7 +103,7 @@ class DraftModelDrafter(BaseDrafter):
         """Room for catch-up + drafts in the draft cache; without it, no draft this step."""
         state: DraftState = r.state
         # every slot below num_cached holds a committed token's KV (on_verified cut the rest)
-        self.runner.kv.register_full(state.table, list(r.page_keys), state.num_cached)
+        self.runner.kv.register_full(state.table, r.page_keys, state.num_cached)
         need = len(r.token_ids) + min(r.budget.depth_limit, self.max_depth)
         if need > self.max_len or not self.runner.kv.try_reserve(state.table, need):
             r.mark_no_kv()

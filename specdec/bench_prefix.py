@@ -16,6 +16,7 @@ which goes first, and checks that both emit the same tokens:
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -88,22 +89,22 @@ def run_prefix_bench(args, engine_kwargs: dict) -> dict:
     return report
 
 
-def _pair(cached: LLM, plain: LLM, prompts, params, turn: int, **kw):
+def _pair(cached: LLM, plain: LLM, prompts, params, turn: int, salt: str | None = None):
     """Both engines on the same prompts, the order alternating with ``turn``: (cached outputs,
     uncached outputs, cached seconds, uncached seconds)."""
     runs = {}
     for name in (("cached", "plain") if turn % 2 == 0 else ("plain", "cached")):
         llm = cached if name == "cached" else plain
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params if not kw else _salted(params, prompts, kw))
+        outs = llm.generate(prompts, params if salt is None else _salted(params, len(prompts),
+                                                                         salt))
         runs[name] = (outs, time.perf_counter() - t0)
     return runs["cached"][0], runs["plain"][0], runs["cached"][1], runs["plain"][1]
 
 
-def _salted(params: SamplingParams, prompts, kw) -> list[SamplingParams]:
-    salt = kw["salt"]
-    return [SamplingParams(temperature=params.temperature, max_tokens=params.max_tokens,
-                           cache_salt=f"{salt}-{i}") for i in range(len(prompts))]
+def _salted(params: SamplingParams, n: int, salt: str) -> list[SamplingParams]:
+    """``params`` with a distinct cache_salt for each of n prompts (no hit among them)."""
+    return [dataclasses.replace(params, cache_salt=f"{salt}-{i}") for i in range(n)]
 
 
 def _same(a, b) -> bool:

@@ -407,11 +407,8 @@ class LLMEngine:
             stats.tier_hits, stats.tier_stores, stats.tier_seconds = (
                 a - b for a, b in zip(now, self._tier_seen))
             self._tier_seen = now
-        if stats.num_prefill_tokens >= self.config.page_size:  # what a recomputed page costs
-            per_token = stats.forward_seconds / max(1, stats.num_prefill_tokens + stats.num_decode)
-            old = self.kv.prefill_seconds_per_token
-            self.kv.prefill_seconds_per_token = per_token if old is None else (
-                0.8 * old + 0.2 * per_token)
+        self.kv.observe_prefill(stats.forward_seconds, stats.num_prefill_tokens,
+                                stats.num_prefill_tokens + stats.num_decode)
 
     def _controller_figures(self, stats: StepStats) -> None:
         decision = getattr(self.drafting.controller, "decision", None)

@@ -182,7 +182,7 @@ class Scheduler:
         kv, ps = self.kv, self.kv.page_size
         keys = seq.keys(ps, (seq.num_tokens - 1) // ps)  # the last token is always computed
         pages = kv.cached_prefix(keys)
-        tier = getattr(kv, "tier_prefix", lambda keys: 0)(keys[len(pages):])
+        tier = kv.tier_prefix(keys[len(pages):])
         if len(pages) + tier < len(keys) and self._in_flight(keys[len(pages) + tier]):
             return _DEFER
         if not pages and not tier:

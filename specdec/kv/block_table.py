@@ -15,6 +15,7 @@ A table never holds more pages than it needs: ``len(pages) == ceil(num_slots / p
 
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 
 import torch
@@ -103,6 +104,10 @@ class KVCacheManager:
         """Pages holding the longest leading run of ``keys`` (``specdec.kv.prefix``)."""
         return self.pool.lookup(keys)
 
+    def tier_prefix(self, keys: list[bytes]) -> int:
+        """Leading ``keys`` a second tier could bring back (none here; ``KVManager`` has one)."""
+        return 0
+
     def adopt(self, table: BlockTable, pages: list[int]) -> None:
         """Start an empty table with cached pages (their KV is reused, not computed)."""
         if table.pages:
@@ -112,7 +117,7 @@ class KVCacheManager:
         table.num_slots = len(pages) * self.page_size
         table.num_keyed = len(pages)
 
-    def register_full(self, table: BlockTable, keys: list[bytes], num_final_slots: int) -> None:
+    def register_full(self, table: BlockTable, keys: SequenceABC, num_final_slots: int) -> None:
         """Name the content of the table's full pages below ``num_final_slots`` (slots whose KV
         will never be written again) by ``keys[p]``, so that later requests can reuse them."""
         last = min(num_final_slots // self.page_size, len(keys), len(table.pages))

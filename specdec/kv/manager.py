@@ -57,6 +57,14 @@ class KVManager(KVCacheManager):
         self.tier = tier
         self.pool.on_evict = lambda page, key: tier.put(key, self.cache.tensor[:, page])
 
+    def observe_prefill(self, seconds: float, prefill_tokens: int, rows: int) -> None:
+        """A step's forward time: with a page or more of prefill in it, it updates what
+        recomputing a token costs (a moving average), which a tier read must beat."""
+        if prefill_tokens < self.page_size:
+            return
+        per_token, old = seconds / max(1, rows), self.prefill_seconds_per_token
+        self.prefill_seconds_per_token = per_token if old is None else 0.8 * old + 0.2 * per_token
+
     def tier_prefix(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` the tier holds, when reading is cheaper than recomputing
         (0 otherwise, or without a tier)."""

@@ -43,6 +43,9 @@ def _drafters(model, cfg, hf) -> dict[str, tuple[str | None, dict]]:
         "eagle3": ("eagle3", {"head": random_head(model, cfg, hf), "depth": 3, "topk": 2}),
         "mtp": ("mtp", {"heads": random_heads(model, cfg)}),
         "block_diffusion": ("block_diffusion", {"model": random_block_diffusion(model, cfg, hf)}),
+        "eagle3+ngram": ("eagle3+ngram", {"eagle3": {"head": random_head(model, cfg, hf),
+                                                     "depth": 3, "topk": 2},
+                                          "ngram": {"min_ngram": 1}}),
     }
 
 
@@ -52,11 +55,11 @@ def _rounds(batch: int, seed: int = 0):
     return [head + [rng.randrange(90) for _ in range(rng.randrange(1, 9))] for _ in range(batch)]
 
 
-def _run(folder, drafter, args, batch: int, caching: bool, plugins=(), **engine):
+def _run(folder, drafter, args, batch: int, caching: bool, plugins=(), params=None, **engine):
     llm = LLM(model=str(folder), dtype="float64", drafter=drafter, drafter_args=args,
               controller="static", controller_args={"budget": 4}, page_size=PAGE,
               enable_prefix_caching=caching, plugins=plugins, **engine)
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    params = params or SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     first = _rounds(batch)
     outs1 = llm.generate(first, params)
     rng = random.Random(1)
@@ -79,7 +82,7 @@ def _run(folder, drafter, args, batch: int, caching: bool, plugins=(), **engine)
 
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("name", ["plain", "ngram", "draft_model", "eagle3", "mtp",
-                                  "block_diffusion"])
+                                  "block_diffusion", "eagle3+ngram"])
 def test_same_tokens_and_drafts_with_and_without_the_cache(target, name, batch):
     folder, model, cfg, hf = target
     drafter, args = _drafters(model, cfg, hf)[name]
@@ -97,7 +100,7 @@ def test_same_tokens_and_drafts_with_and_without_the_cache(target, name, batch):
                for o, p in zip(second, _rounds(batch))), [o.metrics.num_cached_tokens
                                                           for o in second]
     # the head's page 1 (slots 4..7) depends on token 8 for an EAGLE head: not reusable there
-    assert [o.metrics.num_cached_tokens for o in got[-2:]] == [PAGE if name == "eagle3"
+    assert [o.metrics.num_cached_tokens for o in got[-2:]] == [PAGE if "eagle3" in name
                                                               else 2 * PAGE] * 2
     if drafter is not None and name != "ngram":
         assert sum(o.metrics.draft_tokens_proposed for o in got) > 0
@@ -170,5 +173,21 @@ def test_same_tokens_with_the_disk_tier_under_page_pressure(target, tmp_path, na
     want = _run(folder, drafter, args, 8, caching=False, **small)
     llm_args = dict(kv_tier_path=str(tmp_path / "kv.tier"), **small)
     got = _run(folder, drafter, args, 8, caching=True, **llm_args)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert sum(o.metrics.num_cached_tokens for o in got) > 0
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram", "draft_model", "eagle3", "mtp",
+                                  "block_diffusion"])
+def test_seeded_sampling_is_the_same_with_and_without_the_cache(target, name):
+    """Sampled requests (the gumbel verifier's per-position noise): with the cache's KV bitwise
+    the computed one, a seeded request emits exactly the tokens it emits without the cache —
+    the strongest form of "follows the target distribution" (the uncached engine's sampling
+    is tested against exact distributions in tests/test_spec_sampling.py)."""
+    folder, model, cfg, hf = target
+    drafter, args = _drafters(model, cfg, hf)[name]
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    want = _run(folder, drafter, args, 4, caching=False, params=params)
+    got = _run(folder, drafter, args, 4, caching=True, params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_cached_tokens for o in got) > 0
