@@ -82,6 +82,7 @@ class BlockDiffusionDrafter(BaseDrafter):
         pages = kv.cached_prefix(page_keys)
         kv.adopt(state.table, pages)
         state.num_cached = len(pages) * kv.page_size
+        state.last = None  # the block's conditioning comes from the features heard next
         return len(pages)
 
     def on_verified(self, batch: VerifiedBatch) -> None:
@@ -111,6 +112,12 @@ class BlockDiffusionDrafter(BaseDrafter):
                                                                state.num_pending, n)
         if n < 2:
             return False  # a one-token prompt's first step: no context yet
+        if state.last is None and not state.num_pending:
+            # a prefix hit that ended at the last prompt token (restore): the fused state of
+            # position n - 2 came from the cache, not from the target's features, so nothing
+            # to condition the block on; this step decodes plainly, and its on_verified brings
+            # the features of position n - 1 for the next
+            return False
         if not self.runner.kv.try_reserve(state.table, n - 1 + self.model.config.block_size):
             r.mark_no_kv()
             return False
