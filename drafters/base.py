@@ -45,8 +45,12 @@ then reuses that many pages and computes the rest (heard in on_verified as usual
 whose state is per-position KV caches its own full pages under the content keys the engine gives
 (``page_keys[p]`` names tokens 0 .. (p + 1) * page_size - 1: ``specdec.kv.prefix``; its runner's
 ``kv.register_full`` / ``kv.cached_prefix`` / ``kv.adopt``), so a restore is a lookup and its
-drafts after a hit are exactly those without the cache. Without the hook (or returning 0) the
-drafter loses nothing but the reuse.
+drafts after a hit are exactly those without the cache. A drafter that keeps nothing per
+position (it reads ``token_ids`` and the hidden states of the tokens it hears about: ngram, mtp)
+declares ``prefix_cache_safe = True`` and needs no hook: ``BaseDrafter.restore`` then covers every
+page. Without either (the hook absent or returning 0) the target recomputes the cached prefix for
+that drafter's requests: outputs are the same, only every hit is lost (every second chat turn,
+shared system prompt, preempted request and n > 1 sample), and the engine says so once in the log.
 """
 
 from __future__ import annotations
@@ -247,6 +251,9 @@ class BaseDrafter:
     name = "base"
     hidden_layers: tuple[int, ...] = ()
     replay_safe = False  # declare True only when it holds ("Failures" above)
+    # declare True when the drafter keeps nothing per position ("Prefix caching" above): any
+    # prefix hit is then reused as is, with no restore to write
+    prefix_cache_safe = False
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> Any:
         return None
@@ -258,9 +265,8 @@ class BaseDrafter:
         return None
 
     def restore(self, state: Any, token_ids: TokenView, page_keys: list[bytes]) -> int:
-        """Pages of a cached prefix this drafter's state covers ("Prefix caching"). The default
-        claims none, which is right for every drafter (the target then computes the prefix and
-        the drafter hears of it); one that keeps nothing per position (it reads ``token_ids``
-        and the hidden states of the last committed tokens) returns ``len(page_keys)``, one
-        with per-position KV restores it from its own cache."""
-        return 0
+        """Pages of a cached prefix this drafter's state covers ("Prefix caching"): all of them
+        for a drafter that declares ``prefix_cache_safe``; else none, which is right for every
+        drafter (the target then computes the prefix and the drafter hears of it) but loses
+        the hit. One with per-position KV overrides this and restores it from its own cache."""
+        return len(page_keys) if self.prefix_cache_safe else 0

@@ -34,6 +34,7 @@ class MTPDrafter(BaseDrafter):
     name = "mtp"
     # propose only reads the state; on_verified overwrites it with the step's last row
     replay_safe = True
+    prefix_cache_safe = True  # only the last committed token's hidden state is kept
 
     def __init__(self, target: TargetInfo, path: str | None = None, topk: int = 4,
                  heads: MTPHeads | None = None) -> None:
@@ -57,9 +58,6 @@ class MTPDrafter(BaseDrafter):
 
     def release(self, state: MTPState) -> None:
         state.hidden, state.position = None, -1
-
-    def restore(self, state: MTPState, token_ids, page_keys: list[bytes]) -> int:
-        return len(page_keys)  # only the last committed token's hidden state is kept
 
     def on_verified(self, batch: VerifiedBatch) -> None:
         layer = self.hidden_layers[0]

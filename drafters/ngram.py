@@ -44,6 +44,7 @@ class NgramDrafter(BaseDrafter):
     # propose and on_verified only extend the index past num_indexed (a repeat finds nothing
     # new) and read it: calling them twice for a request is as calling them once
     replay_safe = True
+    prefix_cache_safe = True  # the index is built from token_ids, cached or not
 
     def __init__(self, target: TargetInfo, max_ngram: int = 4, min_ngram: int = 2,
                  max_depth: int = 8, max_matches: int = 1) -> None:
@@ -68,9 +69,6 @@ class NgramDrafter(BaseDrafter):
     def release(self, state: NgramState) -> None:
         state.index.clear()
         state.num_indexed = 0
-
-    def restore(self, state: NgramState, token_ids, page_keys: list[bytes]) -> int:
-        return len(page_keys)  # the index is built from token_ids, cached or not
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         return [self._propose_one(r) for r in requests]

@@ -19,9 +19,11 @@ from drafter_helpers import random_block_diffusion, random_head
 from test_mtp import random_heads
 
 from specdec import LLM, SamplingParams
+from specdec.drafters.base import BaseDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.hookspecs import hookimpl
 from specdec.models.loader import load_model
+from specdec.tree import DraftTree
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -191,3 +193,61 @@ def test_seeded_sampling_is_the_same_with_and_without_the_cache(target, name):
     got = _run(folder, drafter, args, 4, caching=True, params=params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert sum(o.metrics.num_cached_tokens for o in got) > 0
+
+
+class _Stateless(BaseDrafter):
+    """Proposes the request's last token once: nothing per position."""
+
+    name = "stateless"
+    declared = True
+
+    @property
+    def prefix_cache_safe(self):
+        return self.declared
+
+    def __init__(self, target):
+        pass
+
+    def propose(self, requests):
+        return [DraftTree.chain(torch.tensor([r.token_ids[-1]])) for r in requests]
+
+
+class _BadLayers(_Stateless):
+    name = "badlayers"
+    layers = (-1,)
+
+    @property
+    def hidden_layers(self):
+        return self.layers
+
+
+class _StatelessPlugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"stateless": _Stateless, "badlayers": _BadLayers}
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_plugin_declaring_prefix_cache_safe_gets_hits_and_one_without_is_told(
+        target, monkeypatch, caplog, declared):
+    monkeypatch.setattr(_Stateless, "declared", declared)
+    with caplog.at_level("WARNING", logger="specdec"):
+        got = _run(target[0], "stateless", {}, 2, caching=True, plugins=(_StatelessPlugin(),))
+    warned = [r for r in caplog.records if "prefix_cache_safe" in r.getMessage()]
+    assert len(warned) == (0 if declared else 1)
+    assert not warned or "'stateless'" in warned[0].getMessage()
+    assert (sum(o.metrics.num_cached_tokens for o in got) > 0) == declared
+
+
+@pytest.mark.parametrize("layers", [(-1,), (4,), (0, 99), ("1",), (True,), 2])
+def test_hidden_layers_are_checked_at_start_up(target, monkeypatch, layers):
+    """The target has 4 layers: every layer a drafter asks for must be one of them (a bad one
+    used to give no hidden states without a word)."""
+    monkeypatch.setattr(_BadLayers, "layers", layers)
+    with pytest.raises(ValueError, match=r"'badlayers'.*hidden_layers must be a tuple of ints "
+                                         r"in \[0, 4\)"):
+        LLM(model=str(target[0]), dtype="float64", drafter="badlayers",
+            plugins=(_StatelessPlugin(),))
+    with pytest.raises(ValueError, match=r"'badlayers'.*hidden_layers"):  # in a composition too
+        LLM(model=str(target[0]), dtype="float64", drafter="ngram+badlayers",
+            plugins=(_StatelessPlugin(),))

@@ -21,6 +21,8 @@ class PhraseState:
 class PhraseDrafter(BaseDrafter):
     name = "phrase"
     replay_safe = True  # propose only reads: the engine may retry a raising call per request
+    # nothing per position (it reads token_ids): prefix-cache hits are reused as they are
+    prefix_cache_safe = True
 
     def __init__(self, target: TargetInfo, phrases: list[str] | None = None,
                  token_phrases: list[list[int]] | None = None, min_match: int = 1) -> None:
