@@ -73,7 +73,10 @@ class FusedLayers:
                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                           inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                           scale=cfg.head_dim ** -0.5)
-            a.qkv = Weight.of(mm.prepared(layer.qkv_weight), self._fp32(layer.qkv_bias))
+            qkv = mm.prepared(layer.qkv_weight)
+            if not self.args:  # the width qkv_input must have (it replaces the first layer's)
+                self._qkv_in = qkv.in_features
+            a.qkv = Weight.of(qkv, self._fp32(layer.qkv_bias))
             a.o = Weight.of(mm.prepared(layer.o_weight))
             a.gate_up = Weight.of(mm.prepared(layer.gate_up_weight))
             a.down = Weight.of(mm.prepared(layer.down_weight))
@@ -101,12 +104,13 @@ class FusedLayers:
         output})."""
         if [w._version for w in self._watched] != self._versions:
             self._build()  # a weight changed in place since: prepare again
-        dtype, t = x.dtype, x.shape[0]
+        self._check_step(x, cos, sin, plan, kv_cache, num_layers, qkv_input)
+        dtype, (t, d) = x.dtype, (x.shape[0], self.args[0].head_dim)
         x = x.float().contiguous()  # updated in place, layer after layer
         if qkv_input is not None:
             qkv_input = qkv_input.float().contiguous()
-        cos = cos.reshape(t, -1).float().contiguous()
-        sin = sin.reshape(t, -1).float().contiguous()
+        cos = cos.reshape(t, d).float().contiguous()
+        sin = sin.reshape(t, d).float().contiguous()
         threads = torch.get_num_threads()
         first = self.args[0]
         first.T, first.max_keys, first.nthreads = t, plan.max_keys, threads
@@ -114,7 +118,6 @@ class FusedLayers:
         captured = {}
         for i, a in enumerate(self.args[:num_layers]):
             kv = kv_cache.layer(i)
-            assert kv.is_contiguous() and kv.dtype in FORMATS
             a.T, a.max_keys, a.nthreads = t, plan.max_keys, threads
             a.x, a.cos, a.sin, a.scratch = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                             scratch.data_ptr())
@@ -124,7 +127,49 @@ class FusedLayers:
             given = qkv_input is not None and i == 0
             a.qkv_input = qkv_input.data_ptr() if given else None
             a.qkv_in = qkv_input.shape[1] if given else 0
-            self.kernels.layer(a)
+            if t:  # zero rows: nothing to compute, nothing written to the cache
+                self.kernels.layer(a)
             if i in capture_layers:
                 captured[i] = x.to(dtype, copy=True)
         return x.to(dtype), captured
+
+    def _check_step(self, x, cos, sin, plan, kv_cache, num_layers, qkv_input) -> None:
+        """Raise (naming the tensor, its shape and what is allowed) unless every tensor behind
+        the pointers sd_layer gets has the sizes it reads: the C side cannot check them."""
+        a = self.args[0]
+        t, hidden, d, hkv = x.shape[0] if x.dim() else -1, a.hidden, a.head_dim, a.kv_heads
+
+        def need(ok: bool, name: str, got, allowed) -> None:  # allowed() made only to raise
+            if not ok:
+                shape = tuple(got.shape) if isinstance(got, torch.Tensor) else got
+                raise ValueError(f"sd_layer: {name} of shape {shape}; allowed: {allowed()}")
+
+        need(x.dim() == 2 and x.shape[1] == hidden and x.is_cpu, "x", x,
+             lambda: f"[T, {hidden}] on the CPU")
+        for name, c in (("cos", cos), ("sin", sin)):
+            need(c.numel() == t * d and c.is_cpu and (c.dim() < 1 or c.shape[0] == t), name, c,
+                 lambda: f"[{t}, 1, {d}] (T rows of head_dim) on the CPU")
+        if qkv_input is not None:
+            k = self._qkv_in
+            need(qkv_input.dim() == 2 and tuple(qkv_input.shape) == (t, k) and qkv_input.is_cpu,
+                 "qkv_input", qkv_input,
+                 lambda: f"[{t}, {k}] (T rows of the qkv projection's input)")
+        kvs = [kv_cache.layer(i) for i in range(len(self.args[:num_layers]))]
+        for i, kv in enumerate(kvs):
+            need(isinstance(kv, torch.Tensor) and kv.dtype in FORMATS and kv.is_cpu
+                 and kv.is_contiguous() and kv.dim() >= 2 and tuple(kv.shape[-2:]) == (hkv, d)
+                 and kv.shape == kvs[0].shape, f"layer {i}'s cache", kv,
+                 lambda: f"[..., {hkv}, {d}] of {sorted(map(str, FORMATS))}, contiguous, on "
+                 "the CPU, the same for every layer")
+        if not kvs:
+            return
+        rows, w = kvs[0].numel() // (hkv * d), plan.write_index
+        need(isinstance(w, torch.Tensor) and w.dtype == torch.int64 and w.is_cpu
+             and w.is_contiguous() and tuple(w.shape) == (2 * t,), "write_index", w,
+             lambda: f"[{2 * t}] int64 (K rows, then V rows), contiguous, on the CPU")
+        if t:
+            lo, hi = (int(v) for v in w.aminmax())
+            need(0 <= lo and hi < rows, "write_index", w,
+                 lambda: f"cache rows in 0..{rows - 1} (got {lo}..{hi})")
+        self.kernels._check_keys("sd_layer", plan.indptr, plan.index, t, plan.max_keys,
+                                 rows - plan.page_size)

@@ -12,6 +12,11 @@ when it is missing, stale or cannot run here; callers then take their pure-torch
 Panels: output rows 8p .. 8p + 7 of the weight, transposed, so that a panel streams once for
 all rows of a call; an even number of them. Example: a [10, 3] weight becomes 2 panels
 [2, 3, 8] (rows 10..15 zero); a [20, 3] one 4 panels (rows 20..31 zero).
+
+The C side sees pointers only, so every tensor is checked here before a call (dims, dtype,
+device, contiguity, lengths against the prepared weight, key lists against the cache rows): a
+bad argument is a ValueError / TypeError naming the kernel, the shape and what is allowed,
+never a read out of bounds. Zero rows are a valid call (an empty result).
 """
 
 from __future__ import annotations
@@ -20,15 +25,21 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-ABI = 5
+ABI = 6
 PANEL = 8
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # sd_q8_isa's values, by index
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# bytes of one block (16 output rows x 32 inputs) of a panel pair, per GGUF format code
+# (kernels.h: SD_Q4_1, SD_Q8_0, and their 8-bit-activation layouts SD_Q4_1_Q8, SD_Q8_0_Q8)
+PAIR_BYTES = {3: 320, 4: 544, 5: 320, 6: 544}
 logger = logging.getLogger("specdec")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -42,6 +53,39 @@ class Panels:
     in_features: int
     fmt: int  # the kernel's format code: FORMATS[dtype], or gguf_weights.FORMATS[kind]
     panels: int  # of 8 output rows, an even number
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            data = (f"{tuple(self.data.shape)} {self.data.dtype}"
+                    if isinstance(self.data, torch.Tensor) else type(self.data).__name__)
+            raise ValueError(f"Panels of a [{self.out_features}, {self.in_features}] weight "
+                             f"(format {self.fmt}, {self.panels} panels, data {data}): {problem}")
+
+    def _problem(self) -> str | None:
+        """What makes these panels unreadable by the kernels (they would read out of bounds),
+        or None."""
+        d, out, inp, p = self.data, self.out_features, self.in_features, self.panels
+        if not isinstance(d, torch.Tensor):
+            return "data must be a tensor"
+        if inp < 1 or out < 1:
+            return "the kernels need at least one input and one output feature"
+        if p < 2 or p % 2 or out > PANEL * p:
+            return f"needs an even number (>= 2) of panels of {PANEL} rows covering {out} rows"
+        if d.device.type != "cpu" or not d.is_contiguous():
+            return "data must be contiguous on the CPU"
+        dtypes = {code: dt for dt, code in FORMATS.items()}
+        if self.fmt in dtypes:
+            want, numel = dtypes[self.fmt], p * inp * PANEL
+        elif self.fmt in PAIR_BYTES:
+            if inp % 32:
+                return "a GGUF format needs in_features % 32 == 0"
+            want, numel = torch.uint8, p // 2 * (inp // 32) * PAIR_BYTES[self.fmt]
+        else:
+            return f"format {self.fmt} is not one of {sorted({*dtypes, *PAIR_BYTES})}"
+        if d.dtype != want or d.numel() != numel:
+            return f"data must hold {numel} elements of {want}"
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -72,6 +116,24 @@ class LayerArgs(ctypes.Structure):
                 ("qkv_input", _P), ("qkv_in", _I)]
 
 
+def _describe(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return f"a {type(t).__name__}"
+    layout = "" if t.is_contiguous() else f", not contiguous (strides {t.stride()})"
+    return f"shape {tuple(t.shape)} {t.dtype} on {t.device}{layout}"
+
+
+def _check(kernel: str, name: str, t, allowed: Callable[[], str],
+           dtypes: tuple[torch.dtype, ...], fits: Callable[[torch.Tensor], bool]) -> None:
+    """Raise unless ``t`` is a contiguous CPU tensor of one of ``dtypes`` whose dims and sizes
+    ``fits``; the message names the kernel, ``name``'s shape and what is ``allowed()`` (made
+    only then: a call's checks cost ~1 us)."""
+    if not isinstance(t, torch.Tensor) or t.dtype not in dtypes:
+        raise TypeError(f"{kernel}: {name} of {_describe(t)}; allowed: {allowed()}")
+    if not t.is_cpu or not t.is_contiguous() or not fits(t):
+        raise ValueError(f"{kernel}: {name} of {_describe(t)}; allowed: {allowed()}")
+
+
 class Kernels:
     """ctypes bindings of one loaded library (see module docstring)."""
 
@@ -84,6 +146,8 @@ class Kernels:
         lib.sd_layer_scratch.restype = _I
         lib.sd_key_lists.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _P, _P]
         lib.sd_key_lists.restype = _I
+        lib.sd_check_keys.argtypes = [_I, _P, _P, _I, _I, _I]
+        lib.sd_check_keys.restype = _I
 
     @property
     def q8_isa(self) -> str:
@@ -94,9 +158,13 @@ class Kernels:
     @staticmethod
     def prepare(weight: torch.Tensor) -> Panels:
         """weight [out, in] (a dtype in FORMATS) -> its panels (a copy, made once at load)."""
-        if weight.dtype not in FORMATS or weight.dim() != 2:
-            raise ValueError(f"panels need a 2-d weight of {sorted(map(str, FORMATS))}, got "
-                             f"{tuple(weight.shape)} {weight.dtype}")
+        if weight.dtype not in FORMATS or weight.dim() != 2 or 0 in weight.shape:
+            raise ValueError(f"panels need a 2-d weight of {sorted(map(str, FORMATS))} with at "
+                             f"least one row and column, got {tuple(weight.shape)} "
+                             f"{weight.dtype}")
+        if weight.device.type != "cpu":
+            raise ValueError(f"panels need a weight on the CPU, got {tuple(weight.shape)} on "
+                             f"{weight.device}")
         out, inp = weight.shape
         p = 2 * -(-out // (2 * PANEL))  # an even number: the kernel takes panels in pairs
         padded = weight.new_zeros(p * PANEL, inp)
@@ -105,15 +173,28 @@ class Kernels:
                       FORMATS[weight.dtype], p)
 
     def linear(self, x: torch.Tensor, w: Panels) -> torch.Tensor:
-        """x [T, in] float32 contiguous -> [T, out] float32 (x @ weight.T)."""
-        t, k = x.shape
-        assert x.dtype == torch.float32 and x.is_contiguous() and k == w.in_features
-        p = w.panels
+        """x [..., in] float32 contiguous on the CPU -> [..., out] float32 (x @ weight.T), the
+        shapes F.linear takes: [T, in] (T = 0 too), [in], or leading batch dims (flattened to
+        rows; a row's result is the same in any of them)."""
+        if not isinstance(w, Panels):
+            raise TypeError(f"sd_linear: w is a {type(w).__name__}, not Panels (Kernels.prepare, "
+                            "specdec.models.gguf_weights.prepare)")
+        k, out, p = w.in_features, w.out_features, w.panels
+        _check("sd_linear", "x", x, lambda: f"[..., {k}] float32, contiguous, on the CPU (the "
+               f"panels of a [{out}, {k}] weight)", dtypes=(torch.float32,),
+               fits=lambda x: x.dim() >= 1 and x.shape[-1] == k)
+        lead = x.shape[:-1]
+        t = math.prod(lead)
+        if t == 0:  # nothing to compute (and the kernel's row tiles start at one row)
+            return x.new_empty(*lead, out)
         y = torch.empty(t, p * PANEL, dtype=torch.float32)
         rc = self.lib.sd_linear(x.data_ptr(), t, k, w.data.data_ptr(), w.fmt,
                                 p, y.data_ptr(), p * PANEL, torch.get_num_threads())
-        assert rc == 0, "sd_linear refused its arguments"
-        return y if w.out_features == p * PANEL else y[:, :w.out_features]
+        if rc != 0:
+            raise RuntimeError(f"sd_linear refused x {tuple(x.shape)} with panels of a "
+                               f"[{out}, {k}] weight (format {w.fmt}, {p} panels)")
+        y = y if out == p * PANEL else y[:, :out]
+        return y if x.dim() == 2 else y.reshape(*lead, out)
 
     def attention(self, q: torch.Tensor, kv_rows: torch.Tensor, v_offset: int,
                   key_indptr: torch.Tensor, key_index: torch.Tensor, max_keys: int,
@@ -121,17 +202,59 @@ class Kernels:
         """q [T, H, D] fp32; kv_rows [R, Hkv, D] fp32 / bf16 / fp16 (K rows; V rows
         ``v_offset`` later);
         key_indptr [T + 1] / key_index int64: the K rows row t attends to, in summation order.
-        -> [T, H, D] fp32."""
+        -> [T, H, D] fp32 (T = 0 too). Every key list must fit max_keys and name K rows
+        below R - v_offset (so its V rows exist)."""
+        kernel = "sd_attention"
+        _check(kernel, "q", q,
+               lambda: "[T, H, D] float32 (D a multiple of 8), contiguous, on the CPU",
+               dtypes=(torch.float32,),
+               fits=lambda q: q.dim() == 3 and q.shape[1] > 0 and q.shape[2] % 8 == 0
+               and q.shape[2] > 0)
         t, h, d = q.shape
+        _check(kernel, "kv_rows", kv_rows, lambda: f"[R, Hkv, {d}] of "
+               f"{sorted(map(str, FORMATS))}, Hkv dividing {h}, contiguous, on the CPU",
+               dtypes=tuple(FORMATS),
+               fits=lambda kv: kv.dim() == 3 and kv.shape[2] == d and kv.shape[1] > 0
+               and h % kv.shape[1] == 0)
+        if not 0 <= v_offset <= kv_rows.shape[0] or max_keys < 0:
+            raise ValueError(f"{kernel}: v_offset {v_offset} / max_keys {max_keys} with kv_rows "
+                             f"of shape {tuple(kv_rows.shape)}: allowed 0 <= v_offset <= "
+                             f"{kv_rows.shape[0]}, max_keys >= 0")
+        self._check_keys(kernel, key_indptr, key_index, t, max_keys,
+                         kv_rows.shape[0] - v_offset)
         out = torch.empty_like(q)
+        if t == 0:
+            return out
         threads = torch.get_num_threads()
         scratch = torch.empty(threads * max(max_keys, 1), dtype=torch.float32)
-        assert q.dtype == torch.float32 and q.is_contiguous() and kv_rows.is_contiguous()
         rc = self.lib.sd_attention(q.data_ptr(), t, h, d, kv_rows.data_ptr(),
-                                   FORMATS[kv_rows.dtype], kv_rows.shape[1], v_offset, key_indptr.data_ptr(), key_index.data_ptr(),
-                                   max_keys, scale, out.data_ptr(), scratch.data_ptr(), threads)
-        assert rc == 0, "sd_attention refused its arguments"
+                                   FORMATS[kv_rows.dtype], kv_rows.shape[1], v_offset,
+                                   key_indptr.data_ptr(), key_index.data_ptr(), max_keys, scale,
+                                   out.data_ptr(), scratch.data_ptr(), threads)
+        if rc != 0:
+            raise RuntimeError(f"sd_attention refused q {tuple(q.shape)}, kv_rows "
+                               f"{tuple(kv_rows.shape)} {kv_rows.dtype}")
         return out
+
+    def _check_keys(self, kernel: str, indptr: torch.Tensor, index: torch.Tensor, t: int,
+                    max_keys: int, rows: int) -> None:
+        """Raise unless indptr [t + 1] / index int64 are key lists of at most max_keys keys
+        each, every one a row below ``rows`` (sd_check_keys: a scalar pass over them)."""
+        _check(kernel, "key_indptr", indptr, lambda: f"[{t + 1}] int64 (T + 1 for q's T = "
+               f"{t}), contiguous, on the CPU", dtypes=(torch.int64,),
+               fits=lambda p: p.dim() == 1 and p.numel() == t + 1)
+        _check(kernel, "key_index", index, lambda: "[N] int64, contiguous, on the CPU",
+               dtypes=(torch.int64,), fits=lambda i: i.dim() == 1)
+        bad = self.lib.sd_check_keys(t, indptr.data_ptr(), index.data_ptr(), index.numel(),
+                                     max_keys, rows)
+        if bad >= 0:
+            keys = index[int(indptr[bad]):int(indptr[bad + 1])]
+            raise ValueError(
+                f"{kernel}: row {bad}'s key list (key_indptr[{bad}:{bad + 2}] = "
+                f"{indptr[bad:bad + 2].tolist()}, keys {keys[:8].tolist()}"
+                f"{' ...' if keys.numel() > 8 else ''}) of key_index {tuple(index.shape)}; "
+                f"allowed: key_indptr non-decreasing within 0..{index.numel()}, at most "
+                f"max_keys = {max_keys} keys a row, keys in 0..{rows - 1}")
 
     def key_lists(self, qo_lens: list[int], kv_lens: list[int], kv_indptr: torch.Tensor,
                   kv_indices: torch.Tensor, page_size: int,
@@ -139,6 +262,7 @@ class Kernels:
         """Per query row of a step, the K cache rows of the keys it sees, ascending (causal, or
         its request's [qo, kv] tree mask): (indptr [T + 1], index) int64. kv_indptr /
         kv_indices: the pages, int32 (specdec.attention.metadata)."""
+        _check_requests(qo_lens, kv_lens, kv_indptr, kv_indices, page_size, masks)
         qo = torch.tensor(qo_lens, dtype=torch.int64)
         kv = torch.tensor(kv_lens, dtype=torch.int64)
         offsets, given, at = [], [], 0
@@ -164,9 +288,42 @@ class Kernels:
         return self.lib.sd_layer_scratch(ctypes.byref(args))
 
     def layer(self, args: LayerArgs) -> None:
-        """Run one decoder layer on args.x in place (specdec/native/layer.c)."""
+        """Run one decoder layer on args.x in place (specdec/native/layer.c). The struct holds
+        pointers only: its caller checks the tensors behind them (specdec.models.fused)."""
         rc = self.lib.sd_layer(ctypes.byref(args))
-        assert rc == 0, "sd_layer refused its arguments"
+        if rc != 0:
+            raise RuntimeError(f"sd_layer refused its arguments (T {args.T}, hidden "
+                               f"{args.hidden}, heads {args.heads}/{args.kv_heads} x "
+                               f"{args.head_dim}, inter {args.inter}, qkv_in {args.qkv_in})")
+
+
+def _check_requests(qo_lens: list[int], kv_lens: list[int], kv_indptr: torch.Tensor,
+                    kv_indices: torch.Tensor, page_size: int,
+                    masks: list[torch.Tensor | None]) -> None:
+    """Raise unless the arguments of ``key_lists`` describe B requests whose pages exist."""
+    kernel, b = "sd_key_lists", len(qo_lens)
+    if len(kv_lens) != b or len(masks) != b or page_size < 1:
+        raise ValueError(f"{kernel}: {b} qo_lens, {len(kv_lens)} kv_lens, {len(masks)} masks, "
+                         f"page_size {page_size}; allowed: one of each per request, "
+                         "page_size >= 1")
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point():
+            raise TypeError(f"{kernel}: {name} of {_describe(t)}; allowed: a 1-d integer tensor")
+    if kv_indptr.numel() < b + 1:
+        raise ValueError(f"{kernel}: kv_indptr of shape {tuple(kv_indptr.shape)} for {b} "
+                         f"requests; allowed: at least [{b + 1}]")
+    ptr = kv_indptr[:b + 1].tolist()
+    for i, (qo, kv, m) in enumerate(zip(qo_lens, kv_lens, masks)):
+        pages = -(-kv // page_size) if kv > 0 else 0
+        if not (qo >= 0 and kv >= 0 and 0 <= ptr[i] and ptr[i] + pages <= ptr[i + 1]
+                and ptr[i + 1] <= kv_indices.numel()):
+            raise ValueError(f"{kernel}: request {i} ({qo} query rows over {kv} keys, pages "
+                             f"{ptr[i]}..{ptr[i + 1]} of kv_indices {tuple(kv_indices.shape)}): "
+                             f"allowed: lengths >= 0 and {pages} pages of {page_size} within "
+                             "kv_indices")
+        if m is not None and tuple(m.shape) != (qo, kv):
+            raise ValueError(f"{kernel}: request {i}'s mask of shape {tuple(m.shape)}; "
+                             f"allowed: [{qo}, {kv}] (query rows, keys)")
 
 
 @functools.cache  # the process's one handle on the library (and one log line)
@@ -191,8 +348,21 @@ def load() -> Kernels | None:
     if not features & 1:
         logger.info("this CPU has no AVX2/FMA: using the pure-torch path")
         return None
+    _warn_if_stale(Path(spec.origin))
     cap = os.environ.get("SPECDEC_NATIVE_ISA")
     if cap is not None and cap not in Q8_ISAS[:-1]:
         logger.warning("SPECDEC_NATIVE_ISA=%r is not one of %s: ignored (the widest kernels "
                        "this CPU has run)", cap, ", ".join(Q8_ISAS[:-1]))
     return Kernels(lib)
+
+
+def _warn_if_stale(built: Path) -> None:
+    """Log when a source beside the library (an editable install) is newer than the library:
+    nothing rebuilds it but ``pip install -e .``, and the ABI number only catches changed
+    signatures, not changed code."""
+    sources = Path(__file__).resolve().parents[1] / "native"
+    newer = [p.name for p in sorted(sources.glob("*.[ch]"))
+             if p.stat().st_mtime > built.stat().st_mtime]
+    if newer:
+        logger.warning("specdec CPU kernels at %s are older than %s: they run the code they "
+                       "were built from (rebuild: pip install -e .)", built, ", ".join(newer))

@@ -68,18 +68,39 @@ void sd_attention_for(const float* q, int64_t T, int64_t H, int64_t D, const voi
  * key_index[key_indptr[t] .. key_indptr[t + 1]) are rows of `kv` (K rows; V rows sit at
  * + v_offset rows), in the order the sums run. q [T, H, D] fp32, kv rows [*, Hkv, D] of format
  * kv_fmt (0 f32, 1 bf16, 2 f16), out [T, H, D] fp32; head h reads kv head h / (H / Hkv).
- * scratch: nthreads * max_keys floats. Returns 0, or -1 (nothing written). */
+ * scratch: nthreads * max_keys floats. T == 0 writes nothing and succeeds. Returns 0, or -1
+ * (nothing written). The key lists are not checked here (their lengths are not known): the
+ * caller does (specdec/models/native.py). */
 int sd_attention(const float* q, int64_t T, int64_t H, int64_t D, const void* kv, int kv_fmt,
                  int64_t Hkv, int64_t v_offset, const int64_t* key_indptr,
                  const int64_t* key_index, int64_t max_keys, float scale, float* out,
                  float* scratch, int nthreads) {
-    if (!(sd_cpu_features() & 1) || D % 8 || H % Hkv || T < 0 || kv_fmt < 0
-        || kv_fmt >= SD_NUM_FLOAT_FORMATS)
+    if (!(sd_cpu_features() & 1) || T < 0 || H < 1 || Hkv < 1 || H % Hkv || D < 8 || D % 8
+        || kv_fmt < 0 || kv_fmt >= SD_NUM_FLOAT_FORMATS || v_offset < 0 || max_keys < 0
+        || nthreads < 1)
         return -1;
+    if (T == 0) return 0;
+    if (!q || !kv || !key_indptr || !key_index || !out || !scratch) return -1;
 #pragma omp parallel num_threads(nthreads)
     sd_attention_for(q, T, H, D, kv, kv_fmt, Hkv, v_offset, key_indptr, key_index, max_keys,
                      scale, out, scratch);
     return 0;
+}
+
+/* Whether key lists can be read: -1 when key_indptr [T + 1] is non-decreasing from >= 0 to
+ * <= n_index and each row's keys (at most max_keys of them) name K rows in 0 .. rows - 1 (the
+ * caller passes the cache's rows less v_offset, so the V rows exist too); else the first row t
+ * whose list cannot. O(T + keys): cheap beside the attention over them. */
+int64_t sd_check_keys(int64_t T, const int64_t* key_indptr, const int64_t* key_index,
+                      int64_t n_index, int64_t max_keys, int64_t rows) {
+    if (T > 0 && (key_indptr[0] < 0 || key_indptr[0] > n_index)) return 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t a = key_indptr[t], b = key_indptr[t + 1];
+        if (b < a || b > n_index || b - a > max_keys) return t;
+        for (int64_t j = a; j < b; j++)
+            if (key_index[j] < 0 || key_index[j] >= rows) return t;
+    }
+    return -1;
 }
 
 /* The per-row key lists of a step (specdec/attention/torch_backend.py _KeyLists): for request
@@ -92,6 +113,7 @@ int64_t sd_key_lists(int64_t B, const int64_t* qo, const int64_t* kv, const int3
                      const int32_t* kv_indices, int64_t page_size, const int64_t* mask_offset,
                      const uint8_t* masks, int64_t* counts, int64_t* index) {
     int64_t t = 0, n = 0;
+    if (page_size < 1) return -1; /* the caller checks every length (native.py key_lists) */
     for (int64_t b = 0; b < B; b++) {
         const int32_t* pages = kv_indices + kv_indptr[b];
         for (int64_t r = 0; r < qo[b]; r++, t++) {

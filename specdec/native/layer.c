@@ -96,19 +96,25 @@ AVX2 static void store_row(const float* src, void* kv, int64_t fmt, int64_t offs
 
 AVX2 static float silu(float g) { return g / (1.0f + expf(-g)); }
 
-/* Runs the layer on a->x. Returns 0, or -1 when this CPU lacks AVX2/FMA or the arguments are
- * invalid (nothing written). */
+/* Runs the layer on a->x. T == 0 writes nothing and succeeds. Returns 0, or -1 when this CPU
+ * lacks AVX2/FMA or the arguments are invalid (nothing written). The lengths behind the pointers
+ * are not known here: the caller checks them (specdec/models/fused.py). */
 int sd_layer(const sd_layer_args* a) {
     const int64_t T = a->T, Hd = a->hidden, D = a->head_dim, H = a->heads, Hkv = a->kv_heads;
     const int64_t qs = H * D, kvs = Hkv * D, I = a->inter;
     const sd_weight* ws[4] = {&a->qkv, &a->o, &a->gate_up, &a->down};
-    if (!(sd_cpu_features() & 1) || T < 1 || D % 8 || D > 512 || H % Hkv || a->kv_fmt < 0
-        || a->kv_fmt >= SD_NUM_FLOAT_FORMATS || a->qkv.out != qs + 2 * kvs || a->o.out != Hd
-        || a->gate_up.out != 2 * I || a->down.out != Hd)
+    if (!(sd_cpu_features() & 1) || T < 0 || Hd < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 8
+        || D % 8 || D > 512 || I < 1 || a->kv_fmt < 0 || a->kv_fmt >= SD_NUM_FLOAT_FORMATS
+        || a->qkv.out != qs + 2 * kvs || a->o.out != Hd || a->gate_up.out != 2 * I
+        || a->down.out != Hd || a->nthreads < 1 || a->max_keys < 0 || a->page_size < 0)
         return -1;
     const int64_t qkv_k = a->qkv_input ? a->qkv_in : Hd;
     for (int i = 0; i < 4; i++)
         if (sd_check_weight(ws[i], i == 3 ? I : (i == 1 ? qs : (i == 0 ? qkv_k : Hd)))) return -1;
+    if (T == 0) return 0;
+    if (!a->x || !a->cos || !a->sin || !a->kv || !a->write_index || !a->key_indptr
+        || !a->key_index || !a->scratch || !a->post_norm || (!a->qkv_input && !a->input_norm))
+        return -1;
     const int64_t ldq = out_cols(&a->qkv), ldg = out_cols(&a->gate_up);
     const int64_t ldo = out_cols(&a->o), ldd = out_cols(&a->down);
     float* h = a->scratch;                   /* [T, hidden] normed input of a projection */

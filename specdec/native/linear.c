@@ -182,7 +182,7 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
             const int64_t kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
             const uint8_t* blocks = pair + (k0 / SD_QBLOCK) * bytes;
             float* yq = y + 2 * q * PW;
-            if (T <= DIRECT_ROWS) {
+            if (T >= 1 && T <= DIRECT_ROWS) { /* T == 0 never gets here (sd_linear_for) */
                 DIRECT_TABLE[q8][T - 1](x + k0, K, blocks, kn / SD_QBLOCK, yq, ldy, k0 == 0);
                 continue;
             }
@@ -198,7 +198,7 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
 }
 
 int sd_check_weight(const sd_weight* w, int64_t K) {
-    if (w->fmt < 0 || w->fmt >= SD_NUM_FORMATS || w->panels < 2 || w->panels % 2 || K < 1
+    if (!w || !w->data || w->fmt < 0 || w->fmt >= SD_NUM_FORMATS || w->panels < 2 || w->panels % 2 || K < 1
         || w->out > PW * w->panels || w->out < 1)
         return -1;
     if (w->fmt >= SD_Q4_1 && K % SD_QBLOCK) return -1;
@@ -207,6 +207,10 @@ int sd_check_weight(const sd_weight* w, int64_t K) {
 
 void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                    int64_t ldy) {
+    if (T == 0) { /* nothing to write (and no row tile: the tables start at one row) */
+#pragma omp barrier
+        return;
+    }
     /* row tiles of at most 6, as even as possible (8 -> 4 + 4, 16 -> 6 + 5 + 5) */
     const int64_t tiles = (T + 5) / 6, base = tiles ? T / tiles : 0, extra = tiles ? T % tiles : 0;
     if (w->fmt >= SD_Q4_1_Q8) {
@@ -236,13 +240,18 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
 }
 
 /* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
- * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 5 / 6 Q4_1 / Q8_0 with 8-bit activations); columns up to 8 * panels are written (ldy >= 8 * panels). Returns 0,
- * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). */
+ * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 5 / 6 Q4_1 / Q8_0 with 8-bit activations); columns up
+ * to 8 * panels are written (ldy >= 8 * panels). T == 0 writes nothing and succeeds. Returns 0,
+ * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The
+ * lengths of x, w and y are not known here: the caller checks them (specdec/models/native.py).
+ */
 int sd_linear(const float* x, int64_t T, int64_t K, const void* w, int fmt, int64_t panels,
               float* y, int64_t ldy, int nthreads) {
     const sd_weight weight = {w, fmt, panels, PW * panels, 0};
-    if (!(sd_cpu_features() & 1) || sd_check_weight(&weight, K) || T < 0 || ldy < PW * panels)
+    if (!(sd_cpu_features() & 1) || sd_check_weight(&weight, K) || T < 0 || ldy < PW * panels
+        || nthreads < 1 || (T > 0 && (!x || !y)))
         return -1;
+    if (T == 0) return 0;
 #pragma omp parallel num_threads(nthreads)
     sd_linear_for(x, T, K, &weight, y, ldy);
     return 0;

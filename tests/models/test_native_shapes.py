@@ -1,0 +1,351 @@
+"""Every entry point of the compiled kernels at every row count, and every malformed argument.
+
+Fuzz, in one process per 8-bit-activation instruction set this CPU has (so a crash fails one
+test instead of killing pytest): rows 0..16 and a sample up to 64, each call a random choice of
+rows of one 64-row batch, for every weight format (fp32 / bf16 / fp16 panels, a GGUF's Q4_1 /
+Q8_0 blocks with fp32 and with 8-bit activations) and for attention. Oracles: every row bitwise
+the same row of the 64-row call (row invariance), and that call against the pure-torch
+references the other tests use (bitwise: the GGUF blocks = the fp32 panels of the dequantized
+weight, 8-bit activations = q8_activations.reference_linear; else float64 within
+test_native's tolerance). Zero rows: an empty result of the right shape and dtype, also through
+the C entry points directly (sd_linear, sd_attention, sd_layer), and leading batch dims / a
+single vector as F.linear takes them.
+
+Malformed arguments (wrong inner dim, 0-d, 1-d, 3-d, not contiguous, wrong dtype or device,
+bad panels, key lists out of range, a fused step's tensors): a ValueError / TypeError naming
+the kernel and the shape, raised before any kernel reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_gguf_weights import KERNELS, KINDS, needs_kernels, random_blocks
+
+from specdec.models import gguf_weights as gw
+from specdec.models import native
+from specdec.models import q8_activations as qa
+from specdec.models.native import Q8_ISAS, LayerArgs, Panels, Weight
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+BATCH = 64
+FORMATS = ["float32", "bfloat16", "float16", *KINDS, *(f"{k}+q8" for k in KINDS)]
+
+
+def fuzz_rows(seed: int = 0) -> list[int]:
+    """Every row count 0..16, and a sample of 17..64 (always 64)."""
+    g = torch.Generator().manual_seed(seed)
+    return list(range(17)) + sorted(set(torch.randint(17, BATCH, (5,), generator=g).tolist())
+                                    | {BATCH})
+
+
+def _case(fmt: str, seed: int) -> tuple[Panels, torch.Tensor, torch.Tensor, str]:
+    """(panels, x [BATCH, in], the 64-row reference, "bitwise" | "close") for one format:
+    out not a multiple of 16 (padded panels), in odd for the float formats."""
+    g = torch.Generator().manual_seed(seed)
+    out = int(torch.randint(1, 60, (1,), generator=g))
+    if fmt in ("float32", "bfloat16", "float16"):
+        inp = 2 * int(torch.randint(1, 50, (1,), generator=g)) + 1
+        w = (0.1 * torch.randn(out, inp, generator=g)).to(getattr(torch, fmt))
+        x = torch.randn(BATCH, inp, generator=g)
+        return KERNELS.prepare(w), x, x.double() @ w.double().T, "close"
+    kind, q8 = fmt.split("+")[0], fmt.endswith("+q8")
+    inp = 32 * int(torch.randint(1, 6, (1,), generator=g))
+    b = random_blocks(kind, out, inp, seed=seed)
+    x = torch.randn(BATCH, inp, generator=g)
+    if q8:
+        return qa.prepare(b), x, qa.reference_linear(x, b), "bitwise"
+    return gw.prepare(b), x, KERNELS.linear(x, KERNELS.prepare(gw.dequantize(b))), "bitwise"
+
+
+def _c_linear_rc(x: torch.Tensor, w: Panels, t: int) -> int:
+    """sd_linear called directly (no Python check in between) with t rows."""
+    y = torch.empty(max(t, 1), w.panels * native.PANEL)
+    return KERNELS.lib.sd_linear(x.data_ptr(), t, w.in_features, w.data.data_ptr(), w.fmt,
+                                 w.panels, y.data_ptr(), y.shape[1], 1)
+
+
+def fuzz_linear(fmt: str, seed: int) -> None:
+    w, x, ref, oracle = _case(fmt, seed)
+    full = KERNELS.linear(x, w)
+    assert full.shape == (BATCH, w.out_features) and full.dtype == torch.float32
+    if oracle == "bitwise":
+        assert torch.equal(full, ref), fmt
+    else:
+        torch.testing.assert_close(full.double(), ref, rtol=1e-5,
+                                   atol=1e-5 * w.in_features ** 0.5)
+    g = torch.Generator().manual_seed(seed + 1)
+    for t in fuzz_rows(seed):
+        rows = torch.randint(0, BATCH, (t,), generator=g)
+        y = KERNELS.linear(x[rows].contiguous(), w)
+        assert y.shape == (t, w.out_features) and y.dtype == torch.float32, (fmt, t)
+        assert torch.equal(y, full[rows]), (fmt, t)
+    assert _c_linear_rc(x, w, 0) == 0  # the C entry point itself takes zero rows
+    k, n = w.in_features, w.out_features
+    assert torch.equal(KERNELS.linear(x[5], w), full[5])  # [in] -> [out]
+    assert torch.equal(KERNELS.linear(x[:12].view(3, 4, k), w), full[:12].view(3, 4, n))
+    for lead in ((0,), (0, 3), (2, 0), (2, 0, 5)):
+        y = KERNELS.linear(torch.empty(*lead, k), w)
+        assert y.shape == (*lead, n) and y.dtype == torch.float32
+
+
+def _keys(seed: int, rows: int, keys: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randperm(keys, generator=g)[:c].sort().values
+            for c in torch.randint(1, keys + 1, (rows,), generator=g).tolist()]
+
+
+def fuzz_attention(dtype: torch.dtype, seed: int) -> None:
+    """Rows of a 64-row call bitwise the same alone or with any others; the 64-row call
+    against float64 (test_native's tolerance)."""
+    g = torch.Generator().manual_seed(seed)
+    h, hkv, d, keys = 4, 2, 16, 40
+    cache = torch.randn(2 * keys, hkv, d, generator=g).to(dtype)
+    q = torch.randn(BATCH, h, d, generator=g)
+    lists = _keys(seed, BATCH, keys)
+
+    def call(rows: list[int]) -> torch.Tensor:
+        ks = [lists[r] for r in rows]
+        indptr = torch.tensor([0] + [len(k) for k in ks], dtype=torch.int64).cumsum(0)
+        index = torch.cat(ks) if ks else torch.zeros(0, dtype=torch.int64)
+        return KERNELS.attention(q[rows].contiguous(), cache, keys, indptr, index, keys, 0.25)
+
+    full = call(list(range(BATCH)))
+    for t, k in enumerate(lists[:8]):
+        kk = cache[k].double().repeat_interleave(h // hkv, 1)
+        vv = cache[k + keys].double().repeat_interleave(h // hkv, 1)
+        p = (torch.einsum("hd,nhd->hn", q[t].double(), kk) * 0.25).softmax(-1)
+        torch.testing.assert_close(full[t].double(), torch.einsum("hn,nhd->hd", p, vv),
+                                   rtol=1e-5, atol=1e-5)
+    for t in fuzz_rows(seed):
+        rows = torch.randint(0, BATCH, (t,), generator=g).tolist()
+        y = call(rows)
+        assert y.shape == (t, h, d) and torch.equal(y, full[rows]), (dtype, t)
+    out, scratch = torch.empty(1, h, d), torch.empty(1)
+    rc = KERNELS.lib.sd_attention(q.data_ptr(), 0, h, d, cache.data_ptr(),
+                                  native.FORMATS[dtype], hkv, keys, None, None, 0, 0.25,
+                                  out.data_ptr(), scratch.data_ptr(), 1)
+    assert rc == 0  # zero rows through the C entry point: nothing read, nothing written
+
+
+def _layer_args(t: int) -> tuple[LayerArgs, list[Panels]]:
+    """A layer of hidden 16, 2 heads / 1 kv head of 8, inter 24, for t rows (no step tensors:
+    with zero rows the kernel must read none)."""
+    shapes = {"qkv": (32, 16), "o": (16, 16), "gate_up": (48, 16), "down": (16, 24)}
+    keep = [KERNELS.prepare(torch.randn(*s)) for s in shapes.values()]
+    a = LayerArgs(T=t, hidden=16, heads=2, kv_heads=1, head_dim=8, inter=24, eps=1e-6,
+                  scale=8 ** -0.5, nthreads=1, page_size=4)
+    for name, p in zip(shapes, keep):
+        setattr(a, name, Weight.of(p))
+    return a, keep
+
+
+def check_c_layer() -> None:
+    """sd_layer straight from ctypes: zero rows are a no-op that reads no step pointer; rows
+    without their tensors, or no kv heads (a division by zero), are refused."""
+    a, _keep = _layer_args(0)
+    KERNELS.layer(a)  # every step pointer NULL: nothing read
+    assert KERNELS.layer_scratch(a) == 1
+    a.kv_heads = 0
+    with pytest.raises(RuntimeError, match="sd_layer refused its arguments .*heads 2/0"):
+        KERNELS.layer(a)
+    a, _keep = _layer_args(2)
+    with pytest.raises(RuntimeError, match="sd_layer refused its arguments"):
+        KERNELS.layer(a)
+
+
+def fuzz_all(seed: int = 0) -> None:
+    for i, fmt in enumerate(FORMATS):
+        print("linear", fmt, flush=True)
+        fuzz_linear(fmt, seed + 100 * i)
+    for i, dtype in enumerate(native.FORMATS):
+        print("attention", dtype, flush=True)
+        fuzz_attention(dtype, seed + 1000 + i)
+    print("layer", flush=True)
+    check_c_layer()
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", Q8_ISAS)
+def test_every_row_count_every_format_every_isa(isa):
+    """In a process of its own per instruction set (the choice is made once per process; a
+    crash there is this test's failure, not pytest's)."""
+    here = Path(__file__).parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
+            "import torch; torch.set_num_threads(1)\n"
+            "import test_native_shapes as t\n"
+            "print(t.KERNELS.q8_isa, flush=True)\n"
+            f"if t.KERNELS.q8_isa == {isa!r}:\n"
+            "    t.fuzz_all()\n"
+            "    print('fuzzed')\n")
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_NATIVE_ISA"}
+    if isa != Q8_ISAS[-1]:  # the widest is what runs without the variable
+        env["SPECDEC_NATIVE_ISA"] = isa
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, (f"exit {done.returncode} after {done.stdout[-300:]!r}: "
+                                  f"{done.stderr[-3000:]}")
+    ran = done.stdout.split()[0]
+    if ran != isa:
+        pytest.skip(f"this CPU runs {ran} when asked for {isa}")
+    assert "fuzzed" in done.stdout
+
+
+# ---- malformed arguments: a Python exception naming the shape, before any kernel runs ----
+
+
+@pytest.fixture(scope="module")
+def panels() -> dict[str, Panels]:
+    w = torch.randn(20, 64)
+    b = random_blocks("Q8_0", 20, 64)
+    return {"float32": KERNELS.prepare(w), "bfloat16": KERNELS.prepare(w.bfloat16()),
+            "Q8_0": gw.prepare(b), "Q8_0+q8": qa.prepare(b)}
+
+
+BAD_X = [  # (x, exception, the shape the message names)
+    (torch.randn(3, 65), ValueError, "(3, 65)"),
+    (torch.randn(3, 63), ValueError, "(3, 63)"),
+    (torch.tensor(1.0), ValueError, "shape ()"),
+    (torch.randn(65), ValueError, "(65,)"),
+    (torch.randn(2, 3, 32), ValueError, "(2, 3, 32)"),
+    (torch.randn(0, 65), ValueError, "(0, 65)"),
+    (torch.randn(64, 3).T, ValueError, "(3, 64) torch.float32 on cpu, not contiguous"),
+    (torch.randn(2, 64, 3).transpose(1, 2), ValueError, "(2, 3, 64)"),
+    (torch.randn(3, 64, dtype=torch.float64), TypeError, "(3, 64) torch.float64"),
+    (torch.randn(3, 64).bfloat16(), TypeError, "(3, 64) torch.bfloat16"),
+    (torch.ones(3, 64, dtype=torch.int32), TypeError, "(3, 64) torch.int32"),
+    (torch.empty(3, 64, device="meta"), ValueError, "(3, 64) torch.float32 on meta"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "Q8_0", "Q8_0+q8"])
+@pytest.mark.parametrize("x, error, shape", BAD_X, ids=[s for _, _, s in BAD_X])
+def test_linear_refuses_what_it_cannot_read(panels, fmt, x, error, shape):
+    with pytest.raises(error, match="sd_linear: x of ") as e:
+        KERNELS.linear(x, panels[fmt])
+    assert shape in str(e.value) and "allowed: [..., 64] float32" in str(e.value)
+
+
+@needs_kernels
+def test_linear_refuses_what_is_not_panels(panels):
+    with pytest.raises(TypeError, match="sd_linear: w is a Tensor, not Panels"):
+        KERNELS.linear(torch.randn(2, 64), torch.randn(20, 64))
+    p = panels["Q8_0"]
+    assert p.data.numel() == p.panels // 2 * 2 * 544  # pairs x blocks x bytes
+    for change, what in [(dict(data=p.data[:-1]), f"must hold {p.data.numel()} elements"),
+                         (dict(in_features=96), f"must hold {p.panels // 2 * 3 * 544} "),
+                         (dict(in_features=48), "in_features % 32 == 0"),
+                         (dict(panels=3), "an even number (>= 2) of panels"),
+                         (dict(out_features=17, panels=2), "covering 17 rows"),
+                         (dict(out_features=0), "at least one input and one output"),
+                         (dict(fmt=9), "format 9 is not one of"),
+                         (dict(data=p.data.view(-1)[::2]), "contiguous on the CPU")]:
+        fields = dict(data=p.data, out_features=p.out_features, in_features=p.in_features,
+                      fmt=p.fmt, panels=p.panels) | change
+        with pytest.raises(ValueError, match="Panels of a") as e:
+            Panels(**fields)
+        assert what in str(e.value), str(e.value)
+    for w in (torch.empty(0, 8), torch.empty(8, 0), torch.empty(4, 8, device="meta")):
+        with pytest.raises(ValueError, match=r"panels need a .*" + str(tuple(w.shape))[1:-1]):
+            KERNELS.prepare(w)
+
+
+def _attention_args() -> list:
+    """3 rows of 4 heads of 16 over 10 K rows (V rows 10 later), keys 0-1, 2-3, 4-5."""
+    return [torch.randn(3, 4, 16), torch.randn(20, 2, 16), 10, torch.tensor([0, 2, 4, 6]),
+            torch.tensor([0, 1, 2, 3, 4, 5]), 10, 0.25]
+
+
+BAD_ATTENTION = [  # (argument index, value, exception, text of the message)
+    (0, torch.randn(3, 64), ValueError, "q of shape (3, 64)"),
+    (0, torch.randn(3, 4, 12), ValueError, "q of shape (3, 4, 12)"),
+    (0, torch.randn(3, 4, 16).double(), TypeError, "q of shape (3, 4, 16) torch.float64"),
+    (0, torch.randn(4, 3, 16).transpose(0, 1), ValueError, "not contiguous"),
+    (1, torch.randn(20, 2, 8), ValueError, "kv_rows of shape (20, 2, 8)"),
+    (1, torch.randn(20, 3, 16), ValueError, "kv_rows of shape (20, 3, 16)"),
+    (1, torch.randn(20, 0, 16), ValueError, "kv_rows of shape (20, 0, 16)"),
+    (1, torch.ones(20, 2, 16, dtype=torch.int8), TypeError, "kv_rows of shape (20, 2, 16)"),
+    (2, 21, ValueError, "v_offset 21"),
+    (3, torch.tensor([0, 2, 4]), ValueError, "key_indptr of shape (3,)"),
+    (3, torch.tensor([0, 2, 4, 3]), ValueError, "row 2's key list"),
+    (3, torch.tensor([0, 2, 4, 99]), ValueError, "row 2's key list"),
+    (3, torch.tensor([0, 2, 4, 6], dtype=torch.int32), TypeError, "key_indptr of shape (4,)"),
+    (4, torch.tensor([0, 1, 2, 3, 4, 10]), ValueError, "row 2's key list"),
+    (4, torch.tensor([0, 1, -2, 3, 4, 5]), ValueError, "row 1's key list"),
+    (5, 1, ValueError, "at most max_keys = 1 keys"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("arg, value, error, text", BAD_ATTENTION,
+                         ids=[f"{a}-{t}" for a, _, _, t in BAD_ATTENTION])
+def test_attention_refuses_what_it_cannot_read(arg, value, error, text):
+    args = _attention_args()
+    assert KERNELS.attention(*args).shape == (3, 4, 16)  # the unchanged arguments run
+    args[arg] = value
+    with pytest.raises(error, match="sd_attention: ") as e:
+        KERNELS.attention(*args)
+    assert text in str(e.value), str(e.value)
+
+
+@needs_kernels
+def test_key_lists_refuse_missing_pages_and_bad_masks():
+    ptr, pages = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32)
+    indptr, index = KERNELS.key_lists([2], [5], ptr, pages, 4, [None])
+    assert indptr.tolist() == [0, 4, 9] and index.tolist()[:4] == [24, 25, 26, 27]
+    assert [t.numel() for t in KERNELS.key_lists([0], [5], ptr, pages, 4, [None])] == [1, 0]
+    for args, text in [(([2], [9], ptr, pages, 4, [None]), "3 pages of 4"),
+                       (([2], [5], ptr, pages, 0, [None]), "page_size 0"),
+                       (([2], [5], ptr[:1], pages, 4, [None]), "kv_indptr of shape (1,)"),
+                       (([2], [5], ptr, pages, 4, [torch.ones(2, 4)]), "mask of shape (2, 4)"),
+                       (([2], [5, 1], ptr, pages, 4, [None]), "1 qo_lens, 2 kv_lens")]:
+        with pytest.raises(ValueError, match="sd_key_lists: ") as e:
+            KERNELS.key_lists(*args)
+        assert text in str(e.value), str(e.value)
+
+
+@needs_kernels
+def test_a_fused_step_refuses_tensors_that_do_not_fit(tiny_llama):
+    from types import SimpleNamespace
+
+    from specdec import LLM
+
+    llm = LLM(model=str(tiny_llama), max_model_len=64)
+    model, kv = llm.engine.model, llm.engine.runner.kv.cache
+    fused, cfg = model.fused, model.cfg
+    t, hd, d = 3, cfg.hidden_size, cfg.head_dim
+    rows = kv.layer(0).numel() // (cfg.num_kv_heads * d)
+    indptr, index = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 2])
+    plan = SimpleNamespace(write_index=torch.tensor([0, 1, 2, 4, 5, 6]), indptr=indptr,
+                           index=index, max_keys=1, page_size=kv.page_size)
+    x, cos = torch.randn(t, hd), torch.randn(t, 1, d)
+    y, _ = fused.run(x.clone(), cos, cos, plan, kv)  # fits: runs
+    assert y.shape == (t, hd)
+    empty = SimpleNamespace(write_index=torch.zeros(0, dtype=torch.int64),
+                            indptr=torch.tensor([0]), index=index[:0], max_keys=1,
+                            page_size=kv.page_size)
+    y, got = fused.run(x[:0], cos[:0], cos[:0], empty, kv, capture_layers=(0,))
+    assert y.shape == (0, hd) and got[0].shape == (0, hd)
+    def step(**change) -> SimpleNamespace:
+        return SimpleNamespace(**(vars(plan) | change))
+
+    bad = [(dict(x=torch.randn(t, hd + 1)), f"x of shape ({t}, {hd + 1})"),
+           (dict(x=torch.randn(hd)), f"x of shape ({hd},)"),
+           (dict(cos=torch.randn(t, 1, d - 1)), f"cos of shape ({t}, 1, {d - 1})"),
+           (dict(qkv_input=torch.randn(t, hd + 1)), f"qkv_input of shape ({t}, {hd + 1})"),
+           (dict(plan=step(write_index=torch.tensor([0, 1]))), "write_index of shape (2,)"),
+           (dict(plan=step(write_index=torch.tensor([0, 1, 2, 4, 5, rows]))),
+            f"0..{rows - 1}"),
+           (dict(plan=step(index=torch.tensor([0, 1, rows]))), "row 2's key list"),
+           (dict(plan=step(indptr=torch.tensor([0, 3]))), "key_indptr of shape (2,)")]
+    for change, text in bad:
+        kw = dict(x=x.clone(), cos=cos, sin=cos, plan=plan, kv_cache=kv) | change
+        with pytest.raises(ValueError, match="sd_layer: ") as e:
+            fused.run(**kw)
+        assert text in str(e.value), str(e.value)
