@@ -25,6 +25,7 @@ from specdec.controllers.base import ControllerContext
 from specdec.costs import StepCosts
 from specdec.drafters.base import TargetInfo
 from specdec.drafting import DraftStage
+from specdec.kv.fingerprint import weights_fingerprint
 from specdec.kv.host_tier import HostTier
 from specdec.kv.prefix import root_key
 from specdec.kv.tier import DiskTier
@@ -97,11 +98,11 @@ class LLMEngine:
                                                config.max_num_seqs,
                                                config.max_num_batched_tokens,
                                                sources=self.drafting.sources))
-        # everything that changes the KV a token sequence leaves (pages are shared only within
-        # one namespace; a tier file of another namespace is replaced)
+        # everything that changes the KV a token sequence leaves, and its layout per page
+        # (pages are shared only within one namespace; a tier file of another is replaced)
         self.cache_namespace = "|".join(map(str, (
-            folder.resolve(), self.dtype, self.weights, config.activations,
-            config.linear_kernels, config.page_size)))
+            folder.resolve(), weights_fingerprint(folder), self.dtype, self.weights,
+            config.activations, config.linear_kernels, tuple(self.kv.cache.tensor[:, 0].shape))))
         self.tier = self._open_tier()
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_prefix_caching, self.drafting.restore,

@@ -5,44 +5,76 @@ page) is first copied into a slot of this file under the page's content key; a l
 whose prefix continues past the pages still in memory brings it back instead of recomputing it,
 when the measured transfer is cheaper than the measured recompute (``worth_it``).
 
-File layout: a 4 KiB header (magic, version, page bytes, slot count, a hash of the cache
+File layout: a 4 KiB header (magic, format version, page bytes, slot count, a hash of the cache
 namespace), then ``num_slots`` slots of ``stride`` bytes (4 KiB aligned), each a 32-byte slot
 header and one page::
 
+    file header: MAGIC 16 bytes | version u32 | page bytes u64 | slots u64 | namespace 16 bytes
     slot header: state u32 (0 empty/being written, 1 valid) | crc32 u32 of the data |
                  key 16 bytes | 8 bytes unused
     a write:     state := 0, data, then key + crc, then state := 1 (last)
     a read:      state 1, same key, crc32(data) matches -> served; anything else -> dropped, and
                  the page is recomputed (a torn or corrupted slot is never served)
 
-The file outlives the engine: an engine started on an existing file of the same geometry and
-namespace indexes its valid slots (each still checked against its crc32 when read); any other
-file at that path is replaced. Transfers here are synchronous (a CPU engine has no copy engine to
-overlap them with); a GPU engine would put pinned host memory in this place (not built yet).
+The namespace is the engine's ``cache_namespace``: the model folder, a fingerprint of its
+weights (specdec.kv.fingerprint), dtype, weight and kernel modes and the KV layout of a page, so
+a file written with other weights is never read as this model's KV.
+
+The file outlives the engine, and the path is the user's, so opening it is careful:
+
+- the tier writes only files it made: a missing or empty (0-byte) file is made a tier; a
+  non-empty one must start with ``MAGIC``, else ValueError (a user's file is never touched); a
+  tier file of another version, geometry or namespace is re-initialised (said in the log), one of
+  the same is kept and its valid slots indexed (each still checked against its crc32 when read);
+- an exclusive ``flock`` on the file, taken before anything is read, is held until ``close()``:
+  a second engine on the same path (this process or another) gets a ValueError naming it, never
+  a file truncated under its mapping (SIGBUS);
+- every byte is reserved up front (``posix_fallocate``): a disk that cannot hold the tier is a
+  ValueError at start-up (the file removed if this call made it), never a SIGBUS when a page is
+  later written through the mapping. Where the filesystem has no fallocate (glibc emulates it,
+  other libcs may answer EOPNOTSUPP) a fresh file is filled with zeros instead, the same
+  reservation at the cost of writing it once. On a copy-on-write filesystem (btrfs, ZFS) no
+  reservation covers later overwrites: keep the tier on a conventional one (ext4, xfs).
+
+Crash safety: a process killed at any point leaves every slot either valid or dropped at the
+next open (the write order above and the crc32); a process killed while a file is being made
+leaves an empty file or one that starts with ``MAGIC`` (the header is written first), which the
+next engine re-initialises. Transfers here are synchronous (a CPU engine has no copy engine to
+overlap them with); a GPU engine puts pinned host memory in this place (specdec.kv.host_tier).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
+import logging
 import mmap
 import os
+import stat
 import struct
 import time
+import weakref
 import zlib
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
+logger = logging.getLogger("specdec")
+
 MAGIC = b"SPECDEC-KV-TIER\x00"
-VERSION = 1
+VERSION = 2  # 2: files are locked and fully allocated (1: sparse, unlocked)
 FILE_HEADER = 4096
+HEADER = struct.Struct("<16sIQQ16s")  # magic, version, page bytes, slots, namespace
 SLOT_HEADER = struct.Struct("<II16s8x")  # state, crc32, key
 VALID = 1
+NO_FALLOCATE = {errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
 class DiskTier:
-    """Pages of ``page_bytes`` each, at most ``num_slots`` of them, in the file at ``path``."""
+    """Pages of ``page_bytes`` each, at most ``num_slots`` of them, in the file at ``path``
+    (locked by this tier until ``close()``)."""
 
     def __init__(self, path: str | os.PathLike, page_bytes: int, capacity_bytes: int,
                  namespace: str) -> None:
@@ -67,34 +99,113 @@ class DiskTier:
         """Bytes one page takes in the file (its slot header included, 4 KiB aligned)."""
         return -(-(SLOT_HEADER.size + page_bytes) // 4096) * 4096
 
+    def _where(self) -> str:
+        return f"kv_tier_path {str(self.path)!r}"
+
     def _open(self) -> None:
         size = FILE_HEADER + self.num_slots * self.stride
-        header = struct.pack("<16sIQQ16s", MAGIC, VERSION, self.page_bytes, self.num_slots,
-                             self.namespace)
+        header = HEADER.pack(MAGIC, VERSION, self.page_bytes, self.num_slots, self.namespace)
+        created = self._lock()
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            reuse = self.path.is_file() and self.path.stat().st_size == size
-            if reuse:
-                with open(self.path, "rb") as f:
-                    reuse = f.read(len(header)) == header
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError as e:
-            raise ValueError(f"kv_tier_path {str(self.path)!r} is not a writable file: "
-                             f"{e.strerror or e}") from e
+            reuse = self._reusable(header, size)
+        except BaseException:
+            self._release()
+            raise
         try:
             if not reuse:
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, size)  # sparse: zeros, i.e. every slot empty
-            self._mm = mmap.mmap(fd, size)
-        except OSError as e:
-            raise ValueError(f"kv_tier_path {str(self.path)!r}: cannot map {size} bytes: "
-                             f"{e.strerror or e}") from e
-        finally:
-            os.close(fd)
+                # the header first: a file this leaves behind (killed here) is empty or ours
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, header.ljust(FILE_HEADER, b"\x00"), 0)
+            self._reserve(size, fresh=not reuse)
+            self._mm = mmap.mmap(self._fd, size)
+        except BaseException as e:
+            if created:
+                self.path.unlink(missing_ok=True)
+            elif not reuse:  # it was empty or a stale tier of ours: leave it empty
+                os.ftruncate(self._fd, 0)
+            self._release()
+            if isinstance(e, OSError):
+                raise ValueError(f"{self._where()}: cannot reserve {size} bytes for the tier "
+                                 f"(kv_tier_bytes) on its disk: {e.strerror or e}") from e
+            raise
         if reuse:
             self._index_valid_slots()
+
+    def _lock(self) -> bool:
+        """Open the file (made, empty, if missing) and hold an exclusive lock on it until
+        ``close()``; nothing is read or written before the lock is held. True when this call
+        made the file."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                created = True
+            except FileExistsError:
+                fd = os.open(self.path, os.O_RDWR)
+                created = False
+        except OSError as e:
+            raise ValueError(f"{self._where()} is not a writable file: "
+                             f"{e.strerror or e}") from e
+        # closes the descriptor (and so drops the lock) also when the tier is never closed
+        self._fd = fd
+        self._release = weakref.finalize(self, os.close, fd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{self._where()} is not a regular file: a tier file is one")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise ValueError(f"{self._where()} cannot be locked: "
+                                     f"{e.strerror or e}") from e
+                raise ValueError(f"{self._where()} is in use by another specdec engine (another "
+                                 f"open tier holds its lock): give each engine its own "
+                                 f"kv_tier_path") from e
+        except BaseException:
+            self._release()
+            raise
+        return created
+
+    def _reusable(self, header: bytes, size: int) -> bool:
+        """Whether the locked file is a tier of this version, geometry and namespace to keep.
+        An empty file is not (it is made one); a non-empty one that does not start with MAGIC
+        is someone else's: ValueError, and nothing written to it."""
+        actual = os.fstat(self._fd).st_size
+        if actual == 0:
+            return False
+        head = os.pread(self._fd, HEADER.size, 0)
+        if not head.startswith(MAGIC):
+            raise ValueError(f"{self._where()} exists and is not a specdec KV tier file (it "
+                             f"does not start with {MAGIC!r}): it will not be overwritten; "
+                             f"remove it or choose another path")
+        if head == header and actual == size:
+            return True
+        if len(head) < HEADER.size:
+            why = "an incomplete header"
+        elif head == header:
+            why = f"this geometry but {actual} bytes, not {size}"
         else:
-            self._mm[:len(header)] = header
+            _, version, page_bytes, slots, namespace = HEADER.unpack(head)
+            why = (f"format version {version}" if version != VERSION else
+                   "another namespace (model, weights, dtype, modes or KV layout)"
+                   if namespace != self.namespace else
+                   f"another geometry ({slots} slots of {page_bytes} page bytes)")
+        logger.info("kv tier %s: re-initialised (it held a tier of %s)", self.path, why)
+        return False
+
+    def _reserve(self, size: int, fresh: bool) -> None:
+        """Allocate every block of the file now, so that a full disk is an error here and not
+        a SIGBUS when a page is later written through the mapping."""
+        try:
+            os.posix_fallocate(self._fd, 0, size)
+        except OSError as e:
+            if e.errno not in NO_FALLOCATE:
+                raise
+            if fresh:  # all zeros past the header: write them (a kept file was, when made)
+                zeros = bytes(1 << 20)
+                off = FILE_HEADER
+                while off < size:
+                    off += os.pwrite(self._fd, zeros[:size - off], off)
 
     def _index_valid_slots(self) -> None:
         used = set()
@@ -180,6 +291,8 @@ class DiskTier:
         self._free.append(slot)
 
     def close(self) -> None:
+        """Unmap the file and release its lock (another engine may open it then)."""
         if not self._mm.closed:
             self._mm.flush()
             self._mm.close()
+        self._release()

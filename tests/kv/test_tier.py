@@ -1,18 +1,29 @@
 """The disk tier: pages round-trip, slots are reused least recently used first, a torn or
-corrupted slot is detected and never served, a valid file is reopened, a bad path is an error
-naming it; and end to end, an engine whose KV is too small for its prompts serves evicted pages
-from the tier with exactly the tokens it computes without one."""
+corrupted slot is detected and never served, a valid file is reopened; the path is the user's:
+a foreign file is refused and left byte for byte, a tier file in use is locked, the space is
+reserved up front (a full disk is an error at start-up), and every bad path is an error naming
+it; the namespace fingerprints the weights. End to end, an engine whose KV is too small for its
+prompts serves evicted pages from the tier with exactly the tokens it computes without one, and
+an engine restarted on the tier after its folder's weights changed serves none of them.
+(Killed writers and two processes: test_tier_crash.py.)"""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
+import os
 import random
+import shutil
 
 import pytest
 import torch
+from conftest import make_tiny_model
 
 from specdec import LLM, SamplingParams
+from specdec.kv.fingerprint import weights_fingerprint
 from specdec.kv.host_tier import HostTier
-from specdec.kv.tier import FILE_HEADER, SLOT_HEADER, DiskTier
+from specdec.kv.tier import FILE_HEADER, MAGIC, SLOT_HEADER, VERSION, DiskTier
 
 SHAPE = (2, 2, 4, 3, 8)  # layers, K/V, page size, heads, head dim
 PAGE_BYTES = torch.zeros(SHAPE).numel() * 4
@@ -90,6 +101,9 @@ def test_engine_rejects_an_unwritable_tier_path_at_start(tiny_llama, tmp_path):
     blocker.write_text("x")
     with pytest.raises(ValueError, match="kv_tier_path"):
         LLM(model=str(tiny_llama), kv_tier_path=str(blocker / "t"))
+    with pytest.raises(ValueError, match=f"kv_tier_path '{blocker}' exists and is not a specdec"):
+        LLM(model=str(tiny_llama), kv_tier_path=str(blocker))
+    assert blocker.read_text() == "x"
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         LLM(model=str(tiny_llama), kv_tier_path=str(tmp_path / "t"), enable_prefix_caching=False)
 
@@ -148,3 +162,227 @@ def test_one_second_tier_at_a_time(tmp_path):
         EngineConfig(kv_tier_path=str(tmp_path / "t"), kv_host_tier_bytes=1 << 20)
     with pytest.raises(ValueError, match="kv_host_tier_bytes must be an int >= 1"):
         EngineConfig(kv_host_tier_bytes=0)
+
+
+# ---- the path is the user's: refuse what is not ours, lock, reserve -----------------------------
+
+def _size(slots: int = 3) -> int:
+    return FILE_HEADER + slots * DiskTier.stride_for(PAGE_BYTES)
+
+
+@pytest.mark.parametrize("content", [b"my notes\n" * 500, bytes(_size()), MAGIC[:-1]])
+def test_a_foreign_file_is_refused_and_left_byte_for_byte(tmp_path, content):
+    """A text file, zeros of exactly the tier's size, a near-miss of the magic: not ours."""
+    path = tmp_path / "notes.txt"
+    path.write_bytes(content)
+    os.utime(path, ns=(1_000_000_000, 2_000_000_000))
+    with pytest.raises(ValueError, match=f"{path}.* is not a specdec KV tier file .*will not be "
+                                         "overwritten"):
+        _tier(path)
+    assert path.read_bytes() == content and path.stat().st_mtime_ns == 2_000_000_000
+    _tier(tmp_path / "next.tier").close()  # and nothing was left locked or mapped
+
+
+def test_an_empty_file_is_made_a_tier(tmp_path):
+    path = tmp_path / "kv.tier"
+    path.touch()
+    tier = _tier(path)
+    tier.put(b"\x01" * 16, _page(1))
+    tier.close()
+    assert path.stat().st_size == _size() and path.read_bytes().startswith(MAGIC)
+
+
+@pytest.mark.parametrize("change", ["version", "slots", "namespace"])
+def test_a_tier_file_of_another_version_geometry_or_namespace_is_reinitialised(tmp_path, caplog,
+                                                                              change):
+    path = tmp_path / "kv.tier"
+    tier = _tier(path)
+    tier.put(b"\x01" * 16, _page(1))
+    tier.close()
+    slots, namespace = 3, "m"
+    if change == "version":
+        with open(path, "r+b") as f:
+            f.seek(len(MAGIC))
+            f.write((VERSION - 1).to_bytes(4, "little"))
+    elif change == "slots":
+        slots = 2
+    else:
+        namespace = "other weights"
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        again = _tier(path, slots, namespace)
+    assert len(again) == 0 and not again.get(b"\x01" * 16, torch.empty(SHAPE))
+    assert path.stat().st_size == _size(slots)
+    said = [r.getMessage() for r in caplog.records if "re-initialised" in r.getMessage()]
+    assert len(said) == 1 and str(path) in said[0]
+    assert {"version": "format version 1", "slots": "geometry",
+            "namespace": "namespace"}[change] in said[0]
+
+
+def test_a_second_tier_on_one_path_is_refused_until_the_first_is_closed(tmp_path):
+    path = tmp_path / "kv.tier"
+    first = _tier(path)
+    first.put(b"\x01" * 16, _page(1))
+    for slots, namespace in ((3, "m"), (2, "another model")):  # same file, or one it would replace
+        with pytest.raises(ValueError, match=f"{path}.* is in use by another specdec engine"):
+            _tier(path, slots, namespace)
+    out = torch.empty(SHAPE)
+    assert path.stat().st_size == _size() and first.get(b"\x01" * 16, out)
+    assert torch.equal(out, _page(1))
+    first.close()
+    again = _tier(path)
+    assert again.get(b"\x01" * 16, out) and torch.equal(out, _page(1))
+    again.close()
+
+
+def test_a_file_another_process_has_locked_is_refused_and_untouched(tmp_path):
+    path = tmp_path / "kv.tier"
+    path.write_bytes(b"")
+    with open(path, "rb") as f:  # another open file description: what another process holds
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match=f"{path}.* is in use"):
+            _tier(path)
+    assert path.read_bytes() == b""
+
+
+def test_the_tier_reserves_its_space_up_front(tmp_path):
+    """Every block allocated when it opens (a sparse file meets a full disk as SIGBUS)."""
+    path = tmp_path / "kv.tier"
+    tier = _tier(path, slots=64)
+    st = path.stat()
+    assert st.st_size == _size(64) and st.st_blocks * 512 >= st.st_size
+    tier.close()
+
+
+@pytest.mark.parametrize("existed", [False, True])
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG])
+def test_a_disk_too_small_is_an_error_at_start_and_nothing_is_left(tmp_path, monkeypatch,
+                                                                   existed, code):
+    path = tmp_path / "kv.tier"
+    if existed:
+        path.touch()
+
+    def full(fd, offset, length):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ValueError, match=f"{path}.*cannot reserve {_size(8)} bytes.*"
+                                         f"{os.strerror(code)}"):
+        _tier(path, slots=8)
+    assert path.exists() == existed and (not existed or path.stat().st_size == 0)
+    monkeypatch.undo()
+    _tier(path).close()  # the lock went with the error
+
+
+def test_without_fallocate_a_new_file_is_written_in_full(tmp_path, monkeypatch):
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    path = tmp_path / "kv.tier"
+    tier = _tier(path, slots=40)  # more than one 1 MiB chunk of zeros
+    st = path.stat()
+    assert st.st_size == _size(40) and st.st_blocks * 512 >= st.st_size
+    tier.put(b"\x02" * 16, _page(2))
+    tier.close()
+    again = _tier(path, slots=40)  # kept: its slots are not zeroed again
+    out = torch.empty(SHAPE)
+    assert again.get(b"\x02" * 16, out) and torch.equal(out, _page(2))
+    again.close()
+
+
+def _fifo(path):
+    os.mkfifo(path)
+
+
+def _dir(path):
+    path.mkdir()
+
+
+def _read_only_dir(path):
+    path.parent.chmod(0o500)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (_dir, "Is a directory"), (_fifo, "not a regular file"),
+    pytest.param(_read_only_dir, "Permission denied", marks=pytest.mark.skipif(
+        os.geteuid() == 0, reason="root writes into a read-only folder")),
+])
+def test_a_path_that_is_not_a_writable_file_is_an_error_naming_it(tmp_path, make, reason):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    path = folder / "kv.tier"
+    make(path)
+    try:
+        with pytest.raises(ValueError, match=f"kv_tier_path '{path}'.*{reason}"):
+            _tier(path)
+    finally:
+        folder.chmod(0o700)
+    assert sorted(p.name for p in folder.iterdir()) == ([] if make is _read_only_dir else
+                                                        ["kv.tier"])
+
+
+# ---- the namespace fingerprints the weights ------------------------------------------------------
+
+def test_the_fingerprint_follows_the_weight_files_bytes_size_and_mtime(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(bytes(3 << 20))  # 3 MiB: a middle the fingerprint does not read
+    (folder / "config.json").write_text("{}")
+    base = weights_fingerprint(folder)
+    assert weights_fingerprint(folder) == base and len(base) == 32
+
+    def changed(offset: int) -> str:
+        st = weights.stat()
+        with open(weights, "r+b") as f:  # same size, same mtime: only the bytes differ
+            f.seek(offset)
+            f.write(b"\x01")
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+        return weights_fingerprint(folder)
+
+    first, last = changed(10), changed((3 << 20) - 1)
+    assert len({base, first, last}) == 3
+    os.utime(weights, ns=(1, 2))
+    assert weights_fingerprint(folder) != last
+    (folder / "config.json").write_text('{"x": 1}')
+    assert weights_fingerprint(folder) != last
+    # not weights: the tokenizer, and the panels specdec derives from a GGUF and caches there
+    now = weights_fingerprint(folder)
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "native_panels.safetensors").write_bytes(b"x")
+    assert weights_fingerprint(folder) == now
+    assert weights_fingerprint(weights) != now  # a file alone
+
+
+def test_the_derived_panel_caches_are_the_ones_the_fingerprint_leaves_out():
+    from specdec.kv.fingerprint import DERIVED_PREFIX
+    from specdec.models.gguf_weights import CACHE_NAMES
+
+    assert all(name.startswith(DERIVED_PREFIX) for name in CACHE_NAMES.values())
+
+
+def test_an_engine_restarted_after_its_weights_changed_serves_nothing_from_the_tier(tmp_path,
+                                                                                   tiny_llama):
+    """The issue's story: fill a tier, overwrite the folder with other weights of the same
+    shapes, restart on the tier: no tier hit, and the new weights' own greedy tokens."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_llama, folder)
+    prompts = _prompts(3, 40, 1)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    common = dict(model=str(folder), dtype="float64", page_size=4, num_pages=12,
+                  max_model_len=48, kv_tier_path=str(tmp_path / "kv.tier"))
+
+    def run(llm):
+        return [llm.generate(p, params)[0].token_ids for p in prompts]
+
+    first = LLM(**common)
+    old = run(first)
+    assert first.engine.tier.stores > 0
+    first.engine.tier.close()
+    make_tiny_model(folder, "llama", seed=1)  # same files, same sizes, other weights
+    want = run(LLM(**{**common, "kv_tier_path": None, "enable_prefix_caching": False}))
+    assert want != old, "the other weights must give other tokens for this test to mean much"
+    again = LLM(**common)
+    assert run(again) == want
+    assert again.engine.tier.hits == 0 and again.engine.totals.tier_hits == 0
+    assert len(again.engine.tier) > 0  # it did store the new pages
