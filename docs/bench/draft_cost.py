@@ -1,6 +1,6 @@
 """Draft time per step of the learned drafters at equal depth, and block-diffusion shapes.
 
-    .venv/bin/python docs/bench/draft_cost.py [--json docs/bench/learned/draft_cost.json]
+    .venv/bin/python docs/bench/draft_cost.py [--json OUT.json]
 
 SmolLM2-135M-Instruct fp32, batch 1, greedy, static budget = a chain of ``DEPTH`` nodes (every
 drafter drafts ``DEPTH`` deep: eagle3 runs its catch-up and DEPTH - 1 expansion forwards,
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.bench_data import load_questions
+from specdec.bench.data import load_questions
 from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from specdec.models.tokenizer import chat_token_ids
 

@@ -3,7 +3,7 @@ the limits.
 
     .venv/bin/python docs/bench/forward_rows.py [--configs float32:invariant:native,...] [--json OUT]
 
-SmolLM2-135M-Instruct, the engine's own step profile (``specdec.costs.profile_forward``: one
+SmolLM2-135M-Instruct, the engine's own step profile (``specdec.engine.costs.profile_forward``: one
 request feeding n rows over 64 cached tokens, logits for every row, fastest of several runs),
 for each configuration ``dtype:linear_kernels:weights[:activations]`` in fresh engines built one after another
 in this process
@@ -23,7 +23,7 @@ import time
 import torch
 
 from specdec import LLM
-from specdec.costs import profile_forward
+from specdec.engine.costs import profile_forward
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 

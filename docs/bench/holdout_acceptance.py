@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from specdec import LLM
-from specdec.bench import EngineSystem, match_rates, speculation_summary
+from specdec.bench.compare import EngineSystem, match_rates, speculation_summary
 from specdec.models.tokenizer import chat_token_ids
 from specdec.training.config import TrainConfig
 from specdec.training.data import load_conversations

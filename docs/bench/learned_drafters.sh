@@ -7,7 +7,7 @@
 #   N=12 TOK=96 bash docs/bench/learned_drafters.sh    # ~30 min on 2 cores
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/learned}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh learned_drafters)}
 N=${N:-12}
 TOK=${TOK:-96}
 BIN=${BIN:-.venv/bin/specdec}

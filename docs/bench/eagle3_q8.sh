@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Issue 19, sixth part: the all-data EAGLE-3 head against the shipped one, on whatever CPU this
+# The all-data EAGLE-3 head against the shipped one, with q8 activations (issue 19, sixth part), on whatever CPU this
 # runs (say which in the notes), nothing else running:
 #  1. acceptance by depth on the all-data recipe's held-out split (holdout_acceptance.py, static
 #     8, greedy, 128 tokens, float): the retrained head from runs/eagle3-general-all/drafter
-#     (the "before" figures are docs/bench/issue19c/holdout_before.json, same split and settings);
+#     (the "before" figures are docs/bench/results/2026-12-01-amd-epyc-zen3/holdout_acceptance/holdout_before.json, same split and settings);
 #  2. plain, ngram and eagle3 (the shipped general head) under goodput, q8, MT-Bench batch 1
 #     and HumanEval batch 1 (systems interleaved prompt by prompt), HF beside plain once;
 #  3. eagle3 at fixed budgets 1, 2, 4 with q8 (what a drafted level costs and yields).
 #
-#   bash docs/bench/issue19d.sh     # ~20 min on 2 cores; N, TOK, OUT, NEW override
+#   bash docs/bench/eagle3_q8.sh     # ~20 min on 2 cores; N, TOK, OUT, NEW override
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/issue19d}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh eagle3_q8)}
 N=${N:-16}
 TOK=${TOK:-64}
 NEW=${NEW:-runs/eagle3-general-all/drafter}

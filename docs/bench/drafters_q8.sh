@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19, seventh part: the all-data MTP and block-diffusion drafters, the code EAGLE-3 head
+# Every shipped drafter with q8 activations (issue 19, seventh part): the all-data MTP and block-diffusion drafters, the code EAGLE-3 head
 # fine-tuned from the all-data general one, and the q8 kernels with VNNI, measured on whatever
 # CPU this runs (say which in the notes), nothing else running:
 #  1. acceptance by depth on the all-data recipes' held-out split (holdout_acceptance.py, static
@@ -12,10 +12,10 @@
 #     HumanEval batch 1 (systems interleaved prompt by prompt);
 #  5. eagle3 and mtp at fixed budgets 1, 2, 4 with q8 (what a node costs and yields).
 #
-#   bash docs/bench/issue19e.sh     # ~30 min on 2 cores; N, TOK, OUT, SKIP (e.g. "1 2") override
+#   bash docs/bench/drafters_q8.sh     # ~30 min on 2 cores; N, TOK, OUT, SKIP (e.g. "1 2") override
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/issue19e}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh drafters_q8)}
 N=${N:-16}
 TOK=${TOK:-64}
 BIN=${BIN:-.venv/bin/specdec}

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Issue 19 measured on whatever CPU this runs (say which in the notes), nothing else running:
+# Every shipped drafter under goodput beside plain decoding, and what EAGLE-3's drafting costs
+# (issue 19), on whatever CPU this runs (say which in the notes), nothing else running:
 #  1. every shipped drafter and eagle3+ngram under the goodput controller beside plain decoding,
 #     MT-Bench at batch 1, 8 and 32, HumanEval at batch 1 and 8 (sweeps: systems interleaved);
 #  2. the code EAGLE-3 drafter against the general one on HumanEval at a fixed tree (static
 #     budget 8, depth 6): tau and speed;
 #  3. EAGLE-3's draft share at depth 6 with fp32 and with Q8_0 head weights (--draft-weights).
 #
-#   bash docs/bench/issue19.sh     # ~25 min on 2 cores; N, TOK, OUT override
+#   bash docs/bench/drafters_sweep.sh     # ~25 min on 2 cores; N, TOK, OUT override
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/issue19}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh drafters_sweep)}
 N=${N:-32}
 TOK=${TOK:-64}
 BIN=${BIN:-.venv/bin/specdec}

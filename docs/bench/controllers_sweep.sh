@@ -2,7 +2,7 @@
 # The numbers of docs/benchmarks.md "Learned drafters and the goodput controller": one process
 # per run, every system of a run on the same prompts, interleaved (specdec bench's method).
 #
-#   N=12 TOK=96 bash docs/bench/drafters_and_controllers.sh    # ~30 min on 2 cores
+#   N=12 TOK=96 bash docs/bench/controllers_sweep.sh    # ~30 min on 2 cores
 #
 # 1. MT-Bench, batch 1: the shipped general EAGLE-3 drafter and ngram (goodput controller),
 #    the plain engine and HF generate.
@@ -11,7 +11,7 @@
 #    0/2/4/8/16 vs goodput, HF at batch 1.
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/drafters}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh controllers_sweep)}
 N=${N:-16}
 TOK=${TOK:-128}
 BIN=${BIN:-.venv/bin/specdec}

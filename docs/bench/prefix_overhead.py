@@ -2,7 +2,7 @@
 as a share of step time on a workload without a hit (a distinct cache_salt per request),
 SmolLM2, float, batch 1 and 8. Run from the repository root:
 
-    .venv/bin/python docs/bench/issue20_overhead.py
+    .venv/bin/python docs/bench/prefix_overhead.py
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.bench_data import first_turn_items, load_questions
+from specdec.bench.data import first_turn_items, load_questions
 from specdec.engine import LLMEngine
-from specdec.scheduler import Scheduler
+from specdec.engine.scheduler import Scheduler
 
 SPENT = {"seconds": 0.0}
 TIMED = ((Scheduler, "_reuse_prefix"), (Scheduler, "_mark_in_flight"), (Scheduler, "_count_hit"),

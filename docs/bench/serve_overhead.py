@@ -1,7 +1,7 @@
 """The server's cost on TPOT at batch 1, both sides: LLM.generate's TPOT, then the same request
 six times through specdec serve's stack in this process (the engine loop in the main thread,
 uvicorn and an async streaming client in others), TPOT as the engine measured it and as the
-client saw it. Run from the repository root: .venv/bin/python docs/bench/issue21_engine_side.py
+client saw it. Run from the repository root: .venv/bin/python docs/bench/serve_overhead.py
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import statistics
 import threading
 
 from specdec import LLM, SamplingParams
-from specdec.bench_serve import run_load
-from specdec.engine_loop import EngineLoop
-from specdec.server import ServerThread, create_app
+from specdec.bench.serve import run_load
+from specdec.serving.engine_loop import EngineLoop
+from specdec.serving.server import ServerThread, create_app
 
 CHAT = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
 

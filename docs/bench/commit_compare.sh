@@ -3,13 +3,13 @@
 # alternating old/new run by run, each run measuring HF `generate` in its own process so that
 # ratios to HF are comparable across the two. Numbers: docs/benchmarks.md.
 #
-#   OLD=3534faf bash docs/bench/compare.sh        # ~15 min on 2 cores
+#   OLD=3534faf bash docs/bench/commit_compare.sh        # ~15 min on 2 cores
 #
 # The old commit gets a git worktree and venv under /tmp (torch from the same local wheel).
 set -euo pipefail
 OLD=${OLD:-3534faf}
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/compare}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh commit_compare)}
 N=${N:-8}
 TOK=${TOK:-128}
 WT=/tmp/specdec_old

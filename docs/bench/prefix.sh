@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Issue 20 (prefix caching, disk tier, n samples): with vs without the cache, side by side in one
+# Prefix caching and the disk tier (issue 20): with vs without the cache, side by side in one
 # run per workload. Run from the repository root with the venv of the README; nothing else heavy
 # may run meanwhile. ~7 min on 2 cores.
 set -euo pipefail
-out=docs/bench/issue20
+out=${OUT:-$(bash docs/bench/results_dir.sh prefix)}
 mkdir -p "$out"
 lscpu | grep -E "Model name|^CPU\(s\)" > "$out/cpu.txt"
 .venv/bin/specdec bench-prefix --dataset ../shared/data/eval/mt_bench.jsonl --num-prompts 16 \
@@ -12,4 +12,4 @@ lscpu | grep -E "Model name|^CPU\(s\)" > "$out/cpu.txt"
 .venv/bin/specdec bench-prefix --dataset ../shared/data/eval/mt_bench.jsonl --num-prompts 16 \
     --max-new-tokens 128 --repeats 9 --workloads nohit --json "$out/nohit.json" 2>"$out/nohit.log" | tee "$out/nohit.txt"
 # the cache's own bookkeeping, timed inside the engine
-.venv/bin/python docs/bench/issue20_overhead.py 2>/dev/null | grep batch | tee "$out/overhead.txt"
+.venv/bin/python docs/bench/prefix_overhead.py 2>/dev/null | grep batch | tee "$out/overhead.txt"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19, third part: 8-bit activations over the GGUF's blocks (--activations q8), measured on
+# 8-bit activations over the GGUF's blocks (--activations q8), measured on
 # whatever CPU this runs (say which in the notes), nothing else running:
 #  1. T(rows) of the target forward, q8 vs float activations (docs/bench/forward_rows.py);
 #  2. plain decoding and every shipped drafter under goodput with q8 activations, MT-Bench at
@@ -7,10 +7,10 @@
 #     float ngram beside them (one more sweep, same prompts);
 #  3. EAGLE-3 and MTP at fixed budgets 1, 2, 4 with q8 (what a drafted level costs and yields).
 #
-#   bash docs/bench/issue19b.sh     # ~20 min on 2 cores; N, TOK, OUT override
+#   bash docs/bench/q8_activations.sh     # ~20 min on 2 cores; N, TOK, OUT override
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/issue19b}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh q8_activations)}
 N=${N:-16}
 TOK=${TOK:-64}
 BIN=${BIN:-.venv/bin/specdec}

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Issues 17 and 18 measured together, on whatever CPU this runs (say which in the notes):
+# llama.cpp beside the engine on the same GGUF, with what decides the race (issues 17 and 18),
+# on whatever CPU this runs (say which in the notes):
 #  1. T(rows) of the target forward per weights / kernels / dtype beside the memory- and
 #     compute-bound times (docs/bench/forward_rows.py);
 #  2. every drafter under the goodput controller, MT-Bench and HumanEval, batch 1 and 8, against
 #     the plain engine and HF generate in the same run (a sweep: all systems interleaved);
-#  3. llama.cpp (llama-cpp-python, if installed: see specdec/bench_llamacpp.py) on the same GGUF,
+#  3. llama.cpp (llama-cpp-python, if installed: see specdec/bench/llamacpp.py) on the same GGUF,
 #     plain and with its prompt lookup, beside the plain engine and ngram.
 #
-#   bash docs/bench/issue17_18.sh     # ~40 min on 2 cores; N, TOK, OUT override
+#   bash docs/bench/llamacpp.sh     # ~40 min on 2 cores; N, TOK, OUT override
 set -euo pipefail
 D=${DATA:-../shared/data/eval}
-OUT=${OUT:-docs/bench/issue17_18}
+OUT=${OUT:-$(bash docs/bench/results_dir.sh llamacpp)}
 N=${N:-8}
 TOK=${TOK:-64}
 BIN=${BIN:-.venv/bin/specdec}
