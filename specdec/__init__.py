@@ -9,7 +9,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
 def __getattr__(name: str):
     # LLM pulls in torch and transformers; import it only when asked for
     if name == "LLM":
-        from specdec.llm import LLM
+        from specdec.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -22,7 +22,7 @@ class EngineConfig:
     KV capacity: `num_pages` (per model) if given, else `kv_cache_memory` bytes, else enough for
     `max_num_seqs` sequences of `max_model_len` tokens (capped at 1 GiB). The bytes are split
     between the target and any drafter that runs a model, the same number of pages each
-    (`specdec.memory`); the split is logged and kept in `LLMEngine.kv_split`.
+    (`specdec.engine.memory`); the split is logged and kept in `LLMEngine.kv_split`.
     """
 
     model: str = DEFAULT_MODEL
@@ -36,7 +36,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     # "auto": flashinfer on CUDA in bf16/fp16 when it imports, else torch (specdec.attention)
     attention_backend: str = "auto"
-    # replay CUDA graphs for decode and verify steps (specdec.cuda_graphs); used on CUDA with a
+    # replay CUDA graphs for decode and verify steps (specdec.engine.cuda_graphs); used on CUDA with a
     # backend that supports them (flashinfer), ignored elsewhere; False: always eager
     cuda_graphs: bool = True
     # a registered verifier ("gumbel", "rejection", "greedy", or a plugin's)

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.outputs import RequestMetrics
-from specdec.sequence import Sequence
-
 
 @dataclass
 class StepStats:
@@ -88,25 +85,3 @@ class EngineTotals:
         self.tier_hits += stats.tier_hits
         self.tier_stores += stats.tier_stores
         self.tier_seconds += stats.tier_seconds
-
-
-def request_metrics(seq: Sequence) -> RequestMetrics:
-    t = seq.times
-    m = RequestMetrics(
-        num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_output_tokens,
-        num_target_forwards=seq.num_steps_decoding,
-        draft_tokens_proposed=seq.draft_tokens_proposed,
-        accepted_by_depth=list(seq.accepted_by_depth),
-        num_preemptions=seq.num_preemptions,
-        num_cached_tokens=seq.num_cached_tokens,
-    )
-    if t.first_token is not None:
-        m.ttft = t.first_token - t.arrival
-        emit_times = [time for time, _ in t.emissions]
-        m.itls = [b - a for a, b in zip(emit_times, emit_times[1:])]
-    if t.finished is not None:
-        m.e2e = t.finished - t.arrival
-        if m.ttft is not None and seq.num_output_tokens > 1:
-            m.tpot = (m.e2e - m.ttft) / (seq.num_output_tokens - 1)
-    return m

@@ -189,7 +189,7 @@ def oracle_plugin(truth: list[int], depth: int = 3, cls=OracleTree):
 def chat_target(tmp_path_factory):
     """The CLI tests' tiny chat model (with a tokenizer) with its LM head scaled up: peaked
     next-token distributions, so that training has something definite to learn."""
-    from cli.cli_helpers import make_tokenizer_model
+    from cli_helpers import make_tokenizer_model
     from safetensors.torch import load_file, save_file
 
     folder = make_tokenizer_model(tmp_path_factory.mktemp("target"))
@@ -205,7 +205,7 @@ def prompts_file(tmp_path_factory):
     import json
     import random
 
-    from cli.cli_helpers import WORDS
+    from cli_helpers import WORDS
 
     rng = random.Random(0)
     path = tmp_path_factory.mktemp("data") / "prompts.jsonl"

@@ -5,7 +5,7 @@ the kernels and the capture itself, which tests/gpu checks on a GPU."""
 
 from __future__ import annotations
 
-from specdec.cuda_graphs import CudaGraphRunner
+from specdec.engine.cuda_graphs import CudaGraphRunner
 
 
 class RerunCapture:

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from specdec import plugins
-from specdec.bench_data import load_questions, to_question
+from specdec.bench.data import load_questions, to_question
 from specdec.cli import main, parse_args
 from specdec.config import EngineConfig
 from specdec.hookspecs import hookimpl

@@ -18,9 +18,9 @@ import torch
 from conftest import make_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.batch import build_forward_batch
-from specdec.sequence import Sequence
-from specdec.step import StepRequest
+from specdec.engine.batch import build_forward_batch
+from specdec.engine.sequence import Sequence
+from specdec.engine.step import StepRequest
 from specdec.tree import DraftTree
 
 WIDE = dict(vocab_size=512, hidden_size=384, intermediate_size=1024, num_attention_heads=6,

@@ -16,7 +16,7 @@ import torch
 from conftest import make_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.costs import StepCosts
+from specdec.engine.costs import StepCosts
 from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.loader import load_model

@@ -12,7 +12,7 @@ import statistics
 
 import pytest
 
-from specdec.llm import LLM
+from specdec.engine.llm import LLM
 from specdec.sampling_params import SamplingParams
 
 VOCAB = 96  # tests/conftest.py TINY_COMMON
@@ -179,7 +179,7 @@ def test_smollm2_greedy_identical_with_tau_above_1_2(smollm2_dir):
 # drafts deep); "steep", every verified row costs a fifth of a step (pruning bites: only likely
 # nodes are kept)
 def _fixed_costs(shape: str):
-    from specdec.costs import StepCosts
+    from specdec.engine.costs import StepCosts
 
     rows = [1, 2, 4, 8, 16, 32, 64]
     per_row = {"flat": 1e-4, "steep": 0.2}[shape]

@@ -117,7 +117,7 @@ def test_sampling_under_goodput_with_pruning_follows_target(small_vocab_models):
     distributions) under the rejection verifier, which reads them: what is verified is a parent-
     and earlier-sibling-closed part of each draft, and the sampled tokens still follow the
     target exactly."""
-    from specdec.costs import StepCosts
+    from specdec.engine.costs import StepCosts
 
     target, draft = small_vocab_models
     grid_rows = [1, 2, 4, 8, 16, 64, 512]

@@ -152,7 +152,7 @@ def _one_noise_for_every_position(self):
 
 
 @pytest.mark.parametrize("verifier, drafter, target, replacement", [
-    ("gumbel", "fixed", "specdec.verification.params_to_tensors", _temperature_one),
+    ("gumbel", "fixed", "specdec.engine.verify_stage.params_to_tensors", _temperature_one),
     ("gumbel", "fixed", "specdec.verifiers.base.VerifyBatch.row_positions",
      _one_noise_for_every_position),
     ("rejection", "fixed", "specdec.verifiers.rejection.residual_without", _keep_rejected_mass),

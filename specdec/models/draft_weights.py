@@ -4,7 +4,7 @@ Verification makes speculation lossless whatever the drafts are, so a draft mode
 with cheaper weights than the target. On a CPU a learned drafter's step is bound by streaming
 its matrices (an EAGLE-3 head for SmolLM2: 9.7 M weights, 39 MB in fp32, ~2 ms a pass at
 20 GB/s, run once per tree level); in Q8_0 blocks it streams 10 MB, in Q4_1 6 MB. The blocks are
-made with gguf-py (the ggml reference quantizers) and laid out by ``gguf_weights.prepare`` for
+made with gguf-py (the ggml reference quantizers) and laid out by ``gguf_blocks.prepare`` for
 the same kernels that run the target's GGUF blocks.
 
 The model's own weights are left as they are (a head being trained keeps its fp32 values; a
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from specdec.models import native, q8_activations
-from specdec.models.gguf_weights import BLOCK, FORMATS, Blocks
+from specdec.models.gguf_blocks import BLOCK, FORMATS, Blocks
 from specdec.models.native import Panels
 
 CHOICES = ("auto", "q8_0", "q4_1", "float")  # "auto": q8_0 where the kernels run, else float

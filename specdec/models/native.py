@@ -51,7 +51,7 @@ class Panels:
     data: torch.Tensor
     out_features: int
     in_features: int
-    fmt: int  # the kernel's format code: FORMATS[dtype], or gguf_weights.FORMATS[kind]
+    fmt: int  # the kernel's format code: FORMATS[dtype], or gguf_blocks.FORMATS[kind]
     panels: int  # of 8 output rows, an even number
 
     def __post_init__(self) -> None:
@@ -178,7 +178,7 @@ class Kernels:
         rows; a row's result is the same in any of them)."""
         if not isinstance(w, Panels):
             raise TypeError(f"sd_linear: w is a {type(w).__name__}, not Panels (Kernels.prepare, "
-                            "specdec.models.gguf_weights.prepare)")
+                            "specdec.models.gguf_blocks.prepare)")
         k, out, p = w.in_features, w.out_features, w.panels
         _check("sd_linear", "x", x, lambda: f"[..., {k}] float32, contiguous, on the CPU (the "
                f"panels of a [{out}, {k}] weight)", dtypes=(torch.float32,),

@@ -8,7 +8,7 @@ alone, so speculation stays exactly plain decoding in this mode; the numbers are
 fp32 model's (each activation is off by at most 1/254 of its block's largest), in exchange for
 rows that cost a fraction of an fp32 row's FMAs.
 
-    panels = prepare(blocks)             # gguf_weights.Blocks -> native.Panels (fmt 5 / 6)
+    panels = prepare(blocks)             # gguf_blocks.Blocks -> native.Panels (fmt 5 / 6)
     y = kernels.linear(x, panels)        # the compiled kernel
     y == reference_linear(x, blocks)     # bitwise, pure torch (the oracle of the tests)
 """
@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.models import gguf_weights
-from specdec.models.gguf_weights import BLOCK, Blocks, _split, pair_rows, pair_scales
+from specdec.models import gguf_blocks
+from specdec.models.gguf_blocks import BLOCK, Blocks, pair_rows, pair_scales, split
 from specdec.models.native import PANEL, Panels
 
 FORMATS = {"Q4_1": 5, "Q8_0": 6}  # the kernel's format codes (kernels.h: SD_*_Q8)
@@ -31,7 +31,7 @@ def prepare(b: Blocks) -> Panels:
     rows' fp16 scales (Q4_1: d then m), then chunks of 8 rows x 4 inputs (Q4_1: chunk c, byte
     4r + j = q[r][4c + j] | q[8 + r][4c + j] << 4; Q8_0: chunk (c, panel p), byte 4r + j =
     q[8p + r][4c + j])."""
-    d, m, q = _split(b)
+    d, m, q = split(b)
     pairs, nb = -(-b.out_features // (2 * PANEL)), b.in_features // BLOCK
     # [pairs, 16 rows, nb, 32 k] -> [pairs, nb, 2 panels, 8 rows, 8 chunks, 4 k]
     q = pair_rows(q).reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 2, 4, 5)
@@ -48,7 +48,7 @@ def prepare(b: Blocks) -> Panels:
 
 def preparer(activations: str) -> Callable[[Blocks], Panels]:
     """The layout the kernels need for ``activations`` ("float" | "q8"): blocks -> panels."""
-    return {"float": gguf_weights.prepare, "q8": prepare}[activations]
+    return {"float": gguf_blocks.prepare, "q8": prepare}[activations]
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,7 +66,7 @@ def reference_linear(x: torch.Tensor, b: Blocks) -> torch.Tensor:
     """x [T, in] float32 -> [T, out]: bitwise the compiled kernel's result over ``prepare(b)``
     (the same roundings, blocks summed in ascending order from 0)."""
     q, d, s = quantize_rows(x.float())
-    dw, mw, qw = _split(b)  # [out, nb] fp16, [out, nb] | None, [out, nb, 32]
+    dw, mw, qw = split(b)  # [out, nb] fp16, [out, nb] | None, [out, nb, 32]
     # exact integer dot products per (row, output, block); float64 holds them exactly
     isum = torch.einsum("tbk,obk->tob", q.double(), qw.to(torch.int64).double()).float()
     dw, y = dw.float(), torch.zeros(x.shape[0], b.out_features)

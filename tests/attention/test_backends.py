@@ -56,14 +56,14 @@ def test_engine_config_defaults_and_checks():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without CUDA")
 def test_cuda_without_cuda_is_a_clear_error(tiny_llama):
-    from specdec.llm import LLM
+    from specdec.engine.llm import LLM
 
     with pytest.raises(ValueError, match="device 'cuda' but CUDA is not available here"):
         LLM(model=str(tiny_llama), device="cuda")
 
 
 def test_flashinfer_on_the_cpu_is_a_clear_error(tiny_llama):
-    from specdec.llm import LLM
+    from specdec.engine.llm import LLM
 
     with pytest.raises(ValueError, match="'flashinfer' runs on CUDA devices only"):
         LLM(model=str(tiny_llama), attention_backend="flashinfer")

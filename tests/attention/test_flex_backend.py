@@ -2,7 +2,7 @@
 
 Layouts are random: requests on shuffled, non-shared pages of a cache full of random values
 (a wrong gather reads garbage), mixing fresh prefills, prefill chunks, decode rows and decode
-rows with draft trees (``step_mask``, as ``specdec/batch.py`` builds them). flex_attention runs
+rows with draft trees (``step_mask``, as ``specdec/engine/batch.py`` builds them). flex_attention runs
 eagerly here (the CPU path); the tiny shapes keep that fast.
 """
 
@@ -20,7 +20,7 @@ from specdec.attention import flex_backend
 from specdec.attention.flex_backend import FlexAttentionBackend
 from specdec.attention.metadata import build_metadata
 from specdec.attention.torch_backend import TorchAttentionBackend
-from specdec.llm import LLM
+from specdec.engine.llm import LLM
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree, causal_mask, step_mask
 

@@ -43,7 +43,7 @@ def test_generate_bad_args(chat_model, capsys):
 def test_generate_drafter_auto_and_none():
     from specdec.cli import parse_args
 
-    # auto: measured when generate runs (specdec.drafter_choice), not at parse time
+    # auto: measured when generate runs (specdec.engine.drafter_choice), not at parse time
     assert parse_args(["generate", "hi"]).drafter == "auto"
     assert parse_args(["generate", "hi", "--drafter", "none"]).drafter is None
     assert parse_args(["generate", "hi", "--drafter", "ngram"]).drafter == "ngram"

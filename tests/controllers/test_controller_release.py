@@ -17,7 +17,7 @@ from specdec.controllers.base import (
     StepReport,
 )
 from specdec.controllers.goodput import GoodputController
-from specdec.costs import StepCosts
+from specdec.engine.costs import StepCosts
 from specdec.hookspecs import hookimpl
 from specdec.tree import DraftTree
 

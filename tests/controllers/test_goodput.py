@@ -18,7 +18,7 @@ from specdec.controllers.base import (
     StepReport,
 )
 from specdec.controllers.goodput import MAX_BACKOFF, GoodputController, _Line
-from specdec.costs import StepCosts
+from specdec.engine.costs import StepCosts
 from specdec.tree import DraftTree
 
 

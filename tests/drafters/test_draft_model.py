@@ -143,8 +143,8 @@ def test_no_kv_in_the_draft_cache_drafts_nothing_and_says_so(tiny_llama):
     from specdec.controllers.base import DraftBudget
     from specdec.drafters.base import DraftRequest, TargetInfo, TokenView
     from specdec.drafters.draft_model import DraftModelDrafter
+    from specdec.engine.runner import ModelRunner
     from specdec.models.loader import load_model
-    from specdec.runner import ModelRunner
 
     model = load_model(tiny_llama, torch.float64, "cpu", 64)[0]
     runners = []

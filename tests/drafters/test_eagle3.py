@@ -201,7 +201,7 @@ def test_sampled_tokens_follow_the_target_with_q8_heads(tmp_path, drafter, contr
     head.set_vocab(torch.arange(12))
     eagle = {"head": head, "depth": 2, "topk": 2}
     args = eagle if drafter == "eagle3" else {"eagle3": eagle, "ngram": {"min_ngram": 1}}
-    from specdec.costs import StepCosts
+    from specdec.engine.costs import StepCosts
 
     # goodput with an injected, frozen cost curve: a 1 s forward whatever its rows, so the
     # measured draft time (milliseconds on any machine) never decides; it drafts, picking

@@ -84,7 +84,7 @@ def bench_shape(shape: str, folder: Path, args) -> dict:
 
 
 def _llm(folder, **kw):
-    from specdec.llm import LLM
+    from specdec.engine.llm import LLM
 
     kw.setdefault("max_num_seqs", 64)
     dtype = "bfloat16" if DEVICE == "cuda" else "float32"

@@ -42,9 +42,9 @@ def _install() -> None:
     from graph_helpers import RerunCapture
 
     import specdec.attention as attention
-    from specdec import cuda_graphs, engine, runner
     from specdec.attention import flashinfer_backend
     from specdec.config import DTYPES, EngineConfig
+    from specdec.engine import build, cuda_graphs, runner
 
     sys.modules["flashinfer"] = flashinfer_api_model.module()
     flashinfer_backend.check_supported = lambda spec: None
@@ -59,19 +59,19 @@ def _install() -> None:
         self.graphs = cuda_graphs.CudaGraphRunner(self, max_batch, max_rows, max_kv_len,
                                                   capture=RerunCapture())
 
-    def enable_engine(self):
-        c = self.config
-        for r in [self.runner, *self.drafter_runners] if c.cuda_graphs else []:
+    def enable_engine(parts):
+        c = parts.config
+        for r in [parts.runner, *parts.drafter_runners] if c.cuda_graphs else []:
             if r.backend.supports_cuda_graphs:
                 r.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
-                                     self.max_model_len)
+                                     parts.max_model_len)
 
     torch.set_num_threads(1)
     gpu_helpers.SHAPES["smollm2-135m"] = REHEARSAL_SMOLLM2
     gpu_helpers.SHAPES["tiny-gpu"] = REHEARSAL_TINY
     attention.resolve_backend = resolve
     runner.ModelRunner.enable_cuda_graphs = enable_runner
-    engine.LLMEngine._enable_cuda_graphs = enable_engine
+    build._enable_cuda_graphs = enable_engine
     EngineConfig.torch_dtype = property(
         lambda self: torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype])
 

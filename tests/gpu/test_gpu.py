@@ -173,9 +173,9 @@ def test_cuda_graph_replay_equals_eager_for_every_shape(gpu_model):
     """Every shape of a runner (batch sizes up to 8, rows up to 64): the graph's replay equals the
     same padded step run eagerly through the same kernels (bitwise), and the unpadded eager step
     within bf16 rounding."""
-    from specdec.cuda_graphs import choose_shape, dummy_rows
+    from specdec.engine.cuda_graphs import choose_shape, dummy_rows
+    from specdec.engine.runner import ModelRunner
     from specdec.models.loader import load_model
-    from specdec.runner import ModelRunner
 
     model = load_model(gpu_model, torch.bfloat16, DEV, 512)[0]
     graphed = ModelRunner(model, "graphed", "flashinfer", PAGE, DEV)
@@ -208,7 +208,7 @@ def test_cuda_graph_replay_equals_eager_for_every_shape(gpu_model):
 def _graph_vs_eager(graphed, eager, rows: list[int], vocab: int):
     """One step of len(rows) requests (rows[i] new tokens after 30 cached) on both runners:
     (graphed hidden, eager hidden, the padded step eagerly through the graph's kernels)."""
-    from specdec.cuda_graphs import pad_batch
+    from specdec.engine.cuda_graphs import pad_batch
     from specdec.kv.block_table import BlockTable
 
     g = torch.Generator()
@@ -240,7 +240,7 @@ def _graph_vs_eager(graphed, eager, rows: list[int], vocab: int):
 
 
 def _llm(model, **kw):
-    from specdec.llm import LLM
+    from specdec.engine.llm import LLM
 
     return LLM(model=model, device=str(DEV), max_model_len=512, **kw)
 

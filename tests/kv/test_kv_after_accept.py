@@ -9,8 +9,8 @@ import torch
 from conftest import oracle_plugin
 
 from specdec import LLM, SamplingParams
-from specdec.batch import build_forward_batch
-from specdec.step import StepRequest
+from specdec.engine.batch import build_forward_batch
+from specdec.engine.step import StepRequest
 
 PROMPT = [5, 6, 7, 8, 5, 6, 9, 5, 6, 7, 2, 5, 6, 9, 1, 5, 6]
 

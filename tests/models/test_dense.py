@@ -47,8 +47,8 @@ def test_dense_forward_matches_hf_with_padding(tiny_llama, llama64):
 
 
 def test_dense_equals_paged_forward(tiny_llama, llama64):
+    from specdec.engine.runner import ModelRunner
     from specdec.kv.block_table import BlockTable
-    from specdec.runner import ModelRunner
 
     model, cfg = llama64
     runner = ModelRunner(model, "t", "torch", 4, "cpu")

@@ -18,7 +18,7 @@ from specdec.config import EngineConfig
 from specdec.models import native
 from specdec.models.draft_weights import draft_panels, quantize
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
-from specdec.models.gguf_weights import dequantize
+from specdec.models.gguf_blocks import dequantize
 from specdec.models.loader import load_model
 
 needs_kernels = pytest.mark.skipif(native.load() is None, reason="CPU kernels not built")

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import LLM, SamplingParams
+from specdec.models import gguf_blocks as gb
 from specdec.models import gguf_weights as gw
 from specdec.models import native
 
@@ -24,15 +25,15 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="compiled kernels not
 KINDS = ["Q4_1", "Q8_0"]
 
 
-def random_blocks(kind: str, out: int, inp: int, seed: int = 0) -> gw.Blocks:
+def random_blocks(kind: str, out: int, inp: int, seed: int = 0) -> gb.Blocks:
     """``out`` rows of random blocks: small fp16 scales, any quants."""
     g = np.random.default_rng(seed)
-    nb = inp // gw.BLOCK
+    nb = inp // gb.BLOCK
     scale = [(0.01 * g.standard_normal((out, nb, 1))).astype(np.float16).view(np.uint8)
              for _ in range(2 if kind == "Q4_1" else 1)]
     q = g.integers(0, 256, (out, nb, 16 if kind == "Q4_1" else 32), dtype=np.uint8)
     rows = np.concatenate([*scale, q], axis=-1).reshape(out, -1)
-    return gw.Blocks(kind, torch.from_numpy(rows.copy()), inp)
+    return gb.Blocks(kind, torch.from_numpy(rows.copy()), inp)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -42,7 +43,7 @@ def test_dequantize_is_bitwise_gguf_py(kind, out, inp):
 
     b = random_blocks(kind, out, inp)
     ref = quants.dequantize(b.rows.numpy(), getattr(GGMLQuantizationType, kind))
-    assert torch.equal(gw.dequantize(b), torch.from_numpy(ref.reshape(out, inp)))
+    assert torch.equal(gb.dequantize(b), torch.from_numpy(ref.reshape(out, inp)))
 
 
 @needs_kernels
@@ -50,9 +51,9 @@ def test_dequantize_is_bitwise_gguf_py(kind, out, inp):
 @pytest.mark.parametrize("out, inp", [(40, 96), (203, 160), (7, 64)])
 def test_linear_over_blocks_is_bitwise_the_fp32_one(kind, out, inp):
     b = random_blocks(kind, out, inp, seed=out)
-    panels = gw.prepare(b)
+    panels = gb.prepare(b)
     assert panels.nbytes < 0.3 * out * inp * 4 + 2 * 16 * 64 * inp // 32  # a quarter of fp32
-    fp32 = KERNELS.prepare(gw.dequantize(b))
+    fp32 = KERNELS.prepare(gb.dequantize(b))
     for t in (1, 2, 5, 8, 13, 33):
         x = torch.randn(t, inp)
         assert torch.equal(KERNELS.linear(x, panels), KERNELS.linear(x, fp32))
@@ -66,7 +67,7 @@ def test_rows_over_blocks_do_not_depend_on_the_call(rows, kind, q8):
     """For fp32 rows and for int8 rows (activations="q8": specdec.models.q8_activations)."""
     from specdec.models import q8_activations
 
-    panels = (q8_activations.prepare if q8 else gw.prepare)(random_blocks(kind, 50, 192, seed=1))
+    panels = (q8_activations.prepare if q8 else gb.prepare)(random_blocks(kind, 50, 192, seed=1))
     x = torch.randn(24, 192, generator=torch.Generator().manual_seed(2))
     full = KERNELS.linear(x, panels)
     assert torch.equal(KERNELS.linear(x[rows].contiguous(), panels), full[rows])

@@ -27,7 +27,7 @@ import pytest
 import torch
 from test_gguf_weights import KERNELS, KINDS, needs_kernels, random_blocks
 
-from specdec.models import gguf_weights as gw
+from specdec.models import gguf_blocks as gb
 from specdec.models import native
 from specdec.models import q8_activations as qa
 from specdec.models.native import Q8_ISAS, LayerArgs, Panels, Weight
@@ -60,7 +60,7 @@ def _case(fmt: str, seed: int) -> tuple[Panels, torch.Tensor, torch.Tensor, str]
     x = torch.randn(BATCH, inp, generator=g)
     if q8:
         return qa.prepare(b), x, qa.reference_linear(x, b), "bitwise"
-    return gw.prepare(b), x, KERNELS.linear(x, KERNELS.prepare(gw.dequantize(b))), "bitwise"
+    return gb.prepare(b), x, KERNELS.linear(x, KERNELS.prepare(gb.dequantize(b))), "bitwise"
 
 
 def _c_linear_rc(x: torch.Tensor, w: Panels, t: int) -> int:
@@ -204,7 +204,7 @@ def panels() -> dict[str, Panels]:
     w = torch.randn(20, 64)
     b = random_blocks("Q8_0", 20, 64)
     return {"float32": KERNELS.prepare(w), "bfloat16": KERNELS.prepare(w.bfloat16()),
-            "Q8_0": gw.prepare(b), "Q8_0+q8": qa.prepare(b)}
+            "Q8_0": gb.prepare(b), "Q8_0+q8": qa.prepare(b)}
 
 
 BAD_X = [  # (x, exception, the shape the message names)

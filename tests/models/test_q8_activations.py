@@ -19,6 +19,7 @@ import torch
 from test_gguf_weights import KERNELS, KINDS, needs_kernels, random_blocks
 
 from specdec import LLM, SamplingParams
+from specdec.models import gguf_blocks as gb
 from specdec.models import gguf_weights as gw
 from specdec.models import q8_activations as qa
 from specdec.models.native import Q8_ISAS
@@ -40,8 +41,8 @@ def test_rows_round_to_int8_within_half_a_step():
 def test_kernel_is_bitwise_the_reference(kind, out, inp):
     b = random_blocks(kind, out, inp, seed=out)
     panels = qa.prepare(b)
-    assert panels.nbytes == gw.prepare(b).nbytes  # the same bytes, laid out for int8 rows
-    fp32 = gw.dequantize(b)
+    assert panels.nbytes == gb.prepare(b).nbytes  # the same bytes, laid out for int8 rows
+    fp32 = gb.dequantize(b)
     for t in (1, 2, 3, 4, 5, 8, 13):
         x = torch.randn(t, inp, generator=torch.Generator().manual_seed(1000 * out + t))
         y = KERNELS.linear(x, panels)

@@ -1,0 +1,44 @@
+"""Pack one step's records (prefill chunks, decode rows, draft trees) into the target's batch.
+
+Request with n tokens, num_computed c, fed the q = n - c tokens up to its frontier plus a draft
+tree of m nodes: rows are tokens[c:n] then the tree nodes; KV slots c .. n+m-1 (node i in slot
+n + i); positions c .. n-1 then n + depth(i). Its logits rows are the last committed token's row
+and every node's row (1 + m rows, the verifier's input), stored back to back in request order.
+A chunk that stops short of the frontier needs no logits. The records get their row offsets.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.attention.metadata import build_metadata
+from specdec.engine.runner import ForwardBatch
+from specdec.engine.step import StepRequest
+from specdec.tree import step_mask
+
+
+def build_forward_batch(records: list[StepRequest], page_size: int, device) -> ForwardBatch:
+    ids, pos, logit_rows = [], [], []
+    tables, kv_lens, qo_lens, masks = [], [], [], []
+    offset = 0
+    for rec in records:
+        seq, c = rec.seq, rec.computed_before
+        end = c + rec.num_new_tokens
+        ids.extend(seq.token_ids[c:end])
+        pos.extend(range(c, end))
+        if rec.num_nodes:
+            ids.extend(rec.tree.tokens.tolist())
+            pos.extend(rec.tree.positions(end).tolist())
+        rec.row_start = offset
+        if rec.at_frontier:
+            rec.logits_start = len(logit_rows)
+            logit_rows.extend(range(offset + rec.num_new_tokens - 1, offset + rec.num_rows))
+        tables.append(seq.block_table.pages)
+        kv_lens.append(end + rec.num_nodes)
+        qo_lens.append(rec.num_rows)
+        masks.append(step_mask(rec.tree, c, end) if rec.num_nodes else None)
+        offset += rec.num_rows
+    metadata = build_metadata(tables, kv_lens, qo_lens, page_size, masks, device)
+    as_long = dict(dtype=torch.int64, device=device)
+    return ForwardBatch(torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), metadata,
+                        torch.tensor(logit_rows, **as_long))

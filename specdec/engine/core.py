@@ -1,0 +1,209 @@
+"""The engine: requests in, one step at a time, tokens out.
+
+``step()`` runs the stages in order, each over the step's records (one per scheduled request:
+``specdec.engine.step.StepRequest``), data moving one way:
+
+    schedule   Scheduler: rows, admissions (prefix hits), preemptions, controller budgets
+    draft      DraftStage: drafter.propose -> one tree per request
+    forward    ModelRunner: one target forward over every request's new rows and tree nodes
+    verify     VerifyStage: one verifier call -> accepted path + emitted tokens per request
+    output     OutputStage: tokens appended, stop conditions, per-request counts
+    commit     CommitStage: accepted KV into place, pages named, finished requests freed
+    feedback   drafter.on_verified, StepRecorder (stats), controller.observe, step observers
+
+What the stages run with is built once by ``specdec.engine.build.build_engine``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdec import plugins, randomness
+from specdec.config import EngineConfig
+from specdec.engine.batch import build_forward_batch
+from specdec.engine.build import build_engine
+from specdec.engine.commit_stage import CommitStage
+from specdec.engine.costs import StepCosts
+from specdec.engine.draft_stage import DraftStage
+from specdec.engine.output_stage import OutputStage
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.sequence import Sequence
+from specdec.engine.step_stats import StepRecorder
+from specdec.kv.prefix import root_key
+from specdec.metrics import StepStats
+from specdec.sampling_params import SamplingParams
+
+
+@dataclass
+class StepResult:
+    emitted: list[tuple[Sequence, int]]  # requests that got tokens this step, and how many
+    finished: list[Sequence]  # requests that ended this step (any reason)
+    stats: StepStats
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, plugins_: tuple = ()) -> None:
+        p = self.parts = build_engine(config, plugins_)
+        # what the step runs with (read-only here; see EngineParts)
+        self.config, self.pm, self.model_config = config, p.pm, p.model_config
+        self.dtype, self.device, self.max_model_len = p.dtype, p.device, p.max_model_len
+        self.model, self.hf_config, self.tokenizer = p.model, p.hf_config, p.tokenizer
+        self.runner, self.drafter_runners, self.kv = p.runner, p.drafter_runners, p.runner.kv
+        self.kv_split, self.kernels, self.tier = p.kv_split, p.kernels, p.tier
+        self.weights, self.draft_weights = p.weights, p.draft_weights
+        self.cache_namespace = p.cache_namespace
+        # the stages
+        self.drafting = DraftStage(p.drafter, p.controller, p.model_config.vocab_size,
+                                   p.max_model_len, self.kv)
+        self.verifying = p.verifier
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_prefix_caching, self.drafting.restore,
+                                   self.drafting.release)
+        self.outputs = OutputStage(p.model_config.eos_token_ids, p.max_model_len, p.tokenizer)
+        self.commits = CommitStage(self.kv, config.page_size, config.enable_prefix_caching,
+                                   self.drafting, self.scheduler)
+        self.recorder = StepRecorder(self.kv, p.tier)
+        self.totals = self.recorder.totals
+        # requests
+        self.requests: dict[str, Sequence] = {}
+        self.samples: dict[str, list[str]] = {}  # request id -> its samples' sequence ids
+        self.plugin_errors: list[str] = []
+        self._ids = itertools.count()
+        self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
+
+    @property
+    def activations(self) -> str:
+        """What the GGUF's blocks multiply ("float" | "q8": EngineConfig.activations)."""
+        return self.config.activations
+
+    @property
+    def weight_bytes_per_forward(self) -> int:
+        return self.parts.weight_bytes_per_forward
+
+    def step_costs(self) -> StepCosts:
+        return self.parts.step_costs()
+
+    def close(self) -> None:
+        """Let go of what outlives a step: the disk tier's file and its lock (a later engine
+        on the same path may open it). Requests still running are aborted."""
+        for request_id in list(self.samples):
+            self.abort(request_id)
+        if self.tier is not None and hasattr(self.tier, "close"):
+            self.tier.close()
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Queue a request (``params.n`` samples of the prompt: sequences ``request_id`` and,
+        for n > 1, ``request_id/1`` .. ``request_id/n-1``, listed by ``samples_of``);
+        ValueError (and no change to the engine) if it is malformed."""
+        self.check_request(prompt_token_ids, params)
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        ids = [request_id] + [f"{request_id}/{i}" for i in range(1, params.n)]
+        if request_id in self.samples or any(i in self.requests for i in ids):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        root = root_key(self.cache_namespace, params.cache_salt)
+        seed = None if params.greedy else self._seed(params)
+        leader = None
+        for i, sid in enumerate(ids):
+            sample_seed = None if seed is None else (
+                seed if i == 0 else randomness.splitmix64(seed ^ i) & (2**63 - 1))
+            seq = Sequence(sid, list(prompt_token_ids), params, sample_seed, cache_root=root,
+                           leader=leader, sample_index=i)
+            leader = leader or seq
+            self.requests[sid] = seq
+            self.scheduler.add(seq)
+        self.samples[request_id] = ids
+        return request_id
+
+    def samples_of(self, request_id: str) -> list[str]:
+        """The sequence ids of a request's samples (``[request_id]`` when n == 1)."""
+        return self.samples.get(request_id, [request_id])
+
+    def _seed(self, params: SamplingParams) -> int:
+        if params.seed is not None:
+            return params.seed
+        return int(torch.randint(2**62, (), generator=self._seeds).item())
+
+    def check_request(self, ids, params: SamplingParams) -> None:
+        """ValueError/TypeError for a request this engine cannot run (nothing is queued)."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not params.greedy and not self.verifying.supports_sampling:
+            raise ValueError(f"verifier {self.verifying.name} verifies greedy requests only; "
+                             f"temperature={params.temperature} needs a sampling verifier "
+                             "(e.g. verifier='gumbel')")
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt is empty: at least one token is required")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"at most {self.max_model_len - 1} prompt tokens are allowed"
+            )
+
+    def abort(self, request_id: str) -> None:
+        """End a request (all its samples) now; its pages go back at once."""
+        for sid in self.samples_of(request_id):
+            seq = self.requests.get(sid)
+            if seq is not None and not seq.is_finished:
+                seq.finish_reason = "abort"
+                self.commits.finish(seq)
+        self.drafting.release_ended()  # between steps: no step's observe comes first
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def pop_finished(self, request_id: str) -> Sequence:
+        """A finished sequence, forgotten by the engine (a request's samples: ``samples_of``)."""
+        seq = self.requests.pop(request_id)
+        assert seq.is_finished
+        group = request_id if seq.leader is None else seq.leader.request_id
+        if not any(i in self.requests for i in self.samples_of(group)):
+            self.samples.pop(group, None)
+        return seq
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> StepResult:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule(self.drafting.budgets)
+        failed = self.drafting.propose(sched.scheduled) + [
+            s for s in sched.preempted if s.finish_reason == "error"]
+        for seq in failed:
+            self.commits.finish(seq)
+        records = [r for r in sched.scheduled if not r.seq.is_finished]
+        if not records and not failed and self.scheduler.has_work():
+            raise RuntimeError("scheduler made no progress: no request fits the KV cache "
+                               f"({self.kv.num_free_pages} of {self.kv.num_pages} pages free)")
+        t1 = time.perf_counter()
+        t2 = t3 = t1
+        if records:
+            out = self.runner.forward(build_forward_batch(records, self.config.page_size,
+                                                          self.device),
+                                      self.drafting.hidden_layers)
+            t2 = time.perf_counter()
+            self.verifying.verify(records, out.logits)
+            self.outputs.append(records)
+            self.commits.commit(records)
+            t3 = time.perf_counter()
+            self.drafting.on_verified(records, out.hidden)
+        for rec in records:
+            if rec.seq.finish_reason == "error" and not rec.seq.is_finished:
+                failed.append(rec.seq)
+                self.commits.finish(rec.seq)
+        stats = self.recorder.record(records, sched, failed, (t0, t1, t2, t3))
+        self.drafting.observe(records, stats)
+        self.plugin_errors += plugins.notify_step_end(self.pm, stats) + self.drafting.errors
+        self.drafting.errors = []
+        emitted = [(r.seq, r.appended) for r in records if r.result is not None]
+        finished = list(dict.fromkeys(
+            [*failed, *(r.seq for r in records if r.seq.is_finished)]))
+        return StepResult(emitted, finished, stats)

@@ -1,0 +1,457 @@
+"""The draft stage of a step: controller budgets, drafter proposals and feedback, their failures.
+
+A drafter that raises (in init_state, propose, on_verified or release), or returns something that
+is not a valid tree within budget, fails only the request concerned (finish_reason "error", the
+message names the plugin); the others go on. A raising propose / on_verified call is retried
+request by request only for a drafter that is ``replay_safe``; for any other, nothing is called
+twice in a step (drafters/base.py, "Failures"): its requests draft alone the next step (propose)
+or stop drafting (on_verified).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from specdec import plugins
+from specdec.controllers.base import (
+    BatchComposition,
+    DraftBudget,
+    RequestOutcome,
+    RequestView,
+    StepReport,
+)
+from specdec.drafters.base import (
+    BaseDrafter,
+    DraftRequest,
+    TargetInfo,
+    TokenView,
+    VerifiedBatch,
+    VerifiedRequest,
+)
+from specdec.drafters.compose import ComposedDrafter
+from specdec.engine.sequence import Sequence
+from specdec.engine.step import StepRequest
+from specdec.kv.block_table import KVCacheManager
+from specdec.metrics import StepStats
+from specdec.tree import DraftTree
+
+logger = logging.getLogger("specdec")
+
+
+class DraftStage:
+    def __init__(self, drafter, controller, vocab_size: int, max_model_len: int,
+                 kv: KVCacheManager) -> None:
+        self.drafter = drafter
+        self.controller = controller
+        # a composed drafter's member names (what DraftBudget.sources may name); () else
+        self.sources = tuple(d.name for d in getattr(drafter, "drafters", ()))
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.kv = kv  # the target's KV: draft slots a tree does not use go back here
+        self.errors: list[str] = []  # failures that could not fail a request (release at finish)
+        self.ended: list[str] = []  # requests ended this step: the controller's release is due
+        # this step's budgets as the controller asked for them (before clipping), by request id
+        self.asked: dict[str, DraftBudget] = {}
+        self.batch: BatchComposition | None = None  # this step's composition (for pruning)
+        # request ids (kept here, not on the drafter's state, which may be what went wrong):
+        # requests of a propose call that raised for several at once, each to propose alone the
+        # next time; requests whose on_verified raised so, no more drafting until release
+        self.suspects: set[str] = set()
+        self.undrafted: set[str] = set()
+
+    @property
+    def name(self) -> str:
+        return f"{self.drafter.name!r} (plugin {getattr(self.drafter, 'plugin_name', '?')!r})"
+
+    @property
+    def replay_safe(self) -> bool:
+        return bool(getattr(self.drafter, "replay_safe", False))
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
+
+    # ---- budgets ---------------------------------------------------------------------------
+
+    def budgets(self, frontier: list[Sequence], batch: BatchComposition) -> list[DraftBudget]:
+        """The controller's budget per decode request (none without a drafter)."""
+        if self.drafter is None:
+            return [DraftBudget(0)] * len(frontier)
+        wanted = self.controller.budgets([_view(s) for s in frontier], batch)
+        if not isinstance(wanted, (list, tuple)) or len(wanted) != len(frontier) \
+                or not all(isinstance(b, DraftBudget) for b in wanted):
+            raise plugins.PluginError(
+                f"controller {self.controller.name!r} must return {len(frontier)} DraftBudget "
+                f"values (one per request), got {wanted!r}")
+        for b in wanted:
+            if b.sources is not None and not set(b.sources) <= set(self.sources):
+                raise plugins.PluginError(
+                    f"controller {self.controller.name!r} asked for drafts from "
+                    f"{list(b.sources)}; this drafter's sources are {sorted(self.sources) or 'none'}")
+        self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
+        self.batch = batch
+        # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
+        return [b.clip(0 if s.request_id in self.undrafted else
+                       min(self.max_model_len - s.num_tokens,
+                           s.params.max_tokens - s.num_output_tokens - 1))
+                for b, s in zip(wanted, frontier)]
+
+    # ---- propose ---------------------------------------------------------------------------
+
+    def propose(self, records: list[StepRequest]) -> list[Sequence]:
+        """Fill each record's tree (or fail it); returns the requests that failed."""
+        failed = self._ensure_states(records)
+        jobs = [r for r in records if r.budget.max_nodes > 0 and r.seq not in failed]
+        if jobs:
+            requests = [_request(r) for r in jobs]
+            outcomes = self._proposals(requests)
+            for rec, req, outcome in zip(jobs, requests, outcomes):
+                if isinstance(outcome, _Unblamed):
+                    continue  # no draft this step
+                error = outcome if isinstance(outcome, str) else self._check(outcome, rec)
+                if error is not None:
+                    self._fail(rec.seq, f"drafter {self.name} {error}")
+                    failed.append(rec.seq)
+                    continue
+                rec.tree, rec.no_kv, rec.num_proposed = outcome, req.no_kv, outcome.num_nodes
+            self._prune([r for r in jobs if r.tree is not None and r.tree.num_nodes])
+            for rec in jobs:
+                if rec.seq.finish_reason is None:
+                    self.kv.shrink(rec.seq.block_table, rec.computed_before + 1 + rec.num_nodes)
+        return failed
+
+    def _proposals(self, requests: list[DraftRequest]) -> list:
+        """Per request a tree, an error string or ``_Unblamed`` (no draft this step). Requests
+        of an earlier call that raised for several at once propose alone, the others together."""
+        alone = [i for i, r in enumerate(requests) if r.request_id in self.suspects]
+        together = [i for i in range(len(requests)) if i not in set(alone)]
+        outcomes: list = [None] * len(requests)
+        for group in ([together] if together else []) + [[i] for i in alone]:
+            got = _isolate(self.drafter.propose, [requests[i] for i in group], _check_trees,
+                           self.replay_safe)
+            for i, outcome in zip(group, got):
+                outcomes[i] = outcome
+        self.suspects -= {r.request_id for r in requests}
+        unblamed = [r.request_id for r, o in zip(requests, outcomes) if isinstance(o, _Unblamed)]
+        if unblamed:
+            self.suspects.update(unblamed)
+            self._report(f"drafter {self.name} failed in propose for {len(unblamed)} requests at "
+                         f"once ({_first(outcomes)}); none of them is drafted for this step, "
+                         "and each proposes alone the next time")
+        return outcomes
+
+    def _prune(self, records: list[StepRequest]) -> None:
+        """The controller's second phase (optional ``prune``): verify only the nodes it keeps."""
+        prune = getattr(self.controller, "prune", None)
+        if prune is None or not records or self.batch is None:
+            return
+        kept = prune([_view(r.seq) for r in records], [r.tree for r in records], self.batch)
+        if not isinstance(kept, (list, tuple)) or len(kept) != len(records):
+            raise plugins.PluginError(f"controller {self.controller.name!r}: prune must return "
+                                      f"one entry per tree ({len(records)}), got {kept!r}")
+        for rec, keep in zip(records, kept):
+            if keep is None:
+                continue
+            try:
+                rec.tree = rec.tree.select(keep)
+            except (ValueError, TypeError) as e:
+                raise plugins.PluginError(
+                    f"controller {self.controller.name!r}: prune returned {keep!r} for a tree "
+                    f"of {rec.num_proposed} nodes: {e}") from e
+            rec.kept = [int(i) for i in keep]
+
+    def restore(self, seq: Sequence, keys: list[bytes]) -> int:
+        """The target is about to reuse cached KV for the pages ``keys`` of a request being
+        admitted: the drafter restores what it can (``Drafter.restore``) and says how many
+        leading pages its state now covers. No drafter: all. A drafter without the hook, or one
+        that fails in it (reported, its state rebuilt from scratch): none, so the target
+        computes those tokens and the drafter hears of them as usual."""
+        if self.drafter is None or seq.request_id in self.undrafted:
+            return len(keys)
+        self._drop_state(seq)  # a preempted request's stale state, if any
+        if self._ensure_states([StepRequest(seq, 0)]):
+            # init_state failed: no reuse; the request is admitted as it is and fails (or
+            # gets its state) at its first propose, as without the cache
+            seq.finish_reason = seq.error = None
+            return 0
+        hook = getattr(self.drafter, "restore", None)
+        if hook is None:
+            return 0
+        try:
+            got = hook(seq.drafter_state, TokenView(seq.token_ids), list(keys))
+            if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got <= len(keys):
+                raise plugins.PluginError(f"restore must return an int in [0, {len(keys)}] "
+                                          f"(pages restored), got {got!r}")
+            return got
+        except Exception as e:
+            self._report(f"drafter {self.name} failed in restore: {e!r}; request "
+                         f"{seq.request_id!r} computes its cached prefix instead")
+            self._drop_state(seq)
+            return 0
+
+    def _ensure_states(self, records: list[StepRequest]) -> list[Sequence]:
+        """Per-request drafter state from a request's first step on (and after preemption)."""
+        failed = []
+        if self.drafter is None:
+            return failed
+        for rec in records:
+            seq = rec.seq
+            if seq.drafter_ready or seq.request_id in self.undrafted:
+                continue
+            try:
+                seq.drafter_state = self.drafter.init_state(seq.request_id, seq.prompt_token_ids)
+                seq.drafter_ready = True
+            except Exception as e:
+                self._fail(seq, f"drafter {self.name} failed in init_state: {e!r}")
+                failed.append(seq)
+        return failed
+
+    def _check(self, tree, rec: StepRequest) -> str | None:
+        if not isinstance(tree, DraftTree):
+            return f"returned {type(tree).__name__}, not a DraftTree"
+        try:
+            tree.validate(max_nodes=rec.budget.max_nodes, vocab_size=self.vocab_size,
+                          max_depth=rec.budget.max_depth, check_probs=not rec.seq.params.greedy)
+        except ValueError as e:
+            return f"returned a malformed tree: {e}"
+        return None
+
+    # ---- feedback --------------------------------------------------------------------------
+
+    def on_verified(self, records: list[StepRequest], hidden: dict[int, torch.Tensor]) -> None:
+        """Tell the drafter what the step committed; a request whose drafter call fails is
+        marked failed (the caller finishes it). ``hidden``: layer -> [T, H] of the whole batch."""
+        live = [r for r in records if self.drafter is not None and r.seq.drafter_ready
+                and not r.seq.is_finished and r.seq.finish_reason is None]
+        if not live:
+            return
+        batch = self._verified_batch(live, hidden)
+        outcomes = _isolate(self.drafter.on_verified, batch, lambda out, n: None,
+                            self.replay_safe)
+        for rec, outcome in zip(live, outcomes):
+            if isinstance(outcome, str):
+                detail = outcome.removeprefix("failed: ")
+                self._fail(rec.seq, f"drafter {self.name} failed in on_verified: {detail}")
+        unblamed = [r.seq for r, o in zip(live, outcomes) if isinstance(o, _Unblamed)]
+        if unblamed:
+            self._report(f"drafter {self.name} failed in on_verified for {len(unblamed)} "
+                         f"requests at once ({_first(outcomes)}); their drafter state may be "
+                         "half updated and is not replayed: they decode on without drafts")
+            for seq in unblamed:
+                self._drop_state(seq)
+                self.undrafted.add(seq.request_id)
+
+    def _verified_batch(self, records: list[StepRequest], hidden) -> VerifiedBatch:
+        reqs, rows, start = [], [], 0
+        for rec in records:
+            seq = rec.seq
+            accepted = rec.result.accepted if rec.result is not None else []
+            committed = rec.num_new_tokens + len(accepted)
+            # the drafter hears of the tree it proposed, whatever the controller pruned
+            own = list(accepted) if rec.kept is None else [rec.kept[a] for a in accepted]
+            reqs.append(VerifiedRequest(seq.request_id, seq.drafter_state, TokenView(seq.token_ids),
+                                        seq.num_computed, committed,
+                                        rec.num_proposed if rec.tree is not None else 0,
+                                        own, start))
+            start += committed
+            fed = range(rec.row_start, rec.row_start + rec.num_new_tokens)
+            rows.extend([*fed, *(rec.row_start + rec.num_new_tokens + a for a in accepted)])
+        if not hidden:
+            return VerifiedBatch(reqs)
+        index = torch.tensor(rows, dtype=torch.int64, device=next(iter(hidden.values())).device)
+        return VerifiedBatch(reqs, {layer: h.index_select(0, index) for layer, h in hidden.items()})
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the request's drafter state; a drafter failing here fails a running request, and
+        is reported (not raised) for one that already finished. The request ends, or restarts
+        from scratch (preemption: its drafter state is rebuilt, so it may draft again)."""
+        self.suspects.discard(seq.request_id)
+        self.undrafted.discard(seq.request_id)
+        self._drop_state(seq)
+
+    def _drop_state(self, seq: Sequence) -> None:
+        if self.drafter is None or not seq.drafter_ready:
+            return
+        state, seq.drafter_state, seq.drafter_ready = seq.drafter_state, None, False
+        try:
+            self.drafter.release(state)
+        except Exception as e:
+            message = f"drafter {self.name} failed in release: {e!r}"
+            if seq.finish_reason is None:
+                self._fail(seq, message)
+            else:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                self.errors.append(message)
+
+    def end(self, seq: Sequence) -> None:
+        """The request is over (finished, aborted, failed): its drafter state goes now
+        (``release``); the controller hears of it in ``release_ended``, after the step's
+        ``observe`` (whose report still carries the request's last outcome)."""
+        self.release(seq)
+        self.ended.append(seq.request_id)
+
+    def release_ended(self) -> None:
+        """The controller's optional ``release(request_id)`` for every request ended since the
+        last call; a failure there is reported, not raised (the request has already ended)."""
+        ended, self.ended = self.ended, []
+        release = getattr(self.controller, "release", None)
+        for request_id in ended if release is not None else ():
+            try:
+                release(request_id)
+            except Exception as e:
+                message = f"controller {self.controller.name!r} failed in release: {e!r}"
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+                self.errors.append(message)
+
+    def observe(self, records: list[StepRequest], stats: StepStats) -> None:
+        """The controller hears the step's costs and, per asked request, asked/proposed/accepted;
+        then the release of the requests that ended."""
+        if self.drafter is not None:
+            self._report_step(records, stats)
+            decision = getattr(self.controller, "decision", None)
+            if isinstance(decision, dict) and decision:  # the controller's figures, after it
+                stats.controller = dict(decision)
+        self.release_ended()
+
+    def _report_step(self, records: list[StepRequest], stats: StepStats) -> None:
+        asked, self.asked = self.asked, {}
+        outcomes = tuple(RequestOutcome(r.seq.request_id, asked.get(r.seq.request_id, r.asked),
+                                        r.num_proposed if r.tree is not None else 0,
+                                        r.num_accepted, r.no_kv,
+                                        r.tree if r.num_nodes else None,
+                                        tuple(r.result.accepted) if r.result is not None else ())
+                         for r in records if r.asked is not None)
+        self.controller.observe(StepReport(
+            draft_seconds=stats.draft_seconds, forward_seconds=stats.forward_seconds,
+            verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,
+            num_verified_rows=stats.num_verified_rows, num_decode=stats.num_decode,
+            num_prefill_tokens=stats.num_prefill_tokens, outcomes=outcomes,
+            source_seconds=dict(getattr(self.drafter, "last_source_seconds", {}))))
+
+    @staticmethod
+    def _fail(seq: Sequence, error: str) -> None:
+        seq.finish_reason, seq.error = "error", error
+
+    def _report(self, message: str) -> None:
+        """A drafter failure no request could be failed for."""
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self.errors.append(message)
+
+
+def create_drafter_and_controller(pm, config, target: TargetInfo) -> tuple:
+    """(drafter or None, controller) from the registries, by the config's names."""
+    drafter = None
+    if config.drafter is not None and "+" in config.drafter:
+        drafter = _composed(pm, config.drafter, config.drafter_args, target)
+    elif config.drafter is not None:
+        drafter = _drafter(pm, config.drafter, target, config.drafter_args)
+    if drafter is not None and config.enable_prefix_caching:
+        _say_if_no_restore(getattr(drafter, "drafters", None) or [drafter])
+    controller = plugins.create(pm, "specdec_controllers", "controller", config.controller_name,
+                                **config.controller_args)
+    return drafter, controller
+
+
+def _composed(pm, spec: str, args: dict, target: TargetInfo) -> ComposedDrafter:
+    """``"a+b"`` with drafter_args ``{"a": {...}, "b": {...}}``: the drafters merged in order."""
+    names = spec.split("+")
+    if len(set(names)) != len(names) or not all(names):
+        raise ValueError(f"drafter {spec!r}: name each drafter once, e.g. 'eagle3+ngram'")
+    unknown = set(args) - set(names)
+    if unknown or not all(isinstance(v, dict) for v in args.values()):
+        raise ValueError(f"drafter {spec!r} takes drafter_args keyed by drafter name, e.g. "
+                         f"{{{names[0]!r}: {{...}}}}; got keys {sorted(args)}")
+    return ComposedDrafter([_drafter(pm, n, target, args.get(n, {})) for n in names])
+
+
+def _drafter(pm, name: str, target: TargetInfo, args: dict):
+    """The registry's drafter ``name``, its ``hidden_layers`` checked against the target."""
+    drafter = plugins.create(pm, "specdec_drafters", "drafter", name, target, **args)
+    _check_hidden_layers(drafter, target.model_config.num_layers)
+    return drafter
+
+
+def _check_hidden_layers(drafter, num_layers: int) -> None:
+    """A drafter's ``hidden_layers`` are target layer indices in [0, num_layers)."""
+    layers = getattr(drafter, "hidden_layers", ())
+    bad = [i for i in layers if not isinstance(i, int) or isinstance(i, bool)
+           or not 0 <= i < num_layers] if isinstance(layers, (tuple, list)) else [layers]
+    if bad:
+        raise ValueError(f"drafter {getattr(drafter, 'name', type(drafter).__name__)!r} "
+                         f"(plugin {getattr(drafter, 'plugin_name', '?')!r}): hidden_layers "
+                         f"must be a tuple of ints in [0, {num_layers}) (the target's layers), "
+                         f"got {layers!r}")
+
+
+def _say_if_no_restore(drafters) -> None:
+    """Once per engine: a drafter that restores no prefix-cache hit turns the reuse off for its
+    requests (drafters/base.py, "Prefix caching")."""
+    for d in drafters:
+        hook = getattr(type(d), "restore", None) if isinstance(d, BaseDrafter) else getattr(
+            d, "restore", None)
+        if hook is None or (hook is BaseDrafter.restore and not d.prefix_cache_safe):
+            logger.warning(
+                "drafter %r (plugin %r) has no restore() and does not declare "
+                "prefix_cache_safe = True: its requests recompute every prefix-cache hit (second "
+                "chat turns, shared system prompts, preempted requests, n > 1 samples); outputs "
+                "are unchanged. See 'Prefix caching' in specdec/drafters/base.py",
+                getattr(d, "name", type(d).__name__), getattr(d, "plugin_name", "?"))
+
+
+def _request(rec: StepRequest) -> DraftRequest:
+    seq = rec.seq
+    return DraftRequest(seq.request_id, TokenView(seq.token_ids), rec.budget, seq.params,
+                        seq.seed, seq.drafter_state, page_keys=tuple(seq.page_keys))
+
+
+def _check_trees(out, n: int) -> str | None:
+    if not isinstance(out, list) or len(out) != n:
+        return f"returned {type(out).__name__} of length {len(out) if isinstance(out, list) else '?'}, " \
+               f"expected a list of {n} trees"
+    return None
+
+
+class _Unblamed:
+    """The outcome for a request of a call that raised for several requests, which a drafter
+    that is not replay_safe cannot be asked about again."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def _isolate(call: Callable, items, check: Callable, replay_safe: bool) -> list:
+    """call(items) -> per item its result, an error string (the item fails: the drafter marked
+    it with ``fail``, or its own call raised) or ``_Unblamed``. When the call raises (or
+    ``check(out, n)`` rejects its output), it is retried item by item only if ``replay_safe``.
+    ``items`` is a list of DraftRequest or a VerifiedBatch (whose calls return None)."""
+    reqs = items.requests if isinstance(items, VerifiedBatch) else items
+    n = len(reqs)
+    try:
+        out = call(items)
+        problem = check(out, n)
+    except Exception as e:
+        problem = f"failed: {e!r}"
+    marked = [None if r.error is None else f"failed: {r.error}" for r in reqs]
+    if problem is None:
+        results = out if isinstance(out, list) else [None] * n
+        return [m or o for m, o in zip(marked, results)]
+    if n == 1:
+        return [marked[0] or problem]
+    if not replay_safe:
+        return [m or _Unblamed(problem) for m in marked]
+    return [_isolate(call, items.select([i]) if isinstance(items, VerifiedBatch) else [reqs[i]],
+                     check, True)[0] for i in range(n)]
+
+
+def _first(outcomes: list) -> str:
+    return next(o.problem for o in outcomes if isinstance(o, _Unblamed))
+
+
+def _view(seq: Sequence) -> RequestView:
+    return RequestView(seq.request_id, seq.num_tokens, seq.num_output_tokens,
+                       seq.num_steps_decoding, seq.draft_tokens_proposed,
+                       tuple(seq.accepted_by_depth), seq.last_proposed, seq.last_accepted)

@@ -1,0 +1,158 @@
+"""The user API: `LLM(...).generate(prompts, SamplingParams)` and `LLM(...).stream(...)`.
+
+A prompt is a string, a chat (list of {"role", "content"} dicts, formatted with the tokenizer's
+chat template), or a list of token ids; `prompts` is one prompt or a list of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from specdec.config import EngineConfig
+from specdec.engine.core import LLMEngine
+from specdec.engine.sequence import Sequence
+from specdec.models.aliases import DEFAULT_MODEL
+from specdec.models.tokenizer import chat_token_ids
+from specdec.outputs import CompletionOutput, RequestOutput
+from specdec.sampling_params import SamplingParams
+from specdec.serving.streaming import DeltaTracker, changed
+
+
+class LLM:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cpu",
+                 drafter: str | None = None, drafter_args: dict[str, Any] | None = None,
+                 controller: str | None = None, controller_args: dict[str, Any] | None = None,
+                 plugins: tuple = (), **engine_args: Any) -> None:
+        config = EngineConfig(model=model, dtype=dtype, device=device, drafter=drafter,
+                              drafter_args={} if drafter_args is None else drafter_args,
+                              controller=controller,
+                              controller_args={} if controller_args is None else controller_args,
+                              **engine_args)
+        self.engine = LLMEngine(config, plugins)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        ids = self._add_all(prompts, sampling_params)
+        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                bar.update(len(self.engine.step().finished))
+        finally:
+            bar.close()
+            self._abort_unfinished(ids)
+        return [self._group_output([self.engine.pop_finished(s)
+                                    for s in self.engine.samples_of(i)]) for i in ids]
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
+        """Yield a delta (new tokens and text) each time a request emits, then a final one."""
+        ids = self._add_all(prompts, sampling_params)
+        samples = [s for i in ids for s in self.engine.samples_of(i)]
+        sent = DeltaTracker(self.engine.tokenizer)
+        try:
+            while self.engine.has_unfinished():
+                for seq in changed(self.engine.step()):
+                    yield self._delta(seq, sent)
+        finally:
+            self._abort_unfinished(ids)
+            for s in samples:
+                if s in self.engine.requests and self.engine.requests[s].is_finished:
+                    self.engine.pop_finished(s)
+
+    def _delta(self, seq: Sequence, sent: DeltaTracker) -> RequestOutput:
+        delta = sent.delta(seq)
+        sample = self._sample(seq, "")
+        sample.token_ids, sample.text = delta.token_ids, delta.text
+        return self._request_output(seq, [sample])
+
+    def _add_all(self, prompts, sampling_params) -> list[str]:
+        token_lists = self._tokenize_all(prompts)
+        params = _params_list(sampling_params, len(token_lists))
+        for i, (ids, p) in enumerate(zip(token_lists, params)):  # all checked, then queued
+            try:
+                self.engine.check_request(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        return [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
+
+    def _abort_unfinished(self, ids: list[str]) -> None:
+        for i in ids:
+            self.engine.abort(i)
+
+    def _tokenize_all(self, prompts) -> list[list[int]]:
+        if _is_single_prompt(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts must be a prompt or a non-empty list of prompts")
+        return [self._tokenize(p, i) for i, p in enumerate(prompts)]
+
+    def _tokenize(self, prompt, index: int) -> list[int]:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError(f"prompt {index}: this model has no tokenizer; pass token ids")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"prompt {index} is empty")
+            return tok(prompt).input_ids
+        if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
+            return _chat_ids(tok, prompt, index)
+        raise TypeError(f"prompt {index}: expected str, list of chat messages or list of token "
+                        f"ids, got {type(prompt).__name__}")
+
+    def _text(self, seq: Sequence) -> str:
+        tok = self.engine.tokenizer
+        return "" if tok is None else seq.text(tok)
+
+    def _sample(self, seq: Sequence, text: str | None = None) -> CompletionOutput:
+        return CompletionOutput(
+            index=seq.sample_index, token_ids=seq.output_token_ids,
+            text=self._text(seq) if text is None else text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason, error=seq.error, metrics=seq.metrics())
+
+    def _group_output(self, seqs: list[Sequence]) -> RequestOutput:
+        return self._request_output(seqs[0], [self._sample(s) for s in seqs])
+
+    @staticmethod
+    def _request_output(seq: Sequence, samples: list[CompletionOutput]) -> RequestOutput:
+        """A prompt's output: the request's id (its first sample's), the samples, and the
+        first of them repeated at the top."""
+        first = samples[0]
+        rid = seq.request_id if seq.leader is None else seq.leader.request_id
+        return RequestOutput(
+            request_id=rid, prompt_token_ids=seq.prompt_token_ids, token_ids=first.token_ids,
+            text=first.text, finished=first.finished, finish_reason=first.finish_reason,
+            error=first.error, metrics=first.metrics, outputs=samples)
+
+
+def _is_single_prompt(prompts) -> bool:
+    if isinstance(prompts, str):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and all(
+        isinstance(x, (int, dict)) for x in prompts)
+
+
+def _chat_ids(tok, messages: list[dict], index: int) -> list[int]:
+    try:
+        return chat_token_ids(tok, messages)
+    except ValueError as e:
+        raise ValueError(f"prompt {index}: {e}") from e
+
+
+def _params_list(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if isinstance(sampling_params, list) and len(sampling_params) == n and all(
+            isinstance(p, SamplingParams) for p in sampling_params):
+        return list(sampling_params)
+    raise ValueError(f"sampling_params must be SamplingParams or a list of {n} of them")

@@ -1,0 +1,58 @@
+"""One record per request per engine step: what was scheduled, drafted, run and kept.
+
+The scheduler creates the records; the draft stage fills ``tree`` (and may fail a record); batch
+building fills the row fields; verification fills ``result``; the commit fills ``appended``.
+Example, a request with 10 tokens at its frontier, a 3-node tree, second in the batch after a
+5-token prefill chunk::
+
+    num_new_tokens 1, computed_before 9, budget DraftBudget(4) -> tree of 3 nodes
+    row_start 5 (rows 5..8: the last token, then nodes 0..2), logits_start 0 (logits rows 0..3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specdec.controllers.base import NO_DRAFT, DraftBudget
+from specdec.engine.sequence import Sequence
+from specdec.tree import DraftTree
+from specdec.verifiers.base import VerifyResult
+
+
+@dataclass(eq=False)
+class StepRequest:
+    seq: Sequence
+    num_new_tokens: int  # tokens fed from seq.token_ids[computed_before:]
+    budget: DraftBudget = NO_DRAFT  # draft nodes it may use (clipped; its slots are reserved)
+    # the budget asked this step after the engine's max_model_len / max_tokens clipping (None: no
+    # draft asked); the controller's own, unclipped ask reaches it as RequestOutcome.asked
+    asked: DraftBudget | None = None
+    tree: DraftTree | None = None  # the tree verified: the drafter's proposal, maybe pruned
+    # pruned by the controller: the proposal's node index of each node of ``tree`` (None: the
+    # whole proposal is verified), and the proposal's size
+    kept: list[int] | None = None
+    num_proposed: int = 0
+    no_kv: bool = False  # the drafter had no KV for this request
+    row_start: int = 0  # first row of the request in the packed batch
+    logits_start: int = -1  # first of its 1 + num_nodes logits rows (-1: needs no logits)
+    result: VerifyResult | None = None  # at the frontier: accepted path and emitted tokens
+    appended: int = 0  # tokens appended to the request this step (stop conditions cut them)
+    computed_before: int = field(init=False)  # seq.num_computed when scheduled
+    at_frontier: bool = field(init=False)  # this step ends at the last token: it emits tokens
+
+    def __post_init__(self) -> None:
+        self.computed_before = self.seq.num_computed
+        self.at_frontier = self.computed_before + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tree.num_nodes if self.tree is not None else 0
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the packed batch: fed tokens plus tree nodes."""
+        return self.num_new_tokens + self.num_nodes
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.result.accepted) if self.result is not None else 0

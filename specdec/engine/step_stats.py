@@ -1,0 +1,60 @@
+"""A step's figures: ``StepStats`` from the step's records and stage times, the prefix cache's
+and the tier's counters since the last step, and the engine's running totals."""
+
+from __future__ import annotations
+
+import time
+
+from specdec.engine.scheduler import SchedulerOutput
+from specdec.engine.sequence import Sequence
+from specdec.engine.step import StepRequest
+from specdec.kv.block_table import KVCacheManager
+from specdec.metrics import EngineTotals, StepStats
+
+
+class StepRecorder:
+    def __init__(self, kv: KVCacheManager, tier) -> None:
+        self.kv = kv
+        self.tier = tier
+        self.totals = EngineTotals()
+        self._evicted = 0  # the pool's evictions counted into step stats so far
+        self._tier_seen = (0, 0, 0.0)  # the tier's (hits, stores, seconds) counted so far
+
+    def record(self, records: list[StepRequest], sched: SchedulerOutput, failed: list[Sequence],
+               times: tuple[float, float, float, float]) -> StepStats:
+        """The step's stats (``times``: its start, draft end, forward end, commit end), added
+        to the totals."""
+        stats = self._stats(records, sched.preempted, failed, times)
+        self._prefix(stats, sched)
+        self.totals.add(stats)
+        return stats
+
+    def _stats(self, records, preempted, failed, times) -> StepStats:
+        t0, t1, t2, t3 = times
+        frontier = [r for r in records if r.result is not None]
+        return StepStats(
+            step=self.totals.steps, num_requests=len(records),
+            num_decode=sum(1 for r in records if r.at_frontier and r.num_new_tokens == 1),
+            num_prefill_tokens=sum(r.num_new_tokens for r in records if r.num_new_tokens > 1),
+            num_draft_nodes=sum(r.num_nodes for r in records),
+            num_verified_rows=sum(1 + r.num_nodes for r in frontier),
+            num_accepted=sum(r.num_accepted for r in frontier),
+            num_emitted=sum(r.appended for r in frontier),
+            num_draft_no_kv=sum(1 for r in records if r.no_kv),
+            draft_seconds=t1 - t0, forward_seconds=t2 - t1, verify_seconds=t3 - t2,
+            step_seconds=time.perf_counter() - t0, num_preempted=len(preempted),
+            failed_requests=[s.request_id for s in dict.fromkeys(failed)],
+        )
+
+    def _prefix(self, stats: StepStats, sched: SchedulerOutput) -> None:
+        stats.num_lookup_tokens, stats.num_lookup_pages = sched.lookup_tokens, sched.lookup_pages
+        stats.num_cached_tokens, stats.num_cached_pages = sched.cached_tokens, sched.cached_pages
+        pool = self.kv.pool
+        stats.num_evicted_pages, self._evicted = pool.num_evicted - self._evicted, pool.num_evicted
+        if self.tier is not None:
+            now = (self.tier.hits, self.tier.stores, self.tier.seconds)
+            stats.tier_hits, stats.tier_stores, stats.tier_seconds = (
+                a - b for a, b in zip(now, self._tier_seen))
+            self._tier_seen = now
+        self.kv.observe_prefill(stats.forward_seconds, stats.num_prefill_tokens,
+                                stats.num_prefill_tokens + stats.num_decode)

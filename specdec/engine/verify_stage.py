@@ -1,0 +1,97 @@
+"""The verify stage of a step: one verifier call for every request at its frontier.
+
+Builds the batch-flat `VerifyBatch` from the step's records and the target logits, applies each
+sampled request's temperature / top-k / top-p / min-p to its rows, calls the configured verifier
+(the `verifier` engine option picks it from the registry) and checks what comes back. A verifier
+that raises, or returns something that is not an accepted root path of the request's tree, fails
+only the request concerned (found by retrying request by request), naming the plugin.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec import plugins
+from specdec.engine.step import StepRequest
+from specdec.sampling import logits_to_probs, params_to_tensors
+from specdec.tree import DraftTree
+from specdec.verifiers.base import VerifyBatch, VerifyOutput, VerifyResult
+
+_EMPTY = DraftTree.empty()
+
+
+class VerifyStage:
+    def __init__(self, verifier, vocab_size: int) -> None:
+        self.verifier = verifier
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def create(cls, pm, name: str, vocab_size: int) -> VerifyStage:
+        return cls(plugins.create(pm, "specdec_verifiers", "verifier", name), vocab_size)
+
+    @property
+    def name(self) -> str:
+        v = self.verifier
+        return f"{v.name!r} (plugin {getattr(v, 'plugin_name', '?')!r})"
+
+    @property
+    def supports_sampling(self) -> bool:
+        return bool(getattr(self.verifier, "supports_sampling", True))
+
+    def verify(self, records: list[StepRequest], logits: torch.Tensor | None) -> None:
+        """Set ``result`` on every frontier record, or fail its request."""
+        frontier = [r for r in records if r.at_frontier]
+        if not frontier:
+            return
+        batch = self.batch(frontier, logits)
+        for rec, result in zip(frontier, self._run(batch)):
+            if isinstance(result, str):
+                rec.seq.finish_reason, rec.seq.error = "error", f"verifier {self.name} {result}"
+            else:
+                rec.result = result
+
+    @staticmethod
+    def batch(frontier: list[StepRequest], logits: torch.Tensor) -> VerifyBatch:
+        trees = [r.tree if r.tree is not None else _EMPTY for r in frontier]
+        cu = [0]
+        for t in trees:
+            cu.append(cu[-1] + 1 + t.num_nodes)
+        assert cu[-1] == logits.shape[0], (cu, logits.shape)
+        params = [r.seq.params for r in frontier]
+        greedy = [p.greedy for p in params]
+        probs = None
+        if not all(greedy):
+            per_row = [p for p, t in zip(params, trees) for _ in range(1 + t.num_nodes)]
+            probs = logits_to_probs(logits, *params_to_tensors(per_row, logits.device))
+        return VerifyBatch(trees, cu, logits, probs, greedy, [r.seq.seed for r in frontier],
+                           [r.seq.num_tokens for r in frontier])
+
+    def _run(self, batch: VerifyBatch) -> list[VerifyResult | str]:
+        """Results (or error strings) for the requests of ``batch``; a failing call is retried
+        request by request to find the failing ones."""
+        try:
+            out = self.verifier.verify(batch)
+            if not isinstance(out, VerifyOutput):
+                raise TypeError(f"verify returned {type(out).__name__}, not a VerifyOutput")
+            results = out.to_results()
+            if len(results) != batch.batch_size:
+                raise ValueError(f"{len(results)} results for {batch.batch_size} requests")
+            checked = [self._check(t, r) for t, r in zip(batch.trees, results)]
+        except Exception as e:
+            if batch.batch_size == 1:
+                return [f"failed: {e!r}"]
+            return [self._run(batch.select([i]))[0] for i in range(batch.batch_size)]
+        return checked
+
+    def _check(self, tree: DraftTree, r: VerifyResult) -> VerifyResult | str:
+        """The result must be a root path of the tree, its tokens, and one token in the vocab."""
+        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        prev = -1
+        for j, a in enumerate(r.accepted):
+            if not (0 <= a < len(tokens)) or parents[a] != prev or r.tokens[j] != tokens[a]:
+                return f"returned accepted nodes {r.accepted} with tokens {r.tokens}, which are " \
+                       "not a root path of the draft tree"
+            prev = a
+        if not 0 <= r.tokens[-1] < self.vocab_size:
+            return f"emitted token {r.tokens[-1]} outside the vocab [0, {self.vocab_size})"
+        return r

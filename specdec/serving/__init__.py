@@ -1,0 +1,2 @@
+"""Serving: the OpenAI-compatible protocol (protocol.py) and HTTP server (server.py) over the
+engine stepping in one thread (engine_loop.py), streaming deltas per request (streaming.py)."""

@@ -1,0 +1,53 @@
+"""What a stream sends of a request at each step: the tokens and text it has not sent yet.
+
+Text only grows and nothing is sent twice: while a stop string could still cut the tail, the
+last ``len(longest stop) - 1`` characters are held back (a stop completing later cuts the text
+at its start, which is never before what was sent). Shared by ``LLM.stream`` and the engine loop
+behind the server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec.engine.sequence import Sequence
+
+
+def changed(result) -> list[Sequence]:
+    """The sequences a step result touched (emitted or finished), each once, in order."""
+    seen = {id(s): s for s, _ in result.emitted}
+    for s in result.finished:
+        seen.setdefault(id(s), s)
+    return list(seen.values())
+
+
+@dataclass
+class Delta:
+    token_ids: list[int]
+    text: str
+
+
+class DeltaTracker:
+    """Per sequence id: tokens and text sent so far."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._tokens: dict[str, int] = {}
+        self._text: dict[str, int] = {}
+
+    def text(self, seq: Sequence) -> str:
+        return "" if self.tokenizer is None else seq.text(self.tokenizer)
+
+    def delta(self, seq: Sequence) -> Delta:
+        rid = seq.request_id
+        sent_tokens, sent_text = self._tokens.get(rid, 0), self._text.get(rid, 0)
+        text = self.text(seq)
+        if seq.params.stop and not seq.is_finished:  # a stop string may still cut this tail
+            text = text[:max(sent_text, len(text) - max(len(s) for s in seq.params.stop) + 1)]
+        out = seq.token_ids[seq.num_prompt_tokens + sent_tokens:]
+        self._tokens[rid], self._text[rid] = sent_tokens + len(out), len(text)
+        return Delta(out, text[sent_text:])
+
+    def forget(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+        self._text.pop(request_id, None)
