@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from specdec.costs import StepCosts
+    from specdec.engine.costs import StepCosts
     from specdec.tree import DraftTree
 
 

@@ -5,7 +5,7 @@ committed tokens per second, from measured acceptance and a measured cost model.
     step seconds     = T(rows) + draft(depth) + overhead
     rows             = prefill tokens + decode requests + draft nodes
 
-* ``T(rows)``: the target's forward time by rows on this machine (``specdec.costs``), profiled at
+* ``T(rows)``: the target's forward time by rows on this machine (``specdec.engine.costs``), profiled at
   start-up (cached) and refined from every step's measured forward time.
 * ``draft(depth)``: a line ``a + b * depth`` fitted online (exponentially weighted least squares)
   to the measured draft time against the deepest tree of the step (drafters run one batched
@@ -51,7 +51,7 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
-from specdec.costs import StepCosts
+from specdec.engine.costs import StepCosts
 
 GAIN_FLOOR = 0.01  # chain nodes less likely than this to be accepted are not planned
 # an exploration that leaves a request still not worth drafting doubles its interval, up to

@@ -69,9 +69,9 @@ from specdec.tree import DraftTree
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from specdec.engine.runner import ModelRunner
     from specdec.models.config import ModelConfig
     from specdec.models.llama import LlamaDecoder
-    from specdec.runner import ModelRunner
 
 
 class TokenView(SequenceABC):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from specdec.bench import EngineSystem, match_rates, speculation_summary
+from specdec.bench.compare import EngineSystem, match_rates, speculation_summary
 from specdec.models.tokenizer import chat_token_ids
 
 
