@@ -33,6 +33,17 @@ class LLM:
                               **engine_args)
         self.engine = LLMEngine(config, plugins)
 
+    def close(self) -> None:
+        """Abort what still runs and let go of what outlives the engine: the disk tier's file
+        and its lock, so that another engine may open it. Also ``with LLM(...) as llm:``."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -160,7 +160,8 @@ class DiskTier:
                                      f"{e.strerror or e}") from e
                 raise ValueError(f"{self._where()} is in use by another specdec engine (another "
                                  f"open tier holds its lock): give each engine its own "
-                                 f"kv_tier_path") from e
+                                 f"kv_tier_path, or close the other first (LLM.close(), or "
+                                 f"'with LLM(...) as llm:')") from e
         except BaseException:
             self._release()
             raise

@@ -95,3 +95,26 @@ def test_stream_yields_a_final_delta_for_a_request_failed_in_a_prefill_chunk(tin
     assert final.finished and final.finish_reason == "error" and final.token_ids == []
     assert "on_verified" in final.error and "cannot index the chunk" in final.error
     assert nothing_queued(llm)
+
+
+def test_close_lets_another_engine_open_the_tier(tiny_llama, tmp_path):
+    """The tier file's lock is held while an engine lives: a second engine on the path is
+    refused, naming it and how to close the first; after close() (or a with block) it opens,
+    and finds the pages the first one stored."""
+    path = tmp_path / "kv.tier"
+    prompt = list(range(1, 40))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    kw = dict(model=str(tiny_llama), dtype="float64", page_size=4, kv_tier_path=str(path),
+              num_pages=16, max_model_len=64)
+    with LLM(**kw) as first:
+        want = first.generate([prompt], params)[0].token_ids
+        for k in range(3):  # every page of prompt's is evicted to the tier
+            first.generate([[10 * k + 50 + i % 7 for i in range(40)]], params)
+        with pytest.raises(ValueError, match=r"kv\.tier.*in use.*LLM\.close\(\)"):
+            LLM(**kw)
+        assert len(first.engine.tier) > 0
+    second = LLM(**kw)
+    out = second.generate([prompt], params)[0]
+    assert out.token_ids == want and second.engine.tier.hits > 0
+    second.close()
+    second.close()  # twice is fine

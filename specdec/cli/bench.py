@@ -1,0 +1,70 @@
+"""``specdec bench``: the engine against a baseline on a prompt dataset, side by side; with
+``--batch-sizes`` / ``--controllers`` / ``--drafters``, a sweep."""
+
+from __future__ import annotations
+
+from specdec.cli.common import (
+    add_model_args,
+    add_spec_args,
+    existing_file,
+    int_at_least,
+    write_report,
+)
+
+
+def add_parser(sub) -> None:
+    from specdec.bench.compare import BASELINES
+
+    p = sub.add_parser("bench", help="engine vs a baseline on a prompt dataset (greedy)")
+    p.add_argument("--dataset", type=existing_file, required=True,
+                   help="MT-Bench/Spec-Bench or HumanEval jsonl (.gz ok)")
+    p.add_argument("--num-prompts", type=int_at_least(1), default=None, help="default: all")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
+    p.add_argument("--batch-size", type=int_at_least(1), default=1,
+                   help="prompts per engine generate call (HF baselines stay at batch 1)")
+    p.add_argument("--baseline", choices=BASELINES, default="hf")
+    p.add_argument("--extra-baseline", choices=("hf", "hf-pld", "llama.cpp", "llama.cpp-pld"),
+                   default=None,
+                   help="a second baseline of --baseline's kind in the same run (e.g. hf-pld "
+                        "next to hf, llama.cpp-pld next to llama.cpp), reported as a ratio to "
+                        "--baseline, with its greedy match rate against it")
+    p.add_argument("--json", default=None, metavar="OUT.json", help="write the report here")
+    p.add_argument("--multi-turn", action="store_true",
+                   help="also run later turns, feeding back the engine's own answers")
+    p.add_argument("--repeats", type=int_at_least(1), default=3)
+    p.add_argument("--warmup", type=int_at_least(0), default=2)
+    sweep = p.add_argument_group("sweeps (several systems and batch sizes in one run)")
+    sweep.add_argument("--batch-sizes", default=None, metavar="1,2,4,...",
+                       help="run every system at each batch size (a sweep)")
+    sweep.add_argument("--controllers", default=None, metavar="NAME[:BUDGET],...",
+                       help="one speculative system per entry, e.g. static:0,static:4,goodput")
+    sweep.add_argument("--drafters", default=None, metavar="NAME,...",
+                       help="compare several drafters (--drafter-args keyed by name)")
+    sweep.add_argument("--slo-tpot-ms", type=float, default=None,
+                       help="goodput: tokens/s of the requests whose TPOT meets this")
+    sweep.add_argument("--plot", default=None, metavar="FILE.png",
+                       help="plots of the sweep (throughput, acceptance by depth, TPOT)")
+    sweep.add_argument("--quick", action="store_true",
+                       help="smoke run: 4 prompts, 16 new tokens, 1 repeat, 1 warm-up")
+    add_model_args(p)
+    add_spec_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from specdec.bench.compare import run_bench
+    from specdec.bench.report import print_report, print_sweep
+    from specdec.bench.sweep import run_sweep
+
+    if args.quick:
+        args.num_prompts = min(args.num_prompts or 4, 4)
+        args.max_new_tokens, args.repeats, args.warmup = min(args.max_new_tokens, 16), 1, 1
+    if args.batch_sizes or args.controllers or args.plot or args.drafters:
+        args.batch_sizes = args.batch_sizes or str(args.batch_size)
+        report = run_sweep(args)
+        print_sweep(report)
+    else:
+        report = run_bench(args)
+        print_report(report)
+    write_report(report, args.json)
+    return 0

@@ -1,0 +1,47 @@
+"""``specdec bench-serve``: load on the HTTP server at request rates, as clients see it."""
+
+from __future__ import annotations
+
+from specdec.cli.common import (
+    add_dataset_args,
+    add_model_args,
+    add_spec_args,
+    engine_kwargs,
+    int_at_least,
+    write_report,
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-serve", help="load on the HTTP server at request rates: TTFT / "
+                                           "TPOT / ITL percentiles, throughput, goodput")
+    add_dataset_args(p, "MT-Bench / Spec-Bench or HumanEval jsonl (first turns as chats)",
+                      32, 128)
+    p.add_argument("--request-rates", default="0.5,1,inf", metavar="R,R,...",
+                   help="requests/s, inf = all at once (default 0.5,1,inf)")
+    p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson")
+    p.add_argument("--max-concurrency", type=int_at_least(1), default=16)
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--drafters", default="none", metavar="none,NAME,...",
+                   help="one server per entry (none = plain decoding), one after the other")
+    p.add_argument("--compare-generate", action="store_true",
+                   help="time LLM.generate at batch 1 on the same prompts first: the server's "
+                        "TPOT overhead at the first rate (use --max-concurrency 1 for it)")
+    p.add_argument("--url", default=None, help="a running server instead of in-process ones")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--json", default=None, metavar="OUT.json")
+    p.add_argument("--plot", default=None, metavar="FILE.png")
+    add_model_args(p)
+    add_spec_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from specdec.bench.serve import print_serve_report, run_serve_bench
+
+    report = run_serve_bench(args, engine_kwargs(args))
+    print_serve_report(report)
+    write_report(report, args.json)
+    return 0

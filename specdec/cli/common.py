@@ -1,0 +1,129 @@
+"""What the commands share: argument types, the model and speculation flags, the engine
+keywords they make, and report writing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from specdec.attention import CHOICES as ATTENTION_CHOICES
+from specdec.config import ACTIVATION_CHOICES, DRAFT_WEIGHT_CHOICES, WEIGHT_CHOICES
+from specdec.models.aliases import DEFAULT_MODEL
+from specdec.models.config import DTYPES
+
+PROG = "specdec"
+
+
+def int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"invalid JSON ({e.msg} at char {e.pos}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"k\": 1}}', got {text!r}")
+    return value
+
+
+def prompt_text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must contain some non-whitespace text, got {text!r}")
+    return text
+
+
+def existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"file not found: {text}")
+    return text
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias, HF folder, .gguf file or hub id (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="auto (default): bfloat16 on CUDA, float32 on the CPU")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
+                   help="a GGUF model's weights: native (its own Q4_1/Q8_0 blocks, the same "
+                        "tokens as dequantized, a sixth of the bytes), dequantized (fp32), or "
+                        "auto (default: native where it can run)")
+    p.add_argument("--activations", default="float", choices=ACTIVATION_CHOICES,
+                   help="what a GGUF's blocks multiply: float (default: the fp32 model's "
+                        "numbers) or q8 (rows rounded to int8 per block of 32, as llama.cpp "
+                        "does: cheaper rows, still lossless speculation, numbers within ~0.5 %% "
+                        "of fp32's)")
+    p.add_argument("--attention-backend", default="auto", choices=ATTENTION_CHOICES,
+                   help="auto (default): flashinfer on CUDA when installed, else torch")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="run every step eagerly on CUDA (default: replay CUDA graphs)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="compute every request's KV from scratch (default: reuse cached full "
+                        "pages of a common prefix)")
+    p.add_argument("--kv-tier-path", default=None, metavar="FILE",
+                   help="keep cached pages evicted from memory in this file on local disk "
+                        "(a second KV tier; default: none)")
+    p.add_argument("--kv-tier-bytes", type=int_at_least(1), default=2 << 30,
+                   help="the tier file's size limit in bytes (default 2 GiB)")
+    p.add_argument("--kv-host-tier-bytes", type=int_at_least(1), default=None,
+                   help="instead of a file: a tier of this many bytes of pinned host memory "
+                        "below a GPU's KV")
+
+
+def add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
+                   drafter_help: str = "registered drafter name (default: none)") -> None:
+    p.add_argument("--drafter", default=drafter, help=drafter_help)
+    p.add_argument("--drafter-args", type=json_object, default={}, metavar="JSON")
+    p.add_argument("--controller", default=None,
+                   help="registered controller name (default: goodput with a drafter, else static)")
+    p.add_argument("--budget", type=int_at_least(0), default=None,
+                   help="draft budget per request per step (sets controller_args budget)")
+    p.add_argument("--controller-args", type=json_object, default={}, metavar="JSON")
+    p.add_argument("--verifier", default="gumbel",
+                   help="registered verifier name: gumbel (default), rejection, greedy")
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHT_CHOICES, default="auto",
+                   help="a learned drafter's matrices: q8_0 or q4_1 blocks quantized at load "
+                        "(drafts need no exactness), float (as loaded), or auto (default: q8_0 "
+                        "where the compiled kernels run)")
+    p.add_argument("--linear-kernels", choices=("invariant", "tuned", "plain"),
+                   default="invariant",
+                   help="CPU matmul paths: the compiled row-invariant kernels (default), a "
+                        "table timed at start-up, or F.linear only")
+
+
+def add_dataset_args(p, help_text: str, num_prompts: int, max_new_tokens: int) -> None:
+    p.add_argument("--dataset", type=existing_file, required=True, help=help_text)
+    p.add_argument("--num-prompts", type=int_at_least(1), default=num_prompts)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=max_new_tokens)
+
+
+def engine_kwargs(args) -> dict:
+    return dict(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
+                drafter_args=args.drafter_args, controller=args.controller,
+                controller_args=args.controller_args, verifier=args.verifier,
+                linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
+                cuda_graphs=args.cuda_graphs, weights=args.weights,
+                activations=args.activations, draft_weights=args.draft_weights,
+                enable_prefix_caching=args.enable_prefix_caching,
+                kv_tier_path=args.kv_tier_path, kv_tier_bytes=args.kv_tier_bytes,
+                kv_host_tier_bytes=args.kv_host_tier_bytes)
+
+
+def write_report(report: dict, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"report written to {path}", file=sys.stderr)

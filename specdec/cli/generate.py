@@ -1,0 +1,103 @@
+"""``specdec generate PROMPT``: stream one completion to stdout (``--drafter auto``: the drafter
+measured fastest here)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from specdec.cli.common import (
+    PROG,
+    add_model_args,
+    add_spec_args,
+    engine_kwargs,
+    int_at_least,
+    prompt_text,
+)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream one completion to stdout")
+    p.add_argument("prompt", type=prompt_text, help="the user message (or raw text with --no-chat)")
+    add_model_args(p)
+    add_spec_args(p, "auto", "registered drafter name, or none; default auto: the drafter "
+                              "measured fastest for the model on this machine (a short "
+                              "calibration of ngram and the drafters shipped for it at first "
+                              "use, cached), else none")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=256)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); below 1e-5 also decodes greedily")
+    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
+    p.add_argument("--seed", type=int, default=None, help="int in [0, 2**63 - 1]")
+    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.set_defaults(func=run)
+
+
+# generate's sampling flags and the SamplingParams field each one sets
+SAMPLING_FLAGS = (("--temperature", "temperature"), ("--top-p", "top_p"),
+                  ("--top-k", "top_k"), ("--seed", "seed"), ("--max-tokens", "max_tokens"))
+
+
+def sampling_params(args):
+    from specdec.sampling_params import SamplingParams
+
+    return SamplingParams(**{f: getattr(args, f) for _, f in SAMPLING_FLAGS})
+
+
+def check_sampling(parser, args) -> None:
+    """SamplingParams' rules at parse time, each flag checked alone so the error names it."""
+    from specdec.sampling_params import SamplingParams
+
+    for flag, field in SAMPLING_FLAGS:
+        try:
+            SamplingParams(**{field: getattr(args, field)})
+        except ValueError as e:
+            parser.error(f"argument {flag}: {e}")
+    try:
+        sampling_params(args)
+    except ValueError as e:  # a rule across flags (none today); still a usage error
+        parser.error(f"arguments {', '.join(f for f, _ in SAMPLING_FLAGS)}: {e}")
+
+
+def run(args) -> int:
+    from specdec.engine.llm import LLM
+
+    params = sampling_params(args)
+    if args.drafter == "auto":
+        from specdec.engine.drafter_choice import choose_drafter, describe
+
+        kwargs = {k: v for k, v in engine_kwargs(args).items()
+                  if k not in ("model", "drafter", "drafter_args", "controller",
+                               "controller_args")}
+        choice = choose_drafter(args.model, **kwargs)
+        print(describe(choice), file=sys.stderr)
+        args.drafter = choice.drafter
+    llm = LLM(**engine_kwargs(args))
+    prompt = args.prompt if args.no_chat else [{"role": "user", "content": args.prompt}]
+    if not args.no_chat and getattr(llm.tokenizer, "chat_template", None) is None:
+        raise ValueError("the model's tokenizer has no chat template; pass --no-chat")
+    t0, last = time.perf_counter(), None
+    for delta in llm.stream(prompt, params):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        last = delta
+    seconds = time.perf_counter() - t0
+    sys.stdout.write("\n")
+    if last is None or last.finish_reason == "error":
+        print(f"{PROG} generate: error: {last.error if last else 'no output'}", file=sys.stderr)
+        return 1
+    print(generate_stats(last.metrics, seconds, args.drafter is not None), file=sys.stderr)
+    return 0
+
+
+def generate_stats(m, seconds: float, speculative: bool) -> str:
+    ttft = f"{m.ttft * 1000:.1f} ms" if m.ttft is not None else "n/a"
+    parts = [f"{m.num_output_tokens} tokens", f"{m.num_output_tokens / seconds:.2f} tokens/s",
+             f"TTFT {ttft}"]
+    if speculative:
+        accepted = sum(m.accepted_by_depth)
+        rate = accepted / m.draft_tokens_proposed if m.draft_tokens_proposed else 0.0
+        tau = f"{m.tau:.2f}" if m.tau is not None else "n/a"
+        parts += [f"tau {tau}", f"acceptance {rate:.1%} ({accepted}/{m.draft_tokens_proposed})"]
+    return "[" + ", ".join(parts) + "]"

@@ -1,0 +1,58 @@
+"""``specdec serve``: an OpenAI-compatible HTTP server over the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from specdec.cli.common import PROG, add_model_args, add_spec_args, engine_kwargs, int_at_least
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int_at_least(0), default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $SPECDEC_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: --model)")
+    p.add_argument("--max-model-len", type=int_at_least(2), default=None)
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=32)
+    p.add_argument("--max-queued", type=int_at_least(1), default=256,
+                   help="requests waiting beyond this get 503 with Retry-After")
+    p.add_argument("--max-tokens-limit", type=int_at_least(1), default=None,
+                   help="largest max_tokens a request may ask (default: max_model_len)")
+    p.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20)
+    add_model_args(p)
+    add_spec_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from specdec.engine.llm import LLM
+    from specdec.serving.engine_loop import EngineLoop
+    from specdec.serving.server import ServerLimits, ServerThread, create_app
+
+    llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              **engine_kwargs(args))
+    loop = EngineLoop(llm.engine, max_queued=args.max_queued)
+    key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
+    app = create_app(loop, args.served_model_name or args.model, key,
+                     ServerLimits(args.max_body_bytes, args.max_tokens_limit))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and key is None:
+        print(f"{PROG} serve: warning: listening on {args.host} without an API key",
+              file=sys.stderr)
+    server = ServerThread(app, args.host, args.port, log_level="info")
+    print(f"{PROG} serve: {server.url}/v1 (Ctrl-C or SIGTERM stops)", file=sys.stderr)
+    signal.signal(signal.SIGTERM, lambda *_: loop.shutdown())  # e.g. docker stop: end cleanly
+    try:
+        loop.run()  # the engine steps in the thread that built it; HTTP runs in another
+    except KeyboardInterrupt:
+        pass
+    finally:
+        loop.shutdown()
+        server.stop()
+    return 0

@@ -1,0 +1,51 @@
+"""``specdec train KIND``: train a drafter for a target model on your prompts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from specdec.cli.common import existing_file, int_at_least
+from specdec.models.aliases import DEFAULT_MODEL
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a drafter for a target model on your prompts")
+    p.add_argument("kind", choices=["eagle3", "mtp", "block_diffusion"], help="drafter kind")
+    p.add_argument("--target", default=None, help=f"target model (default {DEFAULT_MODEL})")
+    p.add_argument("--data", nargs="+", type=existing_file, default=None, metavar="FILE",
+                   help="json/jsonl: ShareGPT, Alpaca, MT-Bench turns, GSM8K or plain text")
+    p.add_argument("--out", default=None, help="output folder (must not exist, or --resume)")
+    p.add_argument("--regenerate", action="store_true", default=None,
+                   help="the target answers the prompts first (self-distillation)")
+    p.add_argument("--resume", action="store_true", default=None,
+                   help="continue the run in --out from its last checkpoint")
+    p.add_argument("--eval", nargs="+", type=existing_file, default=None, metavar="FILE",
+                   dest="eval_files", help="extra held-out prompts for the final evaluation")
+    p.add_argument("--config", type=existing_file, default=None, metavar="YAML",
+                   help="settings (training/config.py names); flags override them")
+    p.add_argument("--report-to", choices=["none", "wandb"], default=None)
+    p.add_argument("--max-steps", type=int_at_least(1), default=None)
+    p.add_argument("--limit", type=int_at_least(1), default=None,
+                   help="use this many conversations of the data (seeded sample)")
+    p.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this drafter's weights and vocabulary (fine-tune it)")
+    p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
+                   help="accelerate's mixed precision (bf16: CPUs with bf16 units, GPUs)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from specdec.bench.report import fmt
+    from specdec.training.config import TrainConfig
+    from specdec.training.trainer import train
+
+    flags = {k: getattr(args, k) for k in ("kind", "target", "data", "out", "regenerate",
+                                           "resume", "eval_files", "report_to", "max_steps",
+                                           "limit", "init_from", "mixed_precision")}
+    config = TrainConfig.from_sources(args.config, flags)
+    report = train(config)
+    tau, speed = report.get("tau"), report.get("speedup_vs_plain")
+    print(f"drafter: {Path(config.out) / 'drafter'}  tau {fmt(tau)}  speedup vs plain "
+          f"{fmt(speed)}x on {report.get('num_prompts')} held-out prompts", file=sys.stderr)
+    return 0
