@@ -19,9 +19,14 @@ class StepStats:
     num_emitted: int  # tokens appended to requests
     num_draft_no_kv: int  # requests the drafter could not draft for (no KV in its runner)
     draft_seconds: float  # scheduling, budgets and drafting
-    forward_seconds: float  # the target forward
-    verify_seconds: float  # verification and KV commit
+    forward_seconds: float  # the target forward (batch packing included)
+    verify_seconds: float  # verification, token appending and KV commit
     step_seconds: float
+    # finer parts of the above (the step budget): scheduling and budgets (within draft_seconds),
+    # appending and KV commit (within verify_seconds), the drafter's feedback (on_verified)
+    schedule_seconds: float = 0.0
+    commit_seconds: float = 0.0
+    feedback_seconds: float = 0.0
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
     controller: dict | None = None  # the controller's ``decision`` figures, if it keeps them
@@ -36,6 +41,58 @@ class StepStats:
     tier_hits: int = 0
     tier_stores: int = 0
     tier_seconds: float = 0.0
+
+
+BUDGET_PARTS = ("schedule", "draft", "forward", "verify", "commit", "feedback", "other")
+
+
+def step_kind(stats: StepStats) -> str:
+    """"prefill" (a prefill chunk in the step), "speculative" (draft nodes verified) or
+    "plain" (decode rows only)."""
+    if stats.num_prefill_tokens:
+        return "prefill"
+    return "speculative" if stats.num_draft_nodes else "plain"
+
+
+def budget_parts(stats: StepStats) -> dict[str, float]:
+    """The step's seconds by part (BUDGET_PARTS); they add up to ``step_seconds``."""
+    parts = {"schedule": stats.schedule_seconds,
+             "draft": stats.draft_seconds - stats.schedule_seconds,
+             "forward": stats.forward_seconds,
+             "verify": stats.verify_seconds - stats.commit_seconds,
+             "commit": stats.commit_seconds, "feedback": stats.feedback_seconds}
+    parts["other"] = stats.step_seconds - sum(parts.values())
+    return parts
+
+
+@dataclass
+class StepBudget:
+    """Sums over the steps of one kind: how many, their rows, and their seconds by part."""
+
+    steps: int = 0
+    rows: int = 0  # verified rows + prefill tokens
+    draft_nodes: int = 0
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUDGET_PARTS, 0.0))
+
+    def add(self, stats: StepStats) -> None:
+        self.steps += 1
+        self.rows += stats.num_verified_rows + stats.num_prefill_tokens
+        self.draft_nodes += stats.num_draft_nodes
+        for k, v in budget_parts(stats).items():
+            self.seconds[k] += v
+
+    def minus(self, other: StepBudget) -> StepBudget:
+        return StepBudget(self.steps - other.steps, self.rows - other.rows,
+                          self.draft_nodes - other.draft_nodes,
+                          {k: self.seconds[k] - other.seconds[k] for k in BUDGET_PARTS})
+
+    def per_step_ms(self) -> dict:
+        """Mean milliseconds per step by part, rows and draft nodes per step (reports)."""
+        n = max(self.steps, 1)
+        out = {k: 1000.0 * v / n for k, v in self.seconds.items()}
+        out["step"] = sum(out.values())
+        return {"steps": self.steps, "rows_per_step": self.rows / n,
+                "draft_nodes_per_step": self.draft_nodes / n, "ms": out}
 
 
 @dataclass
@@ -56,6 +113,7 @@ class EngineTotals:
     tier_hits: int = 0
     tier_stores: int = 0
     tier_seconds: float = 0.0
+    budget: dict[str, StepBudget] = field(default_factory=dict)  # step kind -> sums
 
     @property
     def prefix_hit_rate(self) -> dict[str, float | None]:
@@ -72,6 +130,7 @@ class EngineTotals:
 
     def add(self, stats: StepStats) -> None:
         self.steps += 1
+        self.budget.setdefault(step_kind(stats), StepBudget()).add(stats)
         self.draft_seconds += stats.draft_seconds
         self.forward_seconds += stats.forward_seconds
         self.verify_seconds += stats.verify_seconds

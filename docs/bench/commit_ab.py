@@ -6,18 +6,28 @@ checkouts alternated in time (each checkout's own venv):
 
 SmolLM2-135M-Instruct, q8 activations, 6 MT-Bench first turns one by one, 64 new tokens.
 """
-import json, sys, time
+
+import json
+import sys
+import time
+
 from specdec import LLM, SamplingParams
+
 drafter = None if sys.argv[1] == "none" else sys.argv[1]
-qs = [json.loads(l) for l in open(sys.argv[2] if len(sys.argv) > 2 else "../shared/data/eval/mt_bench.jsonl")][:6]
+data = sys.argv[2] if len(sys.argv) > 2 else "../shared/data/eval/mt_bench.jsonl"
+with open(data) as f:
+    questions = [json.loads(line) for line in f][:6]
 llm = LLM(model="smollm2-135m-instruct", activations="q8", drafter=drafter)
-prompts = [[{"role": "user", "content": q["turns"][0]}] for q in qs]
-p = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-llm.generate(prompts[:1], p)
+prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
+params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+llm.generate(prompts[:1], params)
 best = []
-for rep in range(3):
-    t = 0.0; n = 0
-    for pr in prompts:
-        t0 = time.perf_counter(); o = llm.generate([pr], p)[0]; t += time.perf_counter() - t0; n += len(o.token_ids)
-    best.append(n / t)
+for _ in range(3):
+    seconds, tokens = 0.0, 0
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params)[0]
+        seconds += time.perf_counter() - t0
+        tokens += len(out.token_ids)
+    best.append(tokens / seconds)
 print(sys.argv[1], max(best))

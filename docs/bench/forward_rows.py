@@ -23,30 +23,10 @@ import time
 import torch
 
 from specdec import LLM
+from specdec.bench.physics import bandwidth_gbs, fma_rate
 from specdec.engine.costs import profile_forward
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
-
-
-def bandwidth_gbs() -> float:
-    """Stream bandwidth (GB/s) of a 512 MB fp32 sum, best of 5."""
-    big = torch.ones(128 << 20)
-    big.sum()
-    best = min(_time(big.sum) for _ in range(5))
-    return big.numel() * 4 / best / 1e9
-
-
-def fma_rate() -> float:
-    """fp32 multiply-adds per second of a large square matmul, best of 3."""
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    return 2048 ** 3 / min(_time(lambda: a @ b) for _ in range(3))
-
-
-def _time(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 CONFIGS = ("float32:invariant:native:q8,float32:invariant:native,float32:invariant:dequantized,"

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from specdec.bench.data import Item, first_turn_items, load_questions, next_turn_items
 from specdec.bench.llamacpp import LLAMA_CPP_BASELINES, LlamaCppSystem, gguf_path
+from specdec.bench.physics import bandwidth_gbs
 from specdec.bench.timing import Out, one_by_one
 from specdec.engine.llm import LLM
 from specdec.models import native
@@ -204,6 +205,7 @@ def run_bench(args) -> dict:
     total = args.repeats * sum(1 for q in questions for _ in q.turns[:num_turns])
     _warmup(systems, items, args)
     start = _totals(systems["engine"])  # draft share over the timed runs only
+    budgets = {name: _budget(s) for name, s in systems.items() if isinstance(s, EngineSystem)}
     tallies = {name: Tally(args.repeats) for name in systems}
     with tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr) as bar:
         for turn in range(num_turns):
@@ -215,6 +217,7 @@ def run_bench(args) -> dict:
     draft = _share(start, _totals(systems["engine"]))
     report = build_report(args, tallies, questions, draft)
     report["runtime"] = runtime_info(systems["engine"].llm.engine)
+    report["step_budget"] = step_budget(systems, budgets)
     # warm-up and repeats run the same prompts: with the cache on, timed runs reuse their
     # prompts' full pages (the hit rate says how much)
     report["prefix_cache"] = systems["engine"].llm.engine.totals.prefix_summary()
@@ -241,6 +244,30 @@ def runtime_info(engine) -> dict:
 def _totals(system: EngineSystem) -> tuple[float, float]:
     t = system.llm.engine.totals
     return t.draft_seconds, t.step_seconds
+
+
+def _budget(system: EngineSystem) -> dict:
+    return copy.deepcopy(system.llm.engine.totals.budget)
+
+
+def step_budget(systems: dict, before: dict) -> dict:
+    """Per engine system and step kind, over the timed runs: ms per step by part (schedule,
+    draft, forward, verify, commit, feedback, other: they add up to the step), rows per step,
+    and the forward's memory-bound time (the weight bytes a forward streams / the stream
+    bandwidth measured here)."""
+    bandwidth = bandwidth_gbs()
+    out = {"bandwidth_gbs": bandwidth, "systems": {}}
+    for name, old in before.items():
+        engine = systems[name].llm.engine
+        kinds = {}
+        for kind, b in engine.totals.budget.items():
+            got = b.minus(old[kind]) if kind in old else b
+            if got.steps:
+                kinds[kind] = got.per_step_ms()
+        out["systems"][name] = {
+            "kinds": kinds,
+            "forward_memory_bound_ms": engine.weight_bytes_per_forward / bandwidth / 1e6}
+    return out
 
 
 def _share(before: tuple[float, float], after: tuple[float, float]) -> float | None:

@@ -53,6 +53,9 @@ def print_report(report: dict) -> None:
     tables = [("specdec bench", ("metric", "value"), _summary_rows(report)),
               ("per category", ("category", "engine tok/s", "baseline tok/s", "speedup", "tau"),
                _category_rows(report))]
+    if report.get("step_budget"):
+        tables.append(("step budget (ms per step; forward beside its memory-bound time)",
+                       BUDGET_HEADER, budget_rows(report["step_budget"])))
     try:
         from rich.console import Console
         from rich.table import Table
@@ -68,6 +71,25 @@ def print_report(report: dict) -> None:
         for row in rows:
             table.add_row(*row)
         console.print(table)
+
+
+BUDGET_HEADER = ("system", "kind", "steps", "rows", "nodes", "schedule", "draft", "forward",
+                 "verify", "commit", "feedback", "other", "step", "fwd / mem-bound")
+
+
+def budget_rows(budget: dict) -> list[tuple]:
+    """One row per system and step kind of a report's ``step_budget``."""
+    rows = []
+    for name, sys_budget in budget["systems"].items():
+        bound = sys_budget["forward_memory_bound_ms"]
+        for kind, b in sorted(sys_budget["kinds"].items()):
+            ms = b["ms"]
+            rows.append((name, kind, str(b["steps"]), fmt(b["rows_per_step"], ".2f"),
+                         fmt(b["draft_nodes_per_step"], ".2f"),
+                         *(fmt(ms[k], ".3f") for k in ("schedule", "draft", "forward", "verify",
+                                                       "commit", "feedback", "other", "step")),
+                         fmt(ms["forward"] / bound if bound else None, ".2f")))
+    return rows
 
 
 def print_sweep(report: dict) -> None:

@@ -32,7 +32,7 @@ from specdec.engine.draft_stage import DraftStage
 from specdec.engine.output_stage import OutputStage
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence
-from specdec.engine.step_stats import StepRecorder
+from specdec.engine.step_stats import StepRecorder, StepTimes
 from specdec.kv.prefix import root_key
 from specdec.metrics import StepStats
 from specdec.sampling_params import SamplingParams
@@ -173,8 +173,9 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> StepResult:
-        t0 = time.perf_counter()
+        times = StepTimes(time.perf_counter())
         sched = self.scheduler.schedule(self.drafting.budgets)
+        times.scheduled = time.perf_counter()
         failed = self.drafting.propose(sched.scheduled) + [
             s for s in sched.preempted if s.finish_reason == "error"]
         for seq in failed:
@@ -183,23 +184,25 @@ class LLMEngine:
         if not records and not failed and self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress: no request fits the KV cache "
                                f"({self.kv.num_free_pages} of {self.kv.num_pages} pages free)")
-        t1 = time.perf_counter()
-        t2 = t3 = t1
+        times.drafted = time.perf_counter()
+        times.skip_forward()
         if records:
             out = self.runner.forward(build_forward_batch(records, self.config.page_size,
                                                           self.device),
                                       self.drafting.hidden_layers)
-            t2 = time.perf_counter()
+            times.forwarded = time.perf_counter()
             self.verifying.verify(records, out.logits)
+            times.verified = time.perf_counter()
             self.outputs.append(records)
             self.commits.commit(records)
-            t3 = time.perf_counter()
+            times.committed = time.perf_counter()
             self.drafting.on_verified(records, out.hidden)
+            times.fed_back = time.perf_counter()
         for rec in records:
             if rec.seq.finish_reason == "error" and not rec.seq.is_finished:
                 failed.append(rec.seq)
                 self.commits.finish(rec.seq)
-        stats = self.recorder.record(records, sched, failed, (t0, t1, t2, t3))
+        stats = self.recorder.record(records, sched, failed, times)
         self.drafting.observe(records, stats)
         self.plugin_errors += plugins.notify_step_end(self.pm, stats) + self.drafting.errors
         self.drafting.errors = []

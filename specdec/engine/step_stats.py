@@ -4,12 +4,31 @@ and the tier's counters since the last step, and the engine's running totals."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from specdec.engine.scheduler import SchedulerOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import StepRequest
 from specdec.kv.block_table import KVCacheManager
 from specdec.metrics import EngineTotals, StepStats
+
+
+@dataclass
+class StepTimes:
+    """perf_counter() when a step started and when each of its stages ended (a stage that did
+    not run ends when the one before it did)."""
+
+    start: float
+    scheduled: float = 0.0
+    drafted: float = 0.0
+    forwarded: float = 0.0
+    verified: float = 0.0
+    committed: float = 0.0
+    fed_back: float = 0.0
+
+    def skip_forward(self) -> None:
+        """Until a forward runs: the forward, verify, commit and feedback stages take no time."""
+        self.forwarded = self.verified = self.committed = self.fed_back = self.drafted
 
 
 class StepRecorder:
@@ -21,16 +40,15 @@ class StepRecorder:
         self._tier_seen = (0, 0, 0.0)  # the tier's (hits, stores, seconds) counted so far
 
     def record(self, records: list[StepRequest], sched: SchedulerOutput, failed: list[Sequence],
-               times: tuple[float, float, float, float]) -> StepStats:
-        """The step's stats (``times``: its start, draft end, forward end, commit end), added
-        to the totals."""
+               times: StepTimes) -> StepStats:
+        """The step's stats (``times``: when each stage ended), added to the totals."""
         stats = self._stats(records, sched.preempted, failed, times)
         self._prefix(stats, sched)
         self.totals.add(stats)
         return stats
 
-    def _stats(self, records, preempted, failed, times) -> StepStats:
-        t0, t1, t2, t3 = times
+    def _stats(self, records, preempted, failed, times: StepTimes) -> StepStats:
+        t0, t1, t2, t3 = times.start, times.drafted, times.forwarded, times.committed
         frontier = [r for r in records if r.result is not None]
         return StepStats(
             step=self.totals.steps, num_requests=len(records),
@@ -44,6 +62,8 @@ class StepRecorder:
             draft_seconds=t1 - t0, forward_seconds=t2 - t1, verify_seconds=t3 - t2,
             step_seconds=time.perf_counter() - t0, num_preempted=len(preempted),
             failed_requests=[s.request_id for s in dict.fromkeys(failed)],
+            schedule_seconds=times.scheduled - t0, commit_seconds=t3 - times.verified,
+            feedback_seconds=times.fed_back - t3,
         )
 
     def _prefix(self, stats: StepStats, sched: SchedulerOutput) -> None:

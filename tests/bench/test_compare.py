@@ -65,7 +65,18 @@ def test_bench_plain_baseline_multi_turn(tmp_path, chat_model, dataset, capsys):
     check_common(report, num_requests=8)
     assert report["greedy_match_rate"] == 1.0 and report["greedy_match_rate_vs_plain"] == 1.0
     assert report["speedup_vs_plain"] == report["speedup_vs_baseline"] > 0
-    assert "speedup vs baseline" in capsys.readouterr().out  # the printed table
+    out = capsys.readouterr().out
+    assert "speedup vs baseline" in out  # the printed table
+    # the step budget of both engine systems over the timed runs, beside the physics
+    budget = report["step_budget"]
+    assert budget["bandwidth_gbs"] > 0 and set(budget["systems"]) == {"engine", "plain"}
+    for system in budget["systems"].values():
+        assert system["forward_memory_bound_ms"] > 0
+        plain = system["kinds"]["plain"]
+        assert plain["steps"] > 0 and plain["ms"]["forward"] > 0
+        assert plain["ms"]["step"] == pytest.approx(sum(
+            v for k, v in plain["ms"].items() if k != "step"))
+    assert "step budget" in out
 
 
 def test_bench_hf_pld_no_baseline(tmp_path, chat_model, dataset):
