@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-ABI = 6
+ABI = 7
 PANEL = 8
-Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni")  # sd_q8_isa's values, by index
+Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # bytes of one block (16 output rows x 32 inputs) of a panel pair, per GGUF format code
 # (kernels.h: SD_Q4_1, SD_Q8_0, and their 8-bit-activation layouts SD_Q4_1_Q8, SD_Q8_0_Q8)
@@ -152,7 +152,8 @@ class Kernels:
     @property
     def q8_isa(self) -> str:
         """The instruction set the 8-bit-activation kernels run here (bitwise the same results
-        on every one; ``SPECDEC_NATIVE_ISA=avx2`` or ``avx-vnni`` in the environment caps it)."""
+        on every one; ``SPECDEC_NATIVE_ISA=avx2``, ``avx-vnni`` or ``avx512-vnni`` in the
+        environment caps it; ``amx`` is the widest)."""
         return Q8_ISAS[self.lib.sd_q8_isa()]
 
     @staticmethod
@@ -350,9 +351,9 @@ def load() -> Kernels | None:
         return None
     _warn_if_stale(Path(spec.origin))
     cap = os.environ.get("SPECDEC_NATIVE_ISA")
-    if cap is not None and cap not in Q8_ISAS[:-1]:
+    if cap is not None and cap not in Q8_ISAS:
         logger.warning("SPECDEC_NATIVE_ISA=%r is not one of %s: ignored (the widest kernels "
-                       "this CPU has run)", cap, ", ".join(Q8_ISAS[:-1]))
+                       "this CPU has run)", cap, ", ".join(Q8_ISAS))
     return Kernels(lib)
 
 

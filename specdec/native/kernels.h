@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define SD_ABI 6
+#define SD_ABI 7
 #define PW 8 /* panel width: output rows per weight panel */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -27,9 +27,10 @@ enum { SD_F32 = 0, SD_BF16 = 1, SD_F16 = 2, SD_NUM_FLOAT_FORMATS = 3, SD_Q4_1 = 
 int sd_cpu_features(void); /* bit 0: AVX2 + FMA + F16C */
 
 /* the instruction set of the 8-bit-activation kernels (linear_q8.c): the best this CPU has, at
- * most the one SPECDEC_NATIVE_ISA names ("avx2", "avx-vnni"; read once per process): every one
+ * most the one SPECDEC_NATIVE_ISA names ("avx2", "avx-vnni", "avx512-vnni"; "amx" or unset: the
+ * widest; read once per process): every one
  * gives bitwise the same results */
-enum { SD_Q8_AVX2 = 0, SD_Q8_AVXVNNI = 1, SD_Q8_AVX512VNNI = 2 };
+enum { SD_Q8_AVX2 = 0, SD_Q8_AVXVNNI = 1, SD_Q8_AVX512VNNI = 2, SD_Q8_AMX = 3 };
 int sd_q8_isa(void);
 
 /* One prepared weight: `panels` panels (an even number) of 8 output rows in format `fmt`;

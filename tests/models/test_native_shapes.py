@@ -159,10 +159,24 @@ def check_c_layer() -> None:
         KERNELS.layer(a)
 
 
+def fuzz_q8_wide(kind: str, seed: int) -> None:
+    """Rows 0..16 and a sample to 64 over 19 blocks (the AMX kernel's runs of 8 blocks and a
+    partial last one; _case's at most 5): bitwise the 64-row call and the pure-torch reference."""
+    b = random_blocks(kind, 40, 32 * 19, seed=seed)
+    w, x = qa.prepare(b), torch.randn(BATCH, 32 * 19, generator=torch.Generator().manual_seed(seed))
+    full = KERNELS.linear(x, w)
+    assert torch.equal(full, qa.reference_linear(x, b)), kind
+    for t in fuzz_rows(seed):
+        assert torch.equal(KERNELS.linear(x[BATCH - t:].contiguous(), w), full[BATCH - t:]), (kind, t)
+
+
 def fuzz_all(seed: int = 0) -> None:
     for i, fmt in enumerate(FORMATS):
         print("linear", fmt, flush=True)
         fuzz_linear(fmt, seed + 100 * i)
+    for i, kind in enumerate(KINDS):
+        print("linear wide", kind, flush=True)
+        fuzz_q8_wide(kind, seed + 500 + i)
     for i, dtype in enumerate(native.FORMATS):
         print("attention", dtype, flush=True)
         fuzz_attention(dtype, seed + 1000 + i)
@@ -191,6 +205,7 @@ def test_every_row_count_every_format_every_isa(isa):
     assert done.returncode == 0, (f"exit {done.returncode} after {done.stdout[-300:]!r}: "
                                   f"{done.stderr[-3000:]}")
     ran = done.stdout.split()[0]
+    assert Q8_ISAS.index(ran) <= Q8_ISAS.index(isa), ran  # never wider than the one asked for
     if ran != isa:
         pytest.skip(f"this CPU runs {ran} when asked for {isa}")
     assert "fuzzed" in done.stdout

@@ -37,13 +37,14 @@ def test_rows_round_to_int8_within_half_a_step():
 
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("out, inp", [(40, 96), (16, 32), (203, 160), (7, 64)])
+@pytest.mark.parametrize("out, inp", [(40, 96), (16, 32), (203, 160), (7, 64), (24, 608)])
 def test_kernel_is_bitwise_the_reference(kind, out, inp):
+    """(24, 608): 19 blocks, past the AMX kernel's runs of 8 blocks and a partial last run."""
     b = random_blocks(kind, out, inp, seed=out)
     panels = qa.prepare(b)
     assert panels.nbytes == gb.prepare(b).nbytes  # the same bytes, laid out for int8 rows
     fp32 = gb.dequantize(b)
-    for t in (1, 2, 3, 4, 5, 8, 13):
+    for t in (1, 2, 3, 4, 5, 8, 13, 16, 17, 40):
         x = torch.randn(t, inp, generator=torch.Generator().manual_seed(1000 * out + t))
         y = KERNELS.linear(x, panels)
         assert torch.equal(y, qa.reference_linear(x, b))
@@ -96,11 +97,11 @@ def test_a_draft_model_without_blocks_is_not_refused(tiny_llama):
 
 
 @needs_kernels
-@pytest.mark.parametrize("isa", ["avx2", "avx-vnni"])
+@pytest.mark.parametrize("isa", ["avx2", "avx-vnni", "avx512-vnni"])
 def test_every_narrower_isa_is_bitwise_the_reference(isa):
     """The test above runs the widest kernels this CPU has; the narrower ones (what CPUs
-    without AVX512-VNNI or VNNI run) are asked for by the environment, in a process of their
-    own (the choice is made once per process)."""
+    without AMX, AVX512-VNNI or VNNI run) are asked for by the environment, in a process of
+    their own (the choice is made once per process)."""
     if Q8_ISAS.index(isa) >= Q8_ISAS.index(KERNELS.q8_isa):
         pytest.skip(f"this CPU's widest q8 kernels are {KERNELS.q8_isa} (the test above)")
     here = Path(__file__).parent
@@ -108,7 +109,7 @@ def test_every_narrower_isa_is_bitwise_the_reference(isa):
             "import test_q8_activations as t\n"
             "print(t.KERNELS.q8_isa)\n"
             "for kind in t.KINDS:\n"
-            "    for out, inp in [(40, 96), (203, 160), (7, 64)]:\n"
+            "    for out, inp in [(40, 96), (203, 160), (7, 64), (24, 608)]:\n"
             "        t.test_kernel_is_bitwise_the_reference(kind, out, inp)\n")
     env = {**os.environ, "SPECDEC_NATIVE_ISA": isa}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
