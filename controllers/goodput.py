@@ -92,7 +92,11 @@ class GoodputController:
     prior: the acceptance assumed at depth 1 before anything was verified; explore_every: a
     request kept at budget 0 drafts one level every explore_every x batch-size steps, so its
     estimate can recover (0: never); each exploration after which it is still not worth
-    drafting doubles its interval, up to MAX_BACKOFF times, and drafting resets it.
+    drafting doubles its interval, up to MAX_BACKOFF times, and drafting resets it. A new
+    request starts from the backoff explorations have reached across requests (a chat's
+    requests are short: each starting again at the base interval, explorations never backed
+    off, and an exploration's catch-up is the largest cost of a drafter kept off); a request
+    that drafts anywhere resets that too.
     """
 
     name = "goodput"
@@ -114,6 +118,7 @@ class GoodputController:
         self.explore_every = explore_every
         self._idle: dict[str, int] = {}  # steps since a request last drafted
         self._backoff: dict[str, int] = {}  # a request's exploration interval multiplier
+        self._carried = 1  # the backoff a new request starts from (explorations across requests)
         self._exploring: set[str] = set()  # requests explored in the last budgets call
         self.max_depth = min(max_depth or budget, budget)
         self.costs = costs
@@ -176,11 +181,12 @@ class GoodputController:
             rid = r.request_id
             if rid not in self._idle:
                 self._idle[rid] = -(zlib.crc32(rid.encode()) % max(interval, 1))
-            backoff = self._backoff.get(rid, 1)
+            backoff = self._backoff.get(rid, self._carried)
             if depths[i] > 0:
-                backoff = 1
+                backoff = self._carried = 1
             elif rid in explored_before:  # its exploration did not make it pay
                 backoff = min(2 * backoff, MAX_BACKOFF)
+                self._carried = max(self._carried, backoff)
             self._backoff[rid] = backoff
             idle = self._idle[rid] + 1 if depths[i] == 0 else 0
             if self.explore_every and idle >= interval * backoff:

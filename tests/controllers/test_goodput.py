@@ -66,6 +66,36 @@ def test_drafting_resets_the_exploration_backoff():
     assert c._backoff["r0"] == 1
 
 
+def _explorations(c, rid: str, steps: int) -> list[int]:
+    """Steps at which request ``rid`` (alone in the batch, nothing ever accepted) explored."""
+    seen = []
+    for t in range(steps):
+        b = c.budgets([RequestView(rid, 50, 10, 5, 0, (), 0, 0)], batch(1))[0]
+        if b != NO_DRAFT:
+            seen.append(t)
+            c.observe(_report([RequestOutcome(rid, b, 1, 0, False, DraftTree.chain([1], None),
+                                              ())]))
+    return seen
+
+
+def test_new_requests_start_from_the_backoff_explorations_reached():
+    """Short requests one after another (a chat): explorations that never pay back off across
+    requests, instead of each request starting again at the base interval; a request that
+    drafts resets it."""
+    c = GoodputController(costs=linear_costs(1.0, 0.01), prior=0.02, explore_every=4)
+    first = _explorations(c, "a", 200)
+    c.release("a")
+    second = _explorations(c, "b", 200)
+    assert len(first) >= 4 and len(second) < len(first) / 2, (first, second)
+    assert c._backoff["b"] == MAX_BACKOFF
+    c.release("b")
+    chain = DraftTree.chain([1, 2], None)
+    for _ in range(100):  # a request whose drafts are accepted drafts: the carry is reset
+        c.observe(_report([RequestOutcome("c", DraftBudget(2), 2, 2, False, chain, (0, 1))]))
+    assert c.budgets(views(1), batch(1))[0].max_nodes > 0
+    assert c._carried == 1
+
+
 def test_deep_trees_when_acceptance_is_high_and_rows_are_nearly_free():
     c = GoodputController(budget=16, max_depth=8, costs=linear_costs(1.0, 1e-4), prior=0.95)
     budgets = c.budgets(views(2), batch(2))
