@@ -6,7 +6,7 @@ Each step the engine first schedules the batch (decode rows, prefill chunks), th
 composition; after the step it calls ``observe(report)`` with the step's costs and, per
 request, the budget asked, the nodes proposed and the nodes accepted, kept apart.
 
-Three optional methods:
+Four optional methods:
 
 * ``setup(context)`` once, after the engine is built: a ``ControllerContext`` that can measure
   the target's forward time by rows on this machine (``step_costs()``, cached).
@@ -22,6 +22,12 @@ Three optional methods:
   with the same text, and its estimates still hold. It may be called for an id the controller
   never saw (a request that ended before its first decode step), or without a drafter; a
   controller that raises there is reported, not fatal.
+* ``keep_drafting(request, recompute_tokens) -> bool`` when a request is admitted with a prefix
+  hit its drafter cannot restore in full (a drafter kept off never made its own KV of those
+  pages): True, the target recomputes those ``recompute_tokens`` so that the drafter hears of
+  them and may draft for the request; False, the target reuses its cached KV and the request
+  decodes without drafts until it ends or is preempted (outputs are the same either way).
+  Without the method: True.
 """
 
 from __future__ import annotations

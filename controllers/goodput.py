@@ -215,6 +215,14 @@ class GoodputController:
                 "+".join(a): self.depths[a].summary(min(self.max_depth, 6)) for a in self.arms}
         return out
 
+    def keep_drafting(self, request: RequestView, recompute_tokens: int) -> bool:
+        """Recompute a prefix hit the drafter cannot restore only while drafting pays now: the
+        plan for a lone request at its frontier (the request's own acceptance if known, else
+        the drafter's) drafts with some arm. A drafter the plan keeps off would only cost the
+        recomputed prefill."""
+        lone = BatchComposition(1, 0, 0, 0, max(self.budget, 1))
+        return any(max(self._plan([request], lone, arm)[1]) > 0 for arm in self.arms)
+
     def _gains(self, request_id: str, arm) -> list[float]:
         """Chain gains by depth, cut after the first below GAIN_FLOOR: a node accepted less
         than once in a hundred steps pays nowhere (a row costs more than 1 % of a step on any

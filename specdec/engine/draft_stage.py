@@ -186,12 +186,33 @@ class DraftStage:
             if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got <= len(keys):
                 raise plugins.PluginError(f"restore must return an int in [0, {len(keys)}] "
                                           f"(pages restored), got {got!r}")
-            return got
         except Exception as e:
             self._report(f"drafter {self.name} failed in restore: {e!r}; request "
                          f"{seq.request_id!r} computes its cached prefix instead")
             self._drop_state(seq)
             return 0
+        missing = (len(keys) - got) * self.kv.page_size
+        if missing and not self._keep_drafting(seq, missing):
+            self._drop_state(seq)  # the target reuses the whole hit; no drafts for this request
+            self.undrafted.add(seq.request_id)
+            return len(keys)
+        return got
+
+    def _keep_drafting(self, seq: Sequence, recompute_tokens: int) -> bool:
+        """The controller's optional ``keep_drafting``: recompute what the drafter could not
+        restore (True, the default), or reuse it and decode this request without drafts."""
+        ask = getattr(self.controller, "keep_drafting", None)
+        if ask is None:
+            return True
+        try:
+            keep = ask(_view(seq), recompute_tokens)
+            if not isinstance(keep, bool):
+                raise plugins.PluginError(f"keep_drafting must return a bool, got {keep!r}")
+        except Exception as e:
+            self._report(f"controller {self.controller.name!r} failed in keep_drafting: {e!r}; "
+                         f"request {seq.request_id!r} computes its cached prefix for the drafter")
+            return True
+        return keep
 
     def _ensure_states(self, records: list[StepRequest]) -> list[Sequence]:
         """Per-request drafter state from a request's first step on (and after preemption)."""

@@ -19,6 +19,8 @@ from drafter_helpers import random_block_diffusion, random_head
 from test_mtp import random_heads
 
 from specdec import LLM, SamplingParams
+from specdec.controllers.base import DraftBudget
+from specdec.controllers.static import StaticController
 from specdec.drafters.base import BaseDrafter
 from specdec.drafters.draft_model import DraftModelDrafter
 from specdec.hookspecs import hookimpl
@@ -251,3 +253,79 @@ def test_hidden_layers_are_checked_at_start_up(target, monkeypatch, layers):
     with pytest.raises(ValueError, match=r"'badlayers'.*hidden_layers"):  # in a composition too
         LLM(model=str(target[0]), dtype="float64", drafter="ngram+badlayers",
             plugins=(_StatelessPlugin(),))
+
+
+class _KeepOff(StaticController):
+    """Static budgets; ``keep`` answers keep_drafting (None: the method is absent)."""
+
+    name = "keepoff"
+    keep: bool | None = False
+    asked: list = []
+
+    def __getattribute__(self, name):
+        if name == "keep_drafting" and type(self).keep is None:
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+    def keep_drafting(self, request, recompute_tokens):
+        type(self).asked.append((request.request_id, recompute_tokens))
+        return type(self).keep
+
+
+class _KeepOffPlugin:
+    @hookimpl
+    def specdec_controllers(self):
+        return {"keepoff": _KeepOff}
+
+
+@pytest.mark.parametrize("keep", [False, True, None])
+def test_a_hit_the_drafter_cannot_restore_is_reused_when_the_controller_keeps_it_off(
+        target, monkeypatch, keep):
+    """A drafter restoring half of a hit: the controller's keep_drafting decides whether the
+    target recomputes the other half for it (True, or no such method) or reuses it all and the
+    request decodes without drafts (False); the tokens are the uncached run's either way."""
+    monkeypatch.setattr(_Restorer, "how", "half")
+    monkeypatch.setattr(_KeepOff, "keep", keep)
+    monkeypatch.setattr(_KeepOff, "asked", [])
+    folder = target[0]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    first = _rounds(2)
+    runs = {}
+    for caching in (False, True):
+        llm = LLM(model=str(folder), dtype="float64", drafter="restorer",
+                  drafter_args={"early_exit_layers": 1, "max_depth": 3}, controller="keepoff",
+                  controller_args={"budget": 3}, page_size=PAGE, enable_prefix_caching=caching,
+                  plugins=(_Plugin(), _KeepOffPlugin()))
+        llm.generate(first, params)
+        runs[caching] = llm.generate([p + [7, 8, 9, 10, 11] for p in first], params)
+        assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    cached = [o.metrics.num_cached_tokens for o in runs[True]]
+    proposed = [o.metrics.draft_tokens_proposed for o in runs[True]]
+    plain = LLM(model=str(folder), dtype="float64", page_size=PAGE)  # the hits without drafter
+    plain.generate(first, params)
+    full = [o.metrics.num_cached_tokens for o in plain.generate([p + [7, 8, 9, 10, 11]
+                                                                 for p in first], params)]
+    assert all(full)
+    if keep is False:
+        assert cached == full and proposed == [0, 0]
+        assert _KeepOff.asked and all(n > 0 for _, n in _KeepOff.asked)
+    else:
+        assert all(0 < c < f for c, f in zip(cached, full)) and all(proposed)
+        assert bool(_KeepOff.asked) == (keep is True)
+
+
+def test_goodput_keeps_drafting_while_drafting_pays():
+    from specdec.controllers.base import RequestOutcome, RequestView, StepReport
+    from specdec.controllers.goodput import GoodputController
+    from specdec.engine.costs import StepCosts
+
+    costs = StepCosts([1, 2, 4, 8, 16], [0.004, 0.0045, 0.0055, 0.0075, 0.0115])
+    view = RequestView("new", 50, 0, 0, 0, (), 0, 0)
+    c = GoodputController(prior=0.9, costs=costs)
+    assert c.keep_drafting(view, 64)  # nothing known: the prior says drafting pays
+    chain = DraftTree.chain([1, 2, 3], None)
+    for _ in range(200):  # nothing it drafts is accepted: drafting is off
+        c.observe(StepReport(0.001, 0.004, 0.0, 0.005, 4, 1, 0, (RequestOutcome(
+            "r", DraftBudget(3, 3), 3, 0, False, chain, ()),), {}))
+    assert not c.keep_drafting(view, 64)
