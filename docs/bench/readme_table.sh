@@ -7,7 +7,7 @@
 #
 # Run it from the repository root with the README's venv, nothing else heavy running:
 #
-#   bash docs/bench/readme_table.sh        # ~25 min on 2 cores; N, TOK, DATA, DRAFTERS, OUT override
+#   bash docs/bench/readme_table.sh        # ~3 min on 2 cores; N, TOK, DATA, DRAFTERS, OUT override
 #
 # Writes to $OUT (default docs/bench/results/<date>-<cpu>/readme_table/): lscpu.txt,
 # float.json / q8.json and their logs, and table.md, which goes into README.md as it is.

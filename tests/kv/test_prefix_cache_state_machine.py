@@ -8,7 +8,7 @@ Copy-on-write copies that list (``make_writable``'s pairs); nothing else changes
 pool hands out again, or a cached page whose key lies about its content, shows up as a running
 request reading the wrong KV or a key naming other tokens.
 
-Rules follow the engine and the scheduler (``Scheduler._reuse_prefix``, ``LLMEngine._register``):
+Rules follow the engine and the scheduler (``Scheduler._reuse_prefix``, ``CommitStage._register``):
 admit (look up the capped keys, adopt the hit if the rest fits, a drafter restoring fewer pages,
 reserve, compute the rest, register full pages), decode with a draft tree (reserve draft slots,
 write drafts, keep the accepted ones, truncate), fork + copy-on-write, truncate (dropping draft
