@@ -24,6 +24,15 @@ def fma_rate() -> float:
     return 2048 ** 3 / min(_time(lambda: a @ b) for _ in range(3))
 
 
+def int8_rate() -> float:
+    """int8 multiply-adds per second of a large square int8 matmul (torch's own int8 GEMM:
+    AMX or VNNI where the CPU has them), all threads, best of 3."""
+    a = torch.randint(-127, 128, (2048, 2048), dtype=torch.int8)
+    b = torch.randint(-127, 128, (2048, 2048), dtype=torch.int8)
+    torch._int_mm(a, b)
+    return 2048 ** 3 / min(_time(lambda: torch._int_mm(a, b)) for _ in range(3))
+
+
 def _time(fn) -> float:
     t0 = time.perf_counter()
     fn()

@@ -56,6 +56,8 @@ def print_report(report: dict) -> None:
     if report.get("step_budget"):
         tables.append(("step budget (ms per step; forward beside its memory-bound time)",
                        BUDGET_HEADER, budget_rows(report["step_budget"])))
+        tables.append(("forward rows and drafting beside the physics (ms)", PHYSICS_HEADER,
+                       physics_rows(report["step_budget"])))
     try:
         from rich.console import Console
         from rich.table import Table
@@ -89,6 +91,22 @@ def budget_rows(budget: dict) -> list[tuple]:
                          *(fmt(ms[k], ".3f") for k in ("schedule", "draft", "forward", "verify",
                                                        "commit", "feedback", "other", "step")),
                          fmt(ms["forward"] / bound if bound else None, ".2f")))
+    return rows
+
+
+PHYSICS_HEADER = ("system", "T(1)", "T(2)", "T(4)", "T(8)", "T(16)", "memory-bound",
+                  "extra row", "row compute-bound", "draft d=1 / 2 / 4")
+
+
+def physics_rows(budget: dict) -> list[tuple]:
+    rows = []
+    for name, s in budget["systems"].items():
+        t = s["forward_rows_ms"]
+        draft = s.get("draft_ms_by_depth")
+        rows.append((name, *(fmt(t[n], ".2f") for n in sorted(t, key=int)),
+                     fmt(s["forward_memory_bound_ms"], ".2f"), fmt(s["extra_row_ms"], ".2f"),
+                     fmt(s["row_compute_bound_ms"], ".3f"),
+                     " / ".join(fmt(v, ".2f") for v in draft.values()) if draft else "-"))
     return rows
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdec.models.native import FORMATS, Kernels, Panels
+from specdec.models.native import ABI, FORMATS, Kernels, Panels
 
 
 class PreparedLinears:
@@ -36,7 +36,9 @@ class PreparedLinears:
         # (data_ptr, shape, dtype, version) -> panels: a weight updated in place is prepared
         # again, a new tensor at a reused address never matches a stale entry's version
         self._panels: dict[tuple, Panels] = {}
-        self.key = "invariant panels (specdec/native/linear.c)"
+        # names the build and the q8 instruction set: step costs profiled with other kernels
+        # (specdec.engine.step_profile caches them under this key) are not reused
+        self.key = f"invariant panels (specdec/native ABI {ABI}, q8 {kernels.q8_isa})"
         self.from_cache = False
         self.tuned_seconds = 0.0
 

@@ -76,7 +76,12 @@ def test_bench_plain_baseline_multi_turn(tmp_path, chat_model, dataset, capsys):
         assert plain["steps"] > 0 and plain["ms"]["forward"] > 0
         assert plain["ms"]["step"] == pytest.approx(sum(
             v for k, v in plain["ms"].items() if k != "step"))
-    assert "step budget" in out
+    assert "step budget" in out and "beside the physics" in out
+    assert budget["fp32_macs_per_s"] > 0 and budget["int8_macs_per_s"] > 0
+    for system in budget["systems"].values():
+        rows = system["forward_rows_ms"]
+        assert set(rows) == {"1", "2", "4", "8", "16"} and all(v > 0 for v in rows.values())
+        assert system["row_compute_bound_ms"] > 0 and system["draft_ms_by_depth"] is None
 
 
 def test_bench_hf_pld_no_baseline(tmp_path, chat_model, dataset):

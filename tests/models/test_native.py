@@ -107,3 +107,11 @@ def test_prepared_linears_route_by_dtype_and_grad():
     with torch.no_grad():
         w.mul_(2.0)  # updated in place: prepared again, never stale
     torch.testing.assert_close(mm(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_the_kernels_key_names_the_build_and_the_q8_instruction_set():
+    """Step costs are cached under this key (specdec.engine.step_profile): costs profiled with
+    another build or instruction set must not be reused."""
+    key = PreparedLinears(KERNELS).key
+    assert f"ABI {native.ABI}" in key and f"q8 {KERNELS.q8_isa}" in key
