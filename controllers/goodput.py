@@ -216,10 +216,10 @@ class GoodputController:
         return out
 
     def keep_drafting(self, request: RequestView, recompute_tokens: int) -> bool:
-        """Recompute a prefix hit the drafter cannot restore only while drafting pays now: the
-        plan for a lone request at its frontier (the request's own acceptance if known, else
-        the drafter's) drafts with some arm. A drafter the plan keeps off would only cost the
-        recomputed prefill."""
+        """Keep what drafting for ``request`` needs (recompute a prefix hit the drafter cannot
+        restore; keep a long-idle request's drafter state) only while drafting pays now: the
+        plan for it alone at its frontier (its own acceptance if known, else the drafter's)
+        drafts with some arm. For a drafter the plan keeps off it would only cost."""
         lone = BatchComposition(1, 0, 0, 0, max(self.budget, 1))
         return any(max(self._plan([request], lone, arm)[1]) > 0 for arm in self.arms)
 

@@ -189,7 +189,7 @@ class LLMEngine:
         if records:
             out = self.runner.forward(build_forward_batch(records, self.config.page_size,
                                                           self.device),
-                                      self.drafting.hidden_layers)
+                                      self.drafting.hidden_layers_for(records))
             times.forwarded = time.perf_counter()
             self.verifying.verify(records, out.logits)
             times.verified = time.perf_counter()

@@ -40,6 +40,7 @@ from specdec.metrics import StepStats
 from specdec.tree import DraftTree
 
 logger = logging.getLogger("specdec")
+IDLE_CHECK = 32  # decode steps at budget 0 between two keep_drafting questions
 
 
 class DraftStage:
@@ -62,6 +63,7 @@ class DraftStage:
         # next time; requests whose on_verified raised so, no more drafting until release
         self.suspects: set[str] = set()
         self.undrafted: set[str] = set()
+        self.idle: dict[str, int] = {}  # request id -> decode steps in a row with budget 0
 
     @property
     def name(self) -> str:
@@ -74,6 +76,13 @@ class DraftStage:
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         return tuple(self.drafter.hidden_layers) if self.drafter is not None else ()
+
+    def hidden_layers_for(self, records: list[StepRequest]) -> tuple[int, ...]:
+        """The target layers to capture in this step's forward: none when no request of it
+        has drafter state (no drafter, or every request decodes without one)."""
+        if not any(r.seq.drafter_ready for r in records):
+            return ()
+        return self.hidden_layers
 
     # ---- budgets ---------------------------------------------------------------------------
 
@@ -95,10 +104,30 @@ class DraftStage:
         self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
         self.batch = batch
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
-        return [b.clip(0 if s.request_id in self.undrafted else
-                       min(self.max_model_len - s.num_tokens,
-                           s.params.max_tokens - s.num_output_tokens - 1))
-                for b, s in zip(wanted, frontier)]
+        out = [b.clip(0 if s.request_id in self.undrafted else
+                      min(self.max_model_len - s.num_tokens,
+                          s.params.max_tokens - s.num_output_tokens - 1))
+               for b, s in zip(wanted, frontier)]
+        self._stop_idle([s for s, b in zip(frontier, out) if b.max_nodes == 0],
+                        [s for s, b in zip(frontier, out) if b.max_nodes > 0])
+        return out
+
+    def _stop_idle(self, idle: list[Sequence], drafting: list[Sequence]) -> None:
+        """A request kept at budget 0 for IDLE_CHECK decode steps in a row asks the controller's
+        ``keep_drafting`` (nothing to recompute): False, and it decodes on without its drafter
+        state — no more features kept, no layers captured for it, no on_verified (outputs
+        unchanged; the controller had stopped drafting for it anyway)."""
+        for seq in drafting:
+            self.idle.pop(seq.request_id, None)
+        for seq in idle:
+            rid = seq.request_id
+            if rid in self.undrafted or not seq.drafter_ready:
+                continue
+            self.idle[rid] = self.idle.get(rid, 0) + 1
+            if self.idle[rid] % IDLE_CHECK == 0 and not self._keep_drafting(seq, 0):
+                self._drop_state(seq)
+                self.undrafted.add(rid)
+                self.idle.pop(rid, None)
 
     # ---- propose ---------------------------------------------------------------------------
 
@@ -292,6 +321,7 @@ class DraftStage:
         from scratch (preemption: its drafter state is rebuilt, so it may draft again)."""
         self.suspects.discard(seq.request_id)
         self.undrafted.discard(seq.request_id)
+        self.idle.pop(seq.request_id, None)
         self._drop_state(seq)
 
     def _drop_state(self, seq: Sequence) -> None:

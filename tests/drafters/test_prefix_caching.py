@@ -329,3 +329,37 @@ def test_goodput_keeps_drafting_while_drafting_pays():
         c.observe(StepReport(0.001, 0.004, 0.0, 0.005, 4, 1, 0, (RequestOutcome(
             "r", DraftBudget(3, 3), 3, 0, False, chain, ()),), {}))
     assert not c.keep_drafting(view, 64)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_request_kept_idle_drops_its_drafter_state_when_the_controller_says_so(
+        target, monkeypatch, keep):
+    """Budget 0 for 32 decode steps in a row: keep_drafting is asked (nothing to recompute);
+    False drops the request's drafter state (its pages back, no layers captured, no
+    on_verified), True keeps it; the tokens are the same either way."""
+    from specdec.engine import draft_stage
+
+    monkeypatch.setattr(_KeepOff, "keep", keep)
+    monkeypatch.setattr(_KeepOff, "asked", [])
+    captured = []
+    folder = target[0]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    llm = LLM(model=str(folder), dtype="float64", drafter="eagle3",
+              drafter_args={"head": random_head(target[1], target[2], target[3]), "depth": 2},
+              controller="keepoff", controller_args={"budget": 0}, page_size=PAGE,
+              plugins=(_KeepOffPlugin(),))
+    original = llm.engine.runner.forward
+    monkeypatch.setattr(llm.engine.runner, "forward", lambda batch, layers=(): (
+        captured.append(layers), original(batch, layers))[1])
+    out = llm.generate([[3, 1, 4, 1, 5, 9, 2, 6]], params)[0]
+    plain = LLM(model=str(folder), dtype="float64").generate([[3, 1, 4, 1, 5, 9, 2, 6]], params)[0]
+    assert out.token_ids == plain.token_ids
+    assert [n for _, n in _KeepOff.asked] == ([0] if not keep else [0, 0])
+    steps_with_layers = sum(1 for layers in captured if layers)
+    if keep:
+        assert steps_with_layers == len(captured)
+    else:  # the prefill step and 31 decode steps; the 32nd asks first, then none captures
+        assert steps_with_layers == draft_stage.IDLE_CHECK < len(captured)
+    assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
+    for r in llm.engine.drafter_runners:
+        assert r.kv.num_free_pages == r.kv.num_pages
