@@ -34,9 +34,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from specdec.bench.budget import snapshot, step_budget
 from specdec.bench.data import Item, first_turn_items, load_questions, next_turn_items
 from specdec.bench.llamacpp import LLAMA_CPP_BASELINES, LlamaCppSystem, gguf_path
-from specdec.bench.physics import bandwidth_gbs, fma_rate, int8_rate
 from specdec.bench.timing import Out, one_by_one
 from specdec.engine.llm import LLM
 from specdec.models import native
@@ -205,7 +205,8 @@ def run_bench(args) -> dict:
     total = args.repeats * sum(1 for q in questions for _ in q.turns[:num_turns])
     _warmup(systems, items, args)
     start = _totals(systems["engine"])  # draft share over the timed runs only
-    budgets = {name: _budget(s) for name, s in systems.items() if isinstance(s, EngineSystem)}
+    engines = {name: s.llm.engine for name, s in systems.items() if isinstance(s, EngineSystem)}
+    budgets = snapshot(engines)
     tallies = {name: Tally(args.repeats) for name in systems}
     with tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr) as bar:
         for turn in range(num_turns):
@@ -217,7 +218,7 @@ def run_bench(args) -> dict:
     draft = _share(start, _totals(systems["engine"]))
     report = build_report(args, tallies, questions, draft)
     report["runtime"] = runtime_info(systems["engine"].llm.engine)
-    report["step_budget"] = step_budget(systems, budgets)
+    report["step_budget"] = step_budget(engines, budgets)
     # warm-up and repeats run the same prompts: with the cache on, timed runs reuse their
     # prompts' full pages (the hit rate says how much)
     report["prefix_cache"] = systems["engine"].llm.engine.totals.prefix_summary()
@@ -244,51 +245,6 @@ def runtime_info(engine) -> dict:
 def _totals(system: EngineSystem) -> tuple[float, float]:
     t = system.llm.engine.totals
     return t.draft_seconds, t.step_seconds
-
-
-def _budget(system: EngineSystem) -> dict:
-    return copy.deepcopy(system.llm.engine.totals.budget)
-
-
-BUDGET_ROWS = (1, 2, 4, 8, 16)
-
-
-def step_budget(systems: dict, before: dict) -> dict:
-    """Per engine system and step kind, over the timed runs: ms per step by part (schedule,
-    draft, forward, verify, commit, feedback, other: they add up to the step), rows per step.
-    Beside them the physics measured here: the forward's memory-bound time (the weight bytes
-    a forward streams / the stream bandwidth), T(rows) of the target forward (the engine's
-    step profile) with the cost of an extra row against its compute-bound time (the target's
-    multiply-adds per row / the rate of that arithmetic: torch's fp32 or int8 GEMM), and the
-    drafter's fitted draft time by depth (goodput)."""
-    rates = {"bandwidth_gbs": bandwidth_gbs(), "fp32_macs_per_s": fma_rate(),
-             "int8_macs_per_s": int8_rate()}
-    out = {**rates, "systems": {}}
-    for name, old in before.items():
-        engine = systems[name].llm.engine
-        kinds = {}
-        for kind, b in engine.totals.budget.items():
-            got = b.minus(old[kind]) if kind in old else b
-            if got.steps:
-                kinds[kind] = got.per_step_ms()
-        out["systems"][name] = {"kinds": kinds, **_forward_physics(engine, rates)}
-    return out
-
-
-def _forward_physics(engine, rates: dict) -> dict:
-    costs = engine.step_costs()
-    ms = {n: 1e3 * costs.seconds(n) for n in BUDGET_ROWS}
-    macs = sum(w.numel() for w in engine.model.matrices())
-    rate = rates["int8_macs_per_s" if engine.activations == "q8" else "fp32_macs_per_s"]
-    draft = getattr(engine.drafting.controller, "draft", None)
-    return {
-        "forward_memory_bound_ms": engine.weight_bytes_per_forward / rates["bandwidth_gbs"] / 1e6,
-        "forward_rows_ms": {str(n): v for n, v in ms.items()},  # JSON keys
-        "extra_row_ms": (ms[8] - ms[1]) / 7,
-        "row_compute_bound_ms": 1e3 * macs / rate,
-        "draft_ms_by_depth": ({str(d): 1e3 * draft(d) for d in (1, 2, 4)}
-                              if engine.drafting.drafter is not None and callable(draft) else None),
-    }
 
 
 def _share(before: tuple[float, float], after: tuple[float, float]) -> float | None:

@@ -5,7 +5,8 @@
     core.py           LLMEngine: requests in; step() = schedule -> draft -> forward -> verify ->
                       output -> commit -> feedback
     scheduler.py      continuous batching: which requests run, with how many tokens and slots
-    draft_stage.py    controller budgets, drafter proposals and feedback
+    draft_stage.py    controller budgets, drafter proposals and feedback (drafter_setup.py:
+                      the drafter and controller made from the registries, checked)
     batch.py          one packed target forward for every request's rows and tree nodes
     verify_stage.py   one verifier call for every request at its frontier
     output_stage.py   tokens appended, stop conditions (detokenizer.py: text, incrementally)

@@ -22,7 +22,7 @@ from specdec.config import EngineConfig
 from specdec.controllers.base import ControllerContext
 from specdec.drafters.base import TargetInfo
 from specdec.engine.costs import StepCosts
-from specdec.engine.draft_stage import create_drafter_and_controller
+from specdec.engine.drafter_setup import create_drafter_and_controller
 from specdec.engine.memory import KVSplit, split_kv
 from specdec.engine.runner import ModelRunner
 from specdec.engine.step_profile import engine_step_costs

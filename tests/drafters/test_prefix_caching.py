@@ -363,3 +363,74 @@ def test_a_request_kept_idle_drops_its_drafter_state_when_the_controller_says_so
     assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
     for r in llm.engine.drafter_runners:
         assert r.kv.num_free_pages == r.kv.num_pages
+
+
+class _DraftThenStop(StaticController):
+    """Budget 3 for the first 10 steps, then 0; keep_drafting answers no: the request drafts,
+    then (32 idle steps later) drops its drafter state mid-request."""
+
+    name = "draftthenstop"
+
+    def __init__(self, **kw):
+        super().__init__(budget=3)
+        self.calls = 0
+
+    def budgets(self, requests, batch):
+        self.calls += 1
+        out = super().budgets(requests, batch)
+        return out if self.calls <= 10 else [DraftBudget(0)] * len(requests)
+
+    def keep_drafting(self, request, recompute_tokens):
+        return False
+
+
+class _DraftThenStopPlugin:
+    @hookimpl
+    def specdec_controllers(self):
+        return {"draftthenstop": _DraftThenStop}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_request_that_drafted_then_drops_its_state_stays_lossless(target, temperature):
+    """Drafting, then idle, then decoding without drafter state: greedy tokens (float64) and
+    seeded sampled tokens (per-position noise) are plain decoding's, no page is left."""
+    folder, model, cfg, hf = target
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=70, ignore_eos=True)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2, 8]]
+    llm = LLM(model=str(folder), dtype="float64", drafter="eagle3",
+              drafter_args={"head": random_head(model, cfg, hf), "depth": 3, "topk": 2},
+              controller="draftthenstop", page_size=PAGE, plugins=(_DraftThenStopPlugin(),))
+    got = llm.generate(prompts, params)
+    want = LLM(model=str(folder), dtype="float64").generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert all(o.metrics.draft_tokens_proposed > 0 for o in got)
+    assert llm.engine.drafting.undrafted == set() and llm.engine.drafting.idle == {}
+    assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
+    for r in llm.engine.drafter_runners:
+        assert r.kv.num_free_pages == r.kv.num_pages
+
+
+@pytest.mark.parametrize("answer", ["yes", RuntimeError("controller bug")])
+def test_a_controller_failing_in_keep_drafting_is_reported_and_the_prefix_recomputed(
+        target, monkeypatch, answer):
+    monkeypatch.setattr(_Restorer, "how", "half")
+
+    def keep_drafting(self, request, recompute_tokens):
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(_KeepOff, "keep_drafting", keep_drafting)
+    monkeypatch.setattr(_KeepOff, "keep", True)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(model=str(target[0]), dtype="float64", drafter="restorer",
+              drafter_args={"early_exit_layers": 1, "max_depth": 3}, controller="keepoff",
+              controller_args={"budget": 3}, page_size=PAGE, plugins=(_Plugin(), _KeepOffPlugin()))
+    first = _rounds(2)
+    with pytest.warns(RuntimeWarning, match="failed in keep_drafting"):
+        llm.generate(first, params)  # the second prompt hits the first's head already
+        outs = llm.generate([p + [7, 8, 9, 10, 11] for p in first], params)
+    assert [o.error for o in outs] == [None, None]
+    assert all(o.metrics.draft_tokens_proposed > 0 for o in outs)  # still drafting
+    assert any("keep_drafting must return a bool" in e or "controller bug" in e
+               for e in llm.engine.drafting.errors + llm.engine.plugin_errors)

@@ -1,0 +1,56 @@
+"""The step budget of ``specdec bench``: each engine's ms per step by part and step kind over
+the timed runs (``specdec.metrics.StepBudget``), beside the physics measured here
+(``specdec.bench.physics``): the forward's memory-bound time, T(rows), an extra row against
+its multiply-adds at the measured GEMM rate, and the drafter's fitted draft time by depth."""
+
+from __future__ import annotations
+
+import copy
+
+from specdec.bench.physics import bandwidth_gbs, fma_rate, int8_rate
+
+
+def snapshot(engines: dict) -> dict:
+    """Each engine's step budget so far (name -> kind -> StepBudget), to subtract later."""
+    return {name: copy.deepcopy(e.totals.budget) for name, e in engines.items()}
+
+
+BUDGET_ROWS = (1, 2, 4, 8, 16)
+
+
+def step_budget(engines: dict, before: dict) -> dict:
+    """Per engine system and step kind, over the timed runs: ms per step by part (schedule,
+    draft, forward, verify, commit, feedback, other: they add up to the step), rows per step.
+    Beside them the physics measured here: the forward's memory-bound time (the weight bytes
+    a forward streams / the stream bandwidth), T(rows) of the target forward (the engine's
+    step profile) with the cost of an extra row against its compute-bound time (the target's
+    multiply-adds per row / the rate of that arithmetic: torch's fp32 or int8 GEMM), and the
+    drafter's fitted draft time by depth (goodput)."""
+    rates = {"bandwidth_gbs": bandwidth_gbs(), "fp32_macs_per_s": fma_rate(),
+             "int8_macs_per_s": int8_rate()}
+    out = {**rates, "systems": {}}
+    for name, old in before.items():
+        engine = engines[name]
+        kinds = {}
+        for kind, b in engine.totals.budget.items():
+            got = b.minus(old[kind]) if kind in old else b
+            if got.steps:
+                kinds[kind] = got.per_step_ms()
+        out["systems"][name] = {"kinds": kinds, **_forward_physics(engine, rates)}
+    return out
+
+
+def _forward_physics(engine, rates: dict) -> dict:
+    costs = engine.step_costs()
+    ms = {n: 1e3 * costs.seconds(n) for n in BUDGET_ROWS}
+    macs = sum(w.numel() for w in engine.model.matrices())
+    rate = rates["int8_macs_per_s" if engine.activations == "q8" else "fp32_macs_per_s"]
+    draft = getattr(engine.drafting.controller, "draft", None)
+    return {
+        "forward_memory_bound_ms": engine.weight_bytes_per_forward / rates["bandwidth_gbs"] / 1e6,
+        "forward_rows_ms": {str(n): v for n, v in ms.items()},  # JSON keys
+        "extra_row_ms": (ms[8] - ms[1]) / 7,
+        "row_compute_bound_ms": 1e3 * macs / rate,
+        "draft_ms_by_depth": ({str(d): 1e3 * draft(d) for d in (1, 2, 4)}
+                              if engine.drafting.drafter is not None and callable(draft) else None),
+    }
