@@ -12,7 +12,7 @@ The engine (``specdec.engine.core``) only steps over these parts.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -22,7 +22,7 @@ from specdec.config import EngineConfig
 from specdec.controllers.base import ControllerContext
 from specdec.drafters.base import TargetInfo
 from specdec.engine.costs import StepCosts
-from specdec.engine.drafter_setup import create_drafter_and_controller
+from specdec.engine.drafter_setup import create_drafter_and_controller, drafter_sources
 from specdec.engine.memory import KVSplit, split_kv
 from specdec.engine.runner import ModelRunner
 from specdec.engine.step_profile import engine_step_costs
@@ -67,7 +67,10 @@ class EngineParts:
     kernels: LinearKernels | PreparedLinears | None = None
     cache_namespace: str = ""  # everything that changes the KV a token sequence leaves
     tier: DiskTier | HostTier | None = None
-    sources: tuple[str, ...] = field(default=())  # a composed drafter's member names
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return drafter_sources(self.drafter)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -119,7 +122,6 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
                         _runner(config, model, "target"), drafter_runners,
                         VerifyStage.create(pm, config.verifier, cfg.vocab_size),
                         *create_drafter_and_controller(pm, config, target))
-    parts.sources = tuple(d.name for d in getattr(parts.drafter, "drafters", ()))
     parts.kv_split = _allocate_kv(parts)
     _enable_cuda_graphs(parts)
     _prepare_weights(parts)

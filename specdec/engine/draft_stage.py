@@ -29,6 +29,7 @@ from specdec.drafters.base import (
     VerifiedBatch,
     VerifiedRequest,
 )
+from specdec.engine.drafter_setup import drafter_sources
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import StepRequest
 from specdec.kv.block_table import KVCacheManager
@@ -43,8 +44,7 @@ class DraftStage:
                  kv: KVCacheManager) -> None:
         self.drafter = drafter
         self.controller = controller
-        # a composed drafter's member names (what DraftBudget.sources may name); () else
-        self.sources = tuple(d.name for d in getattr(drafter, "drafters", ()))
+        self.sources = drafter_sources(drafter)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.kv = kv  # the target's KV: draft slots a tree does not use go back here

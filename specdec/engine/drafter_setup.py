@@ -72,3 +72,8 @@ def _say_if_no_restore(drafters) -> None:
                 "chat turns, shared system prompts, preempted requests, n > 1 samples); outputs "
                 "are unchanged. See 'Prefix caching' in specdec/drafters/base.py",
                 getattr(d, "name", type(d).__name__), getattr(d, "plugin_name", "?"))
+
+
+def drafter_sources(drafter) -> tuple[str, ...]:
+    """A composed drafter's member names (what DraftBudget.sources may name); () else."""
+    return tuple(d.name for d in getattr(drafter, "drafters", ()))
