@@ -77,8 +77,7 @@ class LLMEngine:
 
     @property
     def activations(self) -> str:
-        """What the GGUF's blocks multiply ("float" | "q8": EngineConfig.activations)."""
-        return self.config.activations
+        return self.parts.activations
 
     @property
     def weight_bytes_per_forward(self) -> int:
