@@ -122,10 +122,21 @@ class BlockDiffusionModel(TokenMap):
         self.rope = RotaryEmbedding(hf_config, config.head_dim, config.max_position_embeddings,
                                     embed.dtype, embed.device)
         self.matmul: Matmul = F.linear
+        # its layer as one compiled call (specdec.models.fused), installed with the kernels
+        # where they run it: one layer (a context row's projections take its fused context,
+        # which sd_layer's qkv_input gives the first layer only)
+        self.fused = None
 
     @property
     def embed(self) -> torch.Tensor:  # what runners read for the dtype
         return self.embed_weight
+
+    def compiled_refusal(self) -> str | None:
+        """Why the compiled layer cannot run this drafter's shape (None: it can)."""
+        if self.config.num_layers != 1:
+            return (f"{self.config.num_layers} layers (the compiled call takes one layer "
+                    f"whose projections read the context rows' features)")
+        return None
 
     def init_from_target(self, target, used_ids: torch.Tensor) -> None:
         """A new drafter that starts close to the target's top: its layers copied from the
@@ -172,6 +183,13 @@ class BlockDiffusionModel(TokenMap):
                 ctx = context_rows[:, None]
                 x = torch.where(ctx, x, x + features)
         cos, sin = self.rope.lookup(positions)
+        key_lists = getattr(backend, "key_lists", None)
+        if self.fused is not None and key_lists and kv_cache is not None and x.shape[0] > 0:
+            h = rms_norm(x, self.layers[0].input_norm, eps)
+            if ctx is not None:
+                h = torch.where(ctx, features, h)
+            x, _ = self.fused.run(x.contiguous(), cos, sin, key_lists(), kv_cache, qkv_input=h)
+            return ForwardOutput(rms_norm(x, self.norm_weight, eps))
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.input_norm, eps)
             if ctx is not None:

@@ -31,10 +31,29 @@ def install_kernels(models: list, choice: str, dtype: torch.dtype, device: torch
     kernels = _choose(models, choice, dtype, device, adopted)
     for m in models:
         m.matmul = kernels
-        if hasattr(m, "fused"):  # a decoder: its layers as compiled calls where covered
-            m.fused = (FusedLayers(kernels.kernels, kernels, m)
-                       if isinstance(kernels, PreparedLinears) and FusedLayers.covers(m) else None)
+        if hasattr(m, "fused"):  # a decoder, a draft head: layers as compiled calls if covered
+            m.fused = None
+            if isinstance(kernels, PreparedLinears):
+                refusal = _refusal(m)
+                if refusal is None:
+                    m.fused = FusedLayers(kernels.kernels, kernels, m)
+                elif models.index(m) > 0:  # a drafter's model (the target's is said elsewhere)
+                    logger.info("%s: the compiled layer call does not take %s; its torch "
+                                "forward runs instead", type(m).__name__, refusal)
     return kernels
+
+
+def _refusal(model) -> str | None:
+    """Why the compiled layer calls cannot run ``model`` (None: they can), naming the shape."""
+    own = getattr(model, "compiled_refusal", None)
+    reason = own() if own is not None else None
+    if reason is None and not FusedLayers.covers(model):
+        c = model.cfg
+        reason = (f"{str(model.embed.dtype).removeprefix('torch.')} on "
+                  f"{model.embed.device.type}, head_dim {c.head_dim}, {c.num_heads} heads over "
+                  f"{c.num_kv_heads} KV heads (it takes float32/bf16/fp16 on the CPU, head_dim "
+                  f"a multiple of 8 up to 512, heads a multiple of the KV heads)")
+    return reason
 
 
 def _choose(models: list, choice: str, dtype: torch.dtype, device: torch.device, adopted):

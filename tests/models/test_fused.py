@@ -111,3 +111,68 @@ def test_an_eagle3_heads_layer_runs_compiled_too(tiny_llama):
     for f, r in zip(*outs):
         torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4)
     assert outs[0][2].abs().sum() > 0
+
+
+def _block_diffusion(llm0: LLM, num_layers: int):
+    from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+
+    model, cfg, hf = llm0.engine.model, llm0.engine.model_config, llm0.engine.hf_config
+    torch.manual_seed(0)
+    c = BlockDiffusionConfig.for_target(cfg, 32, num_layers=num_layers, block_size=4,
+                                        target_layer_ids=(0, 1))
+    bd = BlockDiffusionModel(c, model.embed, hf)
+    bd.init_from_target(model, torch.arange(32))
+    with torch.no_grad():
+        for p in bd.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return bd
+
+
+def test_a_block_diffusion_layer_runs_compiled_too(tiny_llama):
+    """Context rows (their projections read the fused context) then a block of MASK rows over
+    them: compiled, the framework path's states and K/V."""
+    from specdec.attention.block_masks import block_mask
+
+    llm0 = LLM(model=str(tiny_llama), max_model_len=64)
+    bd = _block_diffusion(llm0, 1)
+    llm = LLM(model=str(tiny_llama), max_model_len=64, drafter="block_diffusion",
+              drafter_args={"model": bd})
+    runner = llm.engine.drafter_runners[0]
+    assert runner.model is bd and bd.fused is not None
+    c, n = bd.config, len(PROMPT)
+    feed = [0] * n + [PROMPT[-1]] + [c.mask_id(k) for k in range(1, c.block_size)]
+    features = torch.randn(len(feed), llm0.engine.model_config.hidden_size)
+    context = torch.tensor([True] * n + [False] * c.block_size)
+    outs = []
+    for fused in (True, False):
+        keep, bd.fused = bd.fused, (bd.fused if fused else None)
+        runner.kv.cache.tensor.zero_()
+        table = BlockTable()
+        assert runner.kv.try_reserve(table, len(feed))
+        try:
+            out = runner.forward(runner.pack(
+                [feed], [0], [table], logits="none", positions=[list(range(len(feed)))],
+                masks=[block_mask(0, n, c.block_size)], features=features.clone(),
+                context_rows=context))
+            outs.append((out.final_hidden.clone(), runner.kv.cache.tensor.clone()))
+        finally:
+            runner.kv.release(table)
+            bd.fused = keep
+    for f, r in zip(*outs):
+        torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4)
+    assert outs[0][1].abs().sum() > 0
+
+
+def test_a_shape_the_compiled_call_refuses_runs_the_torch_forward(tiny_llama, caplog):
+    """Two block-diffusion layers: refused by name and shape, said once, drafting still runs."""
+    llm0 = LLM(model=str(tiny_llama), max_model_len=64)
+    bd = _block_diffusion(llm0, 2)
+    with caplog.at_level("INFO", logger="specdec"):
+        llm = LLM(model=str(tiny_llama), max_model_len=64, drafter="block_diffusion",
+                  drafter_args={"model": bd}, controller_args={"budget": 3})
+    said = [r.getMessage() for r in caplog.records if "compiled layer call" in r.getMessage()]
+    assert len(said) == 1 and "BlockDiffusionModel" in said[0] and "2 layers" in said[0], said
+    assert bd.fused is None
+    from specdec import SamplingParams
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert out.metrics.draft_tokens_proposed > 0
