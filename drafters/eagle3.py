@@ -9,7 +9,7 @@ true features (``num_cached``) and the target features of committed tokens it ha
    distribution ranks the first draft level (candidates for token N).
 2. expansion, for each further level: the ``topk`` candidates of the previous level with the
    highest cumulative draft probability get a row each (feature: their parent's row output,
-   position N-1+level, attending to the prefix and their own ancestors' rows: ``nodes_mask``),
+   position N-1+level, attending to the prefix and their own ancestors' rows),
    and each contributes its top-k children as candidates of the next level. A level runs only
    for the candidates whose children some request's budget could still take (``_useful``).
 3. the tree: the ``budget`` candidates with the highest cumulative probability (ancestor-closed,
@@ -31,7 +31,7 @@ from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, Verifie
 from specdec.kv.block_table import BlockTable
 from specdec.kv.prefix import next_token_key
 from specdec.models.eagle3 import Eagle3Head
-from specdec.tree import DraftTree, nodes_mask
+from specdec.tree import DraftTree
 
 
 @dataclass
@@ -170,6 +170,8 @@ class Eagle3Drafter(BaseDrafter):
         top_i, top_v = _host_topk(logp, k)
         levels = [[_Level([-1] * k, top_i[b], top_v[b])] for b in range(len(reqs))]
         rows: list[list[tuple[int, int]]] = [[] for _ in reqs]
+        # per request, per expanded row: its mask over the rows so far (ancestors and itself)
+        seen: list[list[list[bool]]] = [[] for _ in reqs]
         depths = [min(self.depth, r.budget.depth_limit) for r in reqs]
         parent_y = y  # the last forward's outputs; request b's catch-up row is row b of y
         out_row = [{-1: b} for b in range(len(reqs))]  # per request: rows[b] index -> row
@@ -178,8 +180,8 @@ class Eagle3Drafter(BaseDrafter):
                      for b, r in enumerate(reqs)]
             if not any(picks):
                 break
-            out, out_row = self._forward_level(reqs, levels, rows, picks, parent_y, out_row,
-                                               level)
+            out, out_row = self._forward_level(reqs, levels, rows, seen, picks, parent_y,
+                                               out_row, level)
             parent_y = out.final_hidden
             top_i, top_v = _host_topk(out.logits.log_softmax(-1), k)
             for b, pick in enumerate(picks):
@@ -196,12 +198,15 @@ class Eagle3Drafter(BaseDrafter):
                 levels[b].append(_Level(parent, token, lp))
         return levels, rows
 
-    def _forward_level(self, reqs, levels, rows, picks, parent_y, out_row, level: int):
-        """One row per pick of every request that has picks, batched; extends ``rows``.
-        Returns the forward's output and, per request, its new rows' rows[b] index -> row of
-        that output (each row's feature is its parent's output row in ``out_row``)."""
+    def _forward_level(self, reqs, levels, rows, seen, picks, parent_y, out_row, level: int):
+        """One row per pick of every request that has picks, batched; extends ``rows`` and
+        ``seen`` (each row's ancestors-or-self among the expanded rows, as host lists: no tree
+        object or tensor op per row). Returns the forward's output and, per request, its new
+        rows' rows[b] index -> row of that output (each row's feature is its parent's output
+        row in ``out_row``)."""
         feeds, starts, positions, masks, tables, feat_rows = [], [], [], [], [], []
         new_row: list[dict[int, int]] = [{} for _ in reqs]
+        d2t = self._d2t
         for b, r in enumerate(reqs):
             pick = picks[b]
             if not pick:
@@ -209,20 +214,28 @@ class Eagle3Drafter(BaseDrafter):
             n = len(r.token_ids)
             cand = levels[b][-1]
             prev_rows = len(rows[b])
+            total = prev_rows + len(pick)
+            mask_rows = []
             for j, c in enumerate(pick):
                 rows[b].append((level - 1, c))
                 new_row[b][prev_rows + j] = len(feat_rows)
                 feat_rows.append(out_row[b][cand.parent[c]])
-            tree = _row_tree(levels[b], rows[b])
-            feeds.append([cand.token[c] for c in pick])  # draft ids; mapped below
+                parent = cand.parent[c]  # its parent's expanded row (-1: the catch-up row)
+                above = seen[b][parent] if parent >= 0 else []
+                own = above + [False] * (total - len(above))
+                own[prev_rows + j] = True
+                seen[b].append(own)
+                mask_rows.append(own)
+            tail = torch.tensor(mask_rows, dtype=torch.bool).reshape(len(pick), total)
+            mask = torch.ones(len(pick), n - 1 + total, dtype=torch.bool)
+            mask[:, n - 1:] = tail
+            feeds.append([cand.token[c] + d2t[cand.token[c]] for c in pick])  # target ids
             starts.append(n - 1 + prev_rows)
             positions.append([n - 1 + level - 1] * len(pick))
-            masks.append(nodes_mask(tree, n - 1, torch.arange(prev_rows, prev_rows + len(pick))))
+            masks.append(mask)
             tables.append(r.state.table)
-        d2t = self._d2t
-        ids = [[t + d2t[t] for t in f] for f in feeds]  # the target's ids (its embedding)
         features = parent_y.index_select(0, torch.tensor(feat_rows, device=parent_y.device))
-        batch = self.runner.pack(ids, starts, tables, logits="all", positions=positions,
+        batch = self.runner.pack(feeds, starts, tables, logits="all", positions=positions,
                                  masks=masks, features=features)
         return self.runner.forward(batch), new_row
 
@@ -283,17 +296,6 @@ def _parent_of(levels: list[_Level], rows: list[tuple[int, int]], lc: tuple[int,
     lv, c = lc
     p = levels[lv].parent[c]
     return None if p < 0 else rows[p]
-
-
-def _row_tree(levels: list[_Level], rows: list[tuple[int, int]]) -> DraftTree:
-    """The tree of expanded rows (row j's parent is its candidate's parent's row)."""
-    index = {lc: j for j, lc in enumerate(rows)}
-    parents = []
-    for lc in rows:
-        p = _parent_of(levels, rows, lc)
-        parents.append(-1 if p is None else index[p])
-    return DraftTree(torch.zeros(len(rows), dtype=torch.int64),
-                     torch.tensor(parents, dtype=torch.int64))
 
 
 def load_head(path: str | None, target: TargetInfo, variant: str = "general") -> Eagle3Head:

@@ -137,13 +137,13 @@ class DraftTree:
             1 0 1
         """
         n = self.num_nodes
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        rows: list[list[bool]] = []  # host lists, one tensor at the end (no op per node)
         for i, p in enumerate(self._parent_list):
             assert -1 <= p < i, f"parents[{i}] = {p} is not topological; call validate()"
-            if p >= 0:
-                mask[i] = mask[p]
-            mask[i, i] = True
-        return mask.to(self.parents.device)
+            row = rows[p].copy() if p >= 0 else [False] * n
+            row[i] = True
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.bool).reshape(n, n).to(self.parents.device)
 
     def children(self, i: int) -> list[int]:
         """Child node indices of node i (i = -1: the root) in index order."""
