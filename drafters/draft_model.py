@@ -26,7 +26,7 @@ from specdec import randomness
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.kv.block_table import BlockTable
 from specdec.models.loader import load_model, resolve_model_path
-from specdec.sampling import logits_to_probs, params_to_tensors
+from specdec.sampling import greedy, logits_to_probs, params_to_tensors
 from specdec.tree import DraftTree
 
 
@@ -139,7 +139,7 @@ class DraftModelDrafter(BaseDrafter):
     def _pick(self, reqs: list[DraftRequest], logits: torch.Tensor, step: int):
         """Each request's draft at depth ``step`` (position len(token_ids) + step): the argmax,
         or for sampled requests a draw from q with that position's noise, and q."""
-        picks = logits.argmax(dim=-1)
+        picks = greedy(logits)
         sampled = [k for k, r in enumerate(reqs) if not r.params.greedy]
         if not sampled:
             return picks.tolist(), None

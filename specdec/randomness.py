@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from specdec.sampling import greedy
+
 SAMPLE, RESIDUAL, COIN = 0, 1, 2
 _M64 = (1 << 64) - 1
 _GOLDEN64 = 0x9E3779B97F4A7C15
@@ -111,4 +113,4 @@ def draw(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
     if probs.dim() != 2 or len(keys) != probs.shape[0]:
         raise ValueError(f"need probs [R, V] and R keys, got {tuple(probs.shape)} and {len(keys)}")
     e = noise(keys, probs.shape[1], probs.device)
-    return (probs.to(torch.float64) / e).argmax(dim=-1)
+    return greedy(probs.to(torch.float64) / e)

@@ -262,3 +262,20 @@ def test_greedy() -> None:
     assert greedy(logits).tolist() == [1, 0]
     assert greedy(torch.tensor(LOGITS)).item() == 3
     assert greedy(torch.zeros(2, 3, 5)).shape == (2, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_is_torchs_argmax(dtype) -> None:
+    """The CPU fast path (numpy's argmax) gives torch.argmax's index on every row: ties to the
+    lowest id, a NaN row its first NaN, infinities, -0.0 beside 0.0, strided views."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3001, generator=gen).to(dtype)
+    x[1, 17] = x[1, 2000] = 50.0  # a tie
+    x[2, 5] = x[2, 9] = float("nan")
+    x[3, 11] = float("inf")
+    x[4] = 0.0
+    x[4, 30] = -0.0
+    x[5] = float("-inf")
+    for view in (x, x[:, ::2], x[::3], x.t().contiguous().t(), x[0]):
+        got = greedy(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1)), view.shape

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.sampling import greedy
 from specdec.tree import DraftTree
 from specdec.verifiers.base import VerifyBatch, VerifyOutput
 from specdec.verifiers.layout import TreeLayout
@@ -33,7 +34,7 @@ class GreedyVerifier:
 
 def verify_greedy(batch: VerifyBatch) -> VerifyOutput:
     """Greedy verification of a whole batch (every request greedy)."""
-    return verify_targets(batch, batch.logits.argmax(dim=-1))
+    return verify_targets(batch, greedy(batch.logits))
 
 
 def verify_targets(batch: VerifyBatch, targets: torch.Tensor) -> VerifyOutput:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from specdec import randomness
+from specdec.sampling import greedy
 from specdec.verifiers.base import VerifyBatch, VerifyOutput
 from specdec.verifiers.greedy import verify_targets
 
@@ -44,7 +45,7 @@ class GumbelVerifier:
 def row_targets(batch: VerifyBatch) -> torch.Tensor:
     """[cu_rows[-1]] int64: the token each logits row emits (argmax; for sampled requests the
     exponential race over their processed probabilities with their per-position noise)."""
-    targets = batch.logits.argmax(dim=-1)
+    targets = greedy(batch.logits)
     sampled = [b for b, g in enumerate(batch.greedy) if not g]
     if not sampled:
         return targets
@@ -61,5 +62,5 @@ def row_targets(batch: VerifyBatch) -> torch.Tensor:
     index = torch.tensor(rows, device=device)
     p = batch.probs.index_select(0, index).to(torch.float64)
     e = noise.index_select(0, torch.tensor(key_of_row, device=device))
-    targets[index] = (p / e).argmax(dim=-1)
+    targets[index] = greedy(p / e)
     return targets

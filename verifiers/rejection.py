@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from specdec import randomness
+from specdec.sampling import greedy
 from specdec.verifiers.base import VerifyBatch, VerifyOutput
 from specdec.verifiers.greedy import assemble, verify_greedy
 from specdec.verifiers.layout import TreeLayout
@@ -122,7 +123,7 @@ def residual_with_q(r: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def final_draw(r: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The token after the accepted path: argmax r / E, an exact draw from the walk's final
     distribution r [B, V] with Exp(1) noise [B, V] -> [B] int64."""
-    return (r / noise).argmax(-1)
+    return greedy(r / noise)
 
 
 def residual_without(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
