@@ -1,0 +1,180 @@
+"""docs/bench/shape_gguf.py: a GGUF of another model's shape with random weights, written from the
+shipped SmolLM2-135M GGUF, here at a tiny shape (2 layers, hidden 64, 4 heads over 2 kv heads).
+
+Oracles: the file's metadata is the 135M file's with the shape keys changed, its tensors have
+the 135M file's types per role; the folder is bitwise what specdec's own conversion of the file
+makes (transformers dequantizing it: config and every weight); specdec loads it on the file's
+own blocks, its logits are finite and HF transformers' on the same weights, and its greedy
+tokens are HF's.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.models import native
+
+pytestmark = pytest.mark.slow  # needs the real SmolLM2 GGUF
+
+SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "shape_gguf.py"
+spec = importlib.util.spec_from_file_location("shape_gguf", SCRIPT)
+shape_gguf = sys.modules["shape_gguf"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(shape_gguf)
+
+TINY = shape_gguf.Shape(layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2,
+                        rope_theta=130000.0, context=4096)
+SHAPE_KEYS = {"llama.block_count": 2, "llama.embedding_length": 64,
+              "llama.feed_forward_length": 128, "llama.attention.head_count": 4,
+              "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16,
+              "llama.rope.freq_base": 130000.0, "llama.context_length": 4096}
+
+
+@pytest.fixture(scope="module")
+def source(smollm2_dir) -> Path:
+    return smollm2_dir / "model.gguf"
+
+
+@pytest.fixture(scope="module")
+def tiny(source, tmp_path_factory) -> Path:
+    # std 0.1: at hidden 64 the default 0.02 gives near-uniform logits (greedy ties)
+    return shape_gguf.write_shape(tmp_path_factory.mktemp("shape") / "tiny", TINY, seed=3,
+                                  std=0.1, source=source, log=None)
+
+
+def _reader(path: Path):
+    from gguf import GGUFReader
+
+    return GGUFReader(str(path))
+
+
+@pytest.fixture(scope="module")
+def readers(source, tiny):
+    """(the 135M file's reader, the tiny file's): each parses a 49k-token vocabulary, ~3 s."""
+    return _reader(source), _reader(tiny / "model.gguf")
+
+
+def _role(name: str) -> str:
+    return re.sub(r"blk\.\d+\.", "blk.N.", name)
+
+
+def test_metadata_is_the_sources_with_the_shape_changed(tiny, readers):
+    src, new = readers
+    assert set(new.fields) == set(src.fields)
+    for key, field in new.fields.items():
+        if key in SHAPE_KEYS:
+            assert field.contents() == pytest.approx(SHAPE_KEYS[key]), key
+        elif key not in ("general.name", "general.size_label", "GGUF.tensor_count"):
+            assert field.types == src.fields[key].types, key
+            assert field.contents() == src.fields[key].contents(), key
+    assert new.fields["general.size_label"].contents() == "3M"
+    assert json.loads((tiny / "shape.json").read_text())["params"] == 3219776
+
+
+def test_tensors_have_the_sources_types_and_the_shape(readers):
+    src = {_role(t.name): t.tensor_type.name for t in readers[0].tensors}
+    assert src == {"token_embd.weight": "Q8_0", "output_norm.weight": "F32",
+                   **{f"blk.N.{r}.weight": "Q4_1" for r in
+                      ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
+                       "ffn_down")},
+                   "blk.N.attn_norm.weight": "F32", "blk.N.ffn_norm.weight": "F32"}
+    tensors = readers[1].tensors
+    assert len(tensors) == 2 + 9 * TINY.layers
+    for t in tensors:
+        assert t.tensor_type.name == src[_role(t.name)], t.name
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in tensors}  # GGUF order: (in, out)
+    assert shapes["token_embd.weight"] == (64, 49152)
+    assert shapes["blk.1.attn_q.weight"] == (64, 64)
+    assert shapes["blk.1.attn_k.weight"] == (64, 32)
+    assert shapes["blk.0.ffn_down.weight"] == (128, 64)
+    assert shapes["blk.0.ffn_up.weight"] == (64, 128)
+
+
+def test_folder_is_specdecs_own_conversion_of_the_file(tiny, smollm2_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from specdec.models.aliases import convert_gguf
+
+    ref = tmp_path / "converted"
+    convert_gguf(tiny / "model.gguf", ref)
+    ours, theirs = (json.loads((f / "config.json").read_text()) for f in (tiny, ref))
+    for c in (ours, theirs):
+        c.pop("_name_or_path")
+    assert ours == theirs
+    assert ours["rope_parameters"]["rope_theta"] == 130000.0 and ours["head_dim"] == 16
+    a, b = load_file(tiny / "model.safetensors"), load_file(ref / "model.safetensors")
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    # the scale asked for: mean ~0, std ~0.1 (Q4_1's per-block scales are rounded to fp16)
+    w = a["model.layers.0.mlp.gate_proj.weight"]
+    assert abs(w.mean()) < 0.01 and 0.09 < w.std() < 0.11
+    assert torch.equal(a["model.norm.weight"], torch.ones(64))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tiny / name).read_bytes() == (smollm2_dir / name).read_bytes(), name
+
+
+@pytest.fixture(scope="module")
+def hf(tiny):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(model=str(tiny), max_model_len=256)
+
+
+def test_specdec_loads_it_on_its_blocks_and_its_logits_are_hfs(llm, hf):
+    from specdec.kv.block_table import BlockTable
+
+    if native.load() is not None:
+        assert llm.engine.weights == "native"
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    runner = llm.engine.runner
+    table = BlockTable()
+    assert runner.kv.try_reserve(table, len(ids))
+    try:
+        logits = runner.forward(runner.pack([ids], [0], [table], logits="all")).logits
+    finally:
+        runner.kv.release(table)
+    assert logits.shape == (len(ids), 49152) and torch.isfinite(logits).all()
+    assert 0.1 < logits.std() < 10
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_tokens_are_hfs(llm, hf):
+    prompts = ["Write a haiku about the sea.", "def fibonacci(n):"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([llm.tokenizer.encode(prompt)])
+        ref = hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+    assert len(set(outs[0].token_ids)) > 2  # not one token repeated: the layers matter
+
+
+def test_the_17b_plan_and_bad_shapes(source, readers, tmp_path):
+    shape = shape_gguf.SHAPES["smollm2-1.7b"]
+    tensors = shape_gguf.plan(readers[0], shape, 49152)
+    assert len(tensors) == 2 + 9 * 24
+    params = sum(int(torch.tensor(t[3]).prod()) for t in tensors)
+    assert params == 1_711_376_384  # SmolLM2-1.7B's parameter count (tied embedding)
+    with pytest.raises(ValueError, match="heads"):
+        shape_gguf.write_shape(tmp_path, shape_gguf.Shape(2, 64, 128, 5, 5), source=source)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        shape_gguf.write_shape(tmp_path, shape_gguf.Shape(2, 48, 128, 3, 1), source=source)
+    with pytest.raises(SystemExit):
+        shape_gguf.main(["--out", str(tmp_path), "--shape", "smollm2-1.7b", "--layers", "2"])
+    with pytest.raises(SystemExit):
+        shape_gguf.main(["--out", str(tmp_path), "--layers", "2"])
+    assert not any(tmp_path.iterdir())
