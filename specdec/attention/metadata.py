@@ -15,11 +15,10 @@ Example, page_size 4, two requests:
 
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 
 import torch
-
-from specdec.kv.block_table import slot_of
 
 
 @dataclass
@@ -35,6 +34,9 @@ class AttentionMetadata:
     # the four int32 index arrays above on the host (the same tensors when the device is the
     # CPU): GPU backends plan from these without a device -> host copy
     host: HostIndices | None = None
+    # (qo_lens, kv_lens) as the arrays above were built from (build_metadata), or None: derived
+    # from the arrays. Planning reads them instead of taking the arrays apart every step
+    lens: tuple[list[int], list[int]] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -48,10 +50,14 @@ class AttentionMetadata:
         return HostIndices(*cpu)
 
     def qo_lens(self) -> list[int]:
+        if self.lens is not None:
+            return list(self.lens[0])
         qo_indptr = self.on_host().qo_indptr
         return (qo_indptr[1:] - qo_indptr[:-1]).tolist()
 
     def kv_lens(self) -> list[int]:
+        if self.lens is not None:
+            return list(self.lens[1])
         h = self.on_host()
         num_pages = (h.kv_indptr[1:] - h.kv_indptr[:-1]).long()
         return ((num_pages - 1) * self.page_size + h.kv_last_page_len.long()).tolist()
@@ -68,8 +74,10 @@ class HostIndices:
 
     def to(self, device) -> list[torch.Tensor]:
         """The four arrays on ``device`` (the same tensors on the CPU), in field order."""
-        return [t.to(device, non_blocking=True) for t in (self.qo_indptr, self.kv_indptr,
-                                                          self.kv_indices, self.kv_last_page_len)]
+        arrays = [self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len]
+        if torch.device(device).type == "cpu" and all(t.is_cpu for t in arrays):
+            return arrays
+        return [t.to(device, non_blocking=True) for t in arrays]
 
 
 def build_metadata(
@@ -84,28 +92,46 @@ def build_metadata(
 
     block_tables[b] must hold at least ceil(kv_lens[b] / page_size) pages.
     """
-    pages, kv_indptr, slots = [], [0], []
-    last_page_len = []
+    qo_indptr, kv_indptr, pages, last_page_len, slots = [0], [0], [], [], []
     for table, kv_len, qo_len in zip(block_tables, kv_lens, qo_lens):
         assert 0 < qo_len <= kv_len, (qo_len, kv_len)
         n_pages = -(-kv_len // page_size)
         assert len(table) >= n_pages, (len(table), kv_len)
-        pages.extend(table[:n_pages])
+        pages += table[:n_pages]
+        qo_indptr.append(qo_indptr[-1] + qo_len)
         kv_indptr.append(len(pages))
         last_page_len.append(kv_len - (n_pages - 1) * page_size)
-        slots.extend(slot_of(table, i, page_size) for i in range(kv_len - qo_len, kv_len))
-    qo_indptr = [0]
-    for n in qo_lens:
-        qo_indptr.append(qo_indptr[-1] + n)
-    host = HostIndices(*(torch.tensor(x, dtype=torch.int32)
+        _add_slots(slots, table, kv_len - qo_len, kv_len, page_size)
+    host = HostIndices(*(host_tensor(x, torch.int32)
                          for x in (qo_indptr, kv_indptr, pages, last_page_len)))
     return AttentionMetadata(
-        *host.to(device),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        *host.to(device), slot_mapping=host_tensor(slots).to(device),
         page_size=page_size,
         custom_masks=list(custom_masks) if custom_masks is not None else [None] * len(qo_lens),
         host=host,
+        lens=(list(qo_lens), list(kv_lens)),
     )
+
+
+def _add_slots(slots: list[int], table: list[int], start: int, end: int, page_size: int) -> None:
+    """Append the slot ids of a sequence's slots start .. end - 1 (a range per page)."""
+    while start < end:
+        page, offset = divmod(start, page_size)
+        n = min(end - start, page_size - offset)
+        first = table[page] * page_size + offset
+        slots += range(first, first + n)
+        start += n
+
+
+_CODES = {torch.int32: "i", torch.int64: "q"}  # array.array's type codes of these dtypes
+
+
+def host_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A 1-d CPU tensor of Python ints (int32 / int64), made through a buffer: a third of
+    torch.tensor(values)'s cost on a short list, which every step pays several times."""
+    if not values:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(array.array(_CODES[dtype], values), dtype=dtype)
 
 
 def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMetadata:
@@ -119,4 +145,5 @@ def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMeta
     device = a.slot_mapping.device
     return AttentionMetadata(
         *host.to(device), slot_mapping=torch.cat([a.slot_mapping, b.slot_mapping.to(device)]),
-        page_size=a.page_size, custom_masks=[*a.custom_masks, *b.custom_masks], host=host)
+        page_size=a.page_size, custom_masks=[*a.custom_masks, *b.custom_masks], host=host,
+        lens=(a.qo_lens() + b.qo_lens(), a.kv_lens() + b.kv_lens()))

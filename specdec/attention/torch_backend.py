@@ -125,13 +125,11 @@ class _KeyLists:
 
     def __init__(self, md: AttentionMetadata, kernels: native.Kernels) -> None:
         self.metadata, self.page_size = md, md.page_size
-        self.write_index = kv_write_index(md.slot_mapping, md.page_size)
+        self.write_index = kernels.write_index(md.slot_mapping, md.page_size)
         host = md.on_host()
-        masks = [None if m is None else m.cpu().bool() for m in md.custom_masks]
-        self.indptr, self.index = kernels.key_lists(md.qo_lens(), md.kv_lens(), host.kv_indptr,
-                                                    host.kv_indices, md.page_size, masks)
-        counts = self.indptr[1:] - self.indptr[:-1]
-        self.max_keys = int(counts.max()) if counts.numel() else 1
+        self.indptr, self.index, self.max_keys = kernels.key_lists_max(
+            md.qo_lens(), md.kv_lens(), host.kv_indptr, host.kv_indices, md.page_size,
+            md.custom_masks)
 
 
 class _Plan:

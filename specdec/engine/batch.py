@@ -9,9 +9,7 @@ A chunk that stops short of the frontier needs no logits. The records get their 
 
 from __future__ import annotations
 
-import torch
-
-from specdec.attention.metadata import build_metadata
+from specdec.attention.metadata import build_metadata, host_tensor
 from specdec.engine.runner import ForwardBatch
 from specdec.engine.step import StepRequest
 from specdec.tree import step_mask
@@ -39,6 +37,5 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device) -> F
         masks.append(step_mask(rec.tree, c, end) if rec.num_nodes else None)
         offset += rec.num_rows
     metadata = build_metadata(tables, kv_lens, qo_lens, page_size, masks, device)
-    as_long = dict(dtype=torch.int64, device=device)
-    return ForwardBatch(torch.tensor(ids, **as_long), torch.tensor(pos, **as_long), metadata,
-                        torch.tensor(logit_rows, **as_long))
+    ids, pos, logit_rows = (host_tensor(v).to(device) for v in (ids, pos, logit_rows))
+    return ForwardBatch(ids, pos, metadata, logit_rows)

@@ -20,6 +20,7 @@ Example, two requests feeding 3 and 1 tokens::
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ import torch
 
 from specdec.attention import create_backend
 from specdec.attention.backend import AttentionSpec
-from specdec.attention.metadata import AttentionMetadata, build_metadata
+from specdec.attention.metadata import AttentionMetadata, build_metadata, host_tensor
 from specdec.engine.cuda_graphs import CudaGraphRunner
 from specdec.kv.block_table import BlockTable
 from specdec.kv.manager import KVManager
@@ -146,18 +147,16 @@ class ModelRunner:
         md = build_metadata([t.pages for t in tables], ends, lens, self.page_size, masks,
                             self.device)
         if positions is None:
-            positions = [list(range(s, e)) for s, e in zip(starts, ends)]
-        long = dict(dtype=torch.int64, device=self.device)
-        total = sum(lens)
-        if logits == "last":
-            rows = torch.tensor(lens, **long).cumsum(0) - 1
-        elif logits == "all":
-            rows = torch.arange(total, **long)
+            pos = [p for s, e in zip(starts, ends) for p in range(s, e)]
         else:
-            rows = torch.zeros(0, **long)
-        return ForwardBatch(torch.tensor([t for f in feeds for t in f], **long),
-                            torch.tensor([p for ps in positions for p in ps], **long), md, rows,
-                            features, context_rows)
+            pos = [p for ps in positions for p in ps]
+        if logits == "last":
+            rows = list(itertools.accumulate(lens, initial=-1))[1:]
+        else:
+            rows = list(range(sum(lens))) if logits == "all" else []
+        ids, pos, rows = (host_tensor(v).to(self.device)
+                          for v in ([t for f in feeds for t in f], pos, rows))
+        return ForwardBatch(ids, pos, md, rows, features, context_rows)
 
 
 def _inputs(batch: ForwardBatch) -> dict[str, torch.Tensor]:

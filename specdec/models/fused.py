@@ -5,7 +5,10 @@ large part of a step (SmolLM2-135M fp32, one row: ~14 ms of ~36 ms beside the we
 streaming). ``FusedLayers`` runs each layer as one ``sd_layer`` call over the weights that
 ``PreparedLinears`` prepared, with the same row-invariance contract: fp32 activations (the
 residual stream too), fp32 accumulation in a fixed order per element, K/V rounded to the cache's
-dtype as they are written.
+dtype as they are written. A step's layers go in one ``sd_layers`` call (the layers' arguments
+are one C array made at load; what a step changes is one ``StepArgs``), so the host work of a
+forward does not grow with the layers: the tensors behind the pointers are checked once here,
+the values of the write rows and key lists in C before any layer runs.
 
 The engine installs it (``kernel_choice.install_kernels``) on a ``LlamaDecoder`` whose layers it
 covers, and on an EAGLE-3 head (its one layer, whose projections take the caller's
@@ -24,7 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.native import FORMATS, Kernels, LayerArgs, Weight
+from specdec.kv.cache import KVCache
+from specdec.models.native import FORMATS, ROW_ERRORS, Kernels, LayerArgs, StepArgs, Weight
 from specdec.models.prepared import PreparedLinears
 
 
@@ -67,6 +71,9 @@ class FusedLayers:
         self._keep: list[torch.Tensor] = []
         self.args: list[LayerArgs] = []
         mm = self.linears
+        cfg = self.layers_of(self.model)[0].cfg
+        self._hidden, self._head_dim = cfg.hidden_size, cfg.head_dim
+        self._kv_shape = (cfg.num_kv_heads, cfg.head_dim)  # a cache row's
         for layer in self.layers_of(self.model):
             cfg = layer.cfg
             a = LayerArgs(hidden=cfg.hidden_size, heads=cfg.num_heads,
@@ -86,6 +93,10 @@ class FusedLayers:
                 a.q_norm = self._fp32(layer.q_norm).data_ptr()
                 a.k_norm = self._fp32(layer.k_norm).data_ptr()
             self.args.append(a)
+        # the layers as one C array (sd_layers reads it); self.args are views into it
+        self._array = (LayerArgs * len(self.args))(*self.args)
+        self.args = list(self._array)
+        self._step = StepArgs()
 
     def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -101,37 +112,92 @@ class FusedLayers:
         """x [T, hidden] (the embeddings; updated in place when fp32: pass one you own), cos/sin [T, 1, head_dim], ``plan`` the
         step's key lists; ``qkv_input`` [T, qkv_in]: the first layer's projection input instead
         of its normed x -> (the last layer's output in the model's dtype, {layer i: its
-        output})."""
+        output}). One sd_layers call runs the layers between two captured ones when the cache
+        is a ``KVCache`` (layer i is its tensor[i]); any other cache runs layer by layer."""
         if [w._version for w in self._watched] != self._versions:
             self._build()  # a weight changed in place since: prepare again
-        self._check_step(x, cos, sin, plan, kv_cache, num_layers, qkv_input)
-        dtype, (t, d) = x.dtype, (x.shape[0], self.args[0].head_dim)
-        x = x.float().contiguous()  # updated in place, layer after layer
-        if qkv_input is not None:
-            qkv_input = qkv_input.float().contiguous()
-        cos = cos.reshape(t, d).float().contiguous()
-        sin = sin.reshape(t, d).float().contiguous()
-        threads = torch.get_num_threads()
-        first = self.args[0]
-        first.T, first.max_keys, first.nthreads = t, plan.max_keys, threads
-        scratch = torch.empty(self.kernels.layer_scratch(first), dtype=torch.float32)
+        n = len(range(len(self.args))[:num_layers])  # as many as self.args[:num_layers]
+        cache = self._cache_tensor(kv_cache, n)
+        step = (x, cos, sin, plan, kv_cache, num_layers, qkv_input)
+        if cache is None or not self._fits(x, cos, sin, plan, qkv_input):
+            self._check_step(*step)  # raises what does not fit (else: a cache of another kind)
+        dtype, (t, d) = x.dtype, (x.shape[0], self._head_dim)
+        h = x.float().contiguous()  # updated in place, layer after layer
+        cos, sin = cos.reshape(t, d).float().contiguous(), sin.reshape(t, d).float().contiguous()
+        first = None if qkv_input is None else qkv_input.float().contiguous()
+        st = self._step
+        st.T, st.x, st.cos, st.sin = t, h.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        st.page_size, st.max_keys = plan.page_size, plan.max_keys
+        st.write_index, st.key_indptr = plan.write_index.data_ptr(), plan.indptr.data_ptr()
+        st.key_index, st.n_keys = plan.index.data_ptr(), plan.index.numel()
+        st.nthreads = torch.get_num_threads()
         captured = {}
-        for i, a in enumerate(self.args[:num_layers]):
-            kv = kv_cache.layer(i)
-            a.T, a.max_keys, a.nthreads = t, plan.max_keys, threads
-            a.x, a.cos, a.sin, a.scratch = (x.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                            scratch.data_ptr())
-            a.kv, a.kv_fmt, a.page_size = kv.data_ptr(), FORMATS[kv.dtype], plan.page_size
-            a.write_index = plan.write_index.data_ptr()
-            a.key_indptr, a.key_index = plan.indptr.data_ptr(), plan.index.data_ptr()
-            given = qkv_input is not None and i == 0
-            a.qkv_input = qkv_input.data_ptr() if given else None
-            a.qkv_in = qkv_input.shape[1] if given else 0
-            if t:  # zero rows: nothing to compute, nothing written to the cache
-                self.kernels.layer(a)
-            if i in capture_layers:
-                captured[i] = x.to(dtype, copy=True)
-        return x.to(dtype), captured
+        for start, stop, st.kv, st.kv_stride, st.kv_rows, st.kv_fmt in self._runs(
+                cache, kv_cache, n, capture_layers):
+            given = start == 0 and first is not None  # qkv_input replaces layer 0's input
+            st.qkv_input, st.qkv_in = (first.data_ptr(), first.shape[1]) if given else (None, 0)
+            rc = self.kernels.layers(self._array, start, stop - start, st)
+            if rc:
+                self._refused(rc, *step)
+            if stop - 1 in capture_layers:
+                captured[stop - 1] = h.to(dtype, copy=True)
+        return h.to(dtype), captured
+
+    def _runs(self, cache: torch.Tensor | None, kv_cache, n: int, capture_layers):
+        """(first layer, end, its cache's address, bytes from one layer's cache to the next,
+        rows of one layer's cache, their format) of each sd_layers call of a step over n
+        layers: runs ending at the captured layers in ``cache`` (``_cache_tensor``), else one
+        call per layer of ``kv_cache`` (each layer's shape checked by _check_step)."""
+        per_row = self._kv_shape[0] * self._kv_shape[1]
+        if cache is None:
+            for i in range(n):
+                kv = kv_cache.layer(i)
+                yield i, i + 1, kv.data_ptr(), 0, kv.numel() // per_row, FORMATS[kv.dtype]
+            return
+        stride = cache.stride(0) * cache.element_size()
+        rows, fmt, start = cache.numel() // (cache.shape[0] * per_row), FORMATS[cache.dtype], 0
+        for stop in sorted({i + 1 for i in capture_layers if 0 <= i < n} | {n}):
+            yield start, stop, cache.data_ptr() + start * stride, stride, rows, fmt
+            start = stop
+
+    def _cache_tensor(self, kv_cache, n: int) -> torch.Tensor | None:
+        """A ``KVCache``'s one tensor [layers >= n, ..., kv_heads, head_dim] (layer i is its
+        tensor[i]) when sd_layers can read n layers of it, else None."""
+        if type(kv_cache) is not KVCache or n < 1:
+            return None
+        kv = kv_cache.tensor
+        ok = (isinstance(kv, torch.Tensor) and kv.dtype in FORMATS and kv.is_cpu
+              and kv.is_contiguous() and kv.dim() >= 3 and kv.shape[0] >= n
+              and kv.shape[-2:] == self._kv_shape)
+        return kv if ok else None
+
+    def _fits(self, x, cos, sin, plan, qkv_input) -> bool:
+        """Whether the step's tensors have the sizes sd_layers reads: ``_check_step``'s checks
+        as one expression (it explains a failure); the values of the write rows and the key
+        lists are checked in C (sd_layers), the cache by ``_cache_tensor``."""
+        hidden, d = self._hidden, self._head_dim
+        if x.dim() != 2:
+            return False
+        t = x.shape[0]
+        w, ptr, index = plan.write_index, plan.indptr, plan.index
+        return (x.shape[1] == hidden and x.is_cpu
+                and cos.numel() == t * d and cos.is_cpu and (cos.dim() < 1 or cos.shape[0] == t)
+                and sin.numel() == t * d and sin.is_cpu and (sin.dim() < 1 or sin.shape[0] == t)
+                and (qkv_input is None or (qkv_input.dim() == 2 and qkv_input.is_cpu
+                                           and qkv_input.shape == (t, self._qkv_in)))
+                and _int64s(w) and w.shape == (2 * t,) and _int64s(ptr)
+                and ptr.shape == (t + 1,) and _int64s(index) and index.dim() == 1)
+
+    def _refused(self, rc: int, *step) -> None:
+        """Raise for sd_layers' refusal ``rc`` of ``step`` (run's arguments): _check_step's
+        message when it finds what did not fit."""
+        if rc in ROW_ERRORS:
+            self._check_step(*step)
+        a = self.args[0]
+        raise RuntimeError(f"sd_layer refused its arguments (code {rc}: "
+                           f"{ROW_ERRORS.get(rc, 'a layer or the step')}; T {step[0].shape[0]}, "
+                           f"hidden {a.hidden}, heads {a.heads}/{a.kv_heads} x {a.head_dim}, "
+                           f"inter {a.inter})")
 
     def _check_step(self, x, cos, sin, plan, kv_cache, num_layers, qkv_input) -> None:
         """Raise (naming the tensor, its shape and what is allowed) unless every tensor behind
@@ -173,3 +239,9 @@ class FusedLayers:
                  lambda: f"cache rows in 0..{rows - 1} (got {lo}..{hi})")
         self.kernels._check_keys("sd_layer", plan.indptr, plan.index, t, plan.max_keys,
                                  rows - plan.page_size)
+
+
+def _int64s(t) -> bool:
+    """A contiguous int64 CPU tensor."""
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.is_cpu
+            and t.is_contiguous())

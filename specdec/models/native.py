@@ -8,6 +8,7 @@ when it is missing, stale or cannot run here; callers then take their pure-torch
     w = k.prepare(weight)            # [out, in] fp32 / bf16 / fp16 -> panels [P, in, 8]
     y = k.linear(x, w)               # x [T, in] fp32 -> [T, out] fp32, row-invariant
     k.layer(args)                    # one decoder layer in one call (specdec.models.fused)
+    k.layers(array, 0, n, step)      # n layers of one step in one call (the same, in a C loop)
 
 Panels: output rows 8p .. 8p + 7 of the weight, transposed, so that a panel streams once for
 all rows of a call; an even number of them. Example: a [10, 3] weight becomes 2 panels
@@ -21,6 +22,7 @@ never a read out of bounds. Zero rows are a valid call (an empty result).
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import importlib.util
@@ -30,10 +32,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 
-ABI = 7
+ABI = 8
 PANEL = 8
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -116,6 +119,21 @@ class LayerArgs(ctypes.Structure):
                 ("qkv_input", _P), ("qkv_in", _I)]
 
 
+class StepArgs(ctypes.Structure):
+    """sd_step (specdec/native/layer.c): what every layer of one step shares; layer i's cache
+    is ``kv_stride`` bytes after layer i - 1's."""
+    _fields_ = [("T", _I), *((n, _P) for n in ("x", "cos", "sin", "kv")),
+                *((n, _I) for n in ("kv_stride", "kv_rows", "kv_fmt", "page_size")),
+                *((n, _P) for n in ("write_index", "key_indptr", "key_index")),
+                *((n, _I) for n in ("n_keys", "max_keys", "nthreads")),
+                ("qkv_input", _P), ("qkv_in", _I)]
+
+
+# sd_layers' refusals of a step's rows (layer.c check_rows), by its return code
+ROW_ERRORS = {-2: "write_index names a row outside the cache",
+              -3: "a key list cannot be read (bounds, max_keys, or a row outside the cache)"}
+
+
 def _describe(t) -> str:
     if not isinstance(t, torch.Tensor):
         return f"a {type(t).__name__}"
@@ -144,8 +162,10 @@ class Kernels:
                                      _P, _P, ctypes.c_int]
         lib.sd_layer.argtypes = lib.sd_layer_scratch.argtypes = [ctypes.POINTER(LayerArgs)]
         lib.sd_layer_scratch.restype = _I
-        lib.sd_key_lists.argtypes = [_I, _P, _P, _P, _P, _I, _P, _P, _P, _P]
+        lib.sd_key_lists.argtypes = [_I, _P, _P, _P, _P, _I, _I, _P, _P, _P, _I, _P]
         lib.sd_key_lists.restype = _I
+        lib.sd_write_index.argtypes = [_I, _P, _I, _P]
+        lib.sd_layers.argtypes = [_P, _I, ctypes.POINTER(StepArgs)]
         lib.sd_check_keys.argtypes = [_I, _P, _P, _I, _I, _I]
         lib.sd_check_keys.restype = _I
 
@@ -263,26 +283,54 @@ class Kernels:
         """Per query row of a step, the K cache rows of the keys it sees, ascending (causal, or
         its request's [qo, kv] tree mask): (indptr [T + 1], index) int64. kv_indptr /
         kv_indices: the pages, int32 (specdec.attention.metadata)."""
-        _check_requests(qo_lens, kv_lens, kv_indptr, kv_indices, page_size, masks)
-        qo = torch.tensor(qo_lens, dtype=torch.int64)
-        kv = torch.tensor(kv_lens, dtype=torch.int64)
-        offsets, given, at = [], [], 0
-        for m in masks:
-            offsets.append(-1 if m is None else at)
-            if m is not None:
-                given.append(m.reshape(-1))
-                at += m.numel()
-        flat = (torch.cat(given).to(torch.uint8) if given else torch.zeros(1, dtype=torch.uint8))
-        offsets_t = torch.tensor(offsets, dtype=torch.int64)
-        ptr, idx = kv_indptr.to(torch.int32).contiguous(), kv_indices.to(torch.int32).contiguous()
-        counts = torch.empty(int(qo.sum()), dtype=torch.int64)
-        args = (len(qo_lens), qo.data_ptr(), kv.data_ptr(), ptr.data_ptr(), idx.data_ptr(),
-                page_size, offsets_t.data_ptr(), flat.data_ptr(), counts.data_ptr())
-        index = torch.empty(self.lib.sd_key_lists(*args, None), dtype=torch.int64)
-        self.lib.sd_key_lists(*args, index.data_ptr())
-        indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-        torch.cumsum(counts, 0, out=indptr[1:])
-        return indptr, index
+        return self.key_lists_max(qo_lens, kv_lens, kv_indptr, kv_indices, page_size, masks)[:2]
+
+    def key_lists_max(self, qo_lens: list[int], kv_lens: list[int], kv_indptr: torch.Tensor,
+                      kv_indices: torch.Tensor, page_size: int, masks: list[torch.Tensor | None]
+                      ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``key_lists`` and the longest list's length (1 when there are no rows). The lengths
+        and pages are checked in C (sd_key_lists), the masks' shapes here; a refusal is
+        explained by ``_check_requests``."""
+        b = len(qo_lens)
+        step = (qo_lens, kv_lens, kv_indptr, kv_indices, page_size, masks)
+        if not (len(kv_lens) == b == len(masks) and page_size >= 1
+                and _index_array(kv_indptr) and _index_array(kv_indices)
+                and kv_indptr.numel() >= b + 1):
+            _refuse_requests(*step, "its arguments")
+        lens = array.array("q", [*qo_lens, *kv_lens])
+        at = lens.buffer_info()[0]
+        held, flat = _mask_pointers(*step)
+        ptr, idx = _int32(kv_indptr), _int32(kv_indices)
+        indptr = torch.empty(max(sum(qo_lens), 0) + 1, dtype=torch.int64)
+        longest = array.array("q", [1])
+        args = (b, at, at + 8 * b, ptr.data_ptr(), idx.data_ptr(), idx.numel(), page_size,
+                flat, indptr.data_ptr())
+        n = self.lib.sd_key_lists(*args, None, 0, longest.buffer_info()[0])
+        if n < 0:
+            _refuse_requests(*step, f"request {-2 - n}" if n < -1 else "page_size")
+        index = torch.empty(n, dtype=torch.int64)
+        if n and self.lib.sd_key_lists(*args, index.data_ptr(), n, longest.buffer_info()[0]) != n:
+            raise RuntimeError("sd_key_lists: the key lists changed between its two passes")
+        del held  # the masks converted for the call lived until here
+        return indptr, index, longest[0]
+
+    def write_index(self, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+        """``kv_write_index`` (specdec.attention.kv_rows) in one call: slots [S] int64 -> the
+        [2 * S] int64 cache rows they are written to (K rows, then V rows)."""
+        _check("sd_write_index", "slots", slots, lambda: "[S] int64, contiguous, on the CPU",
+               dtypes=(torch.int64,), fits=lambda s: s.dim() == 1)
+        out = torch.empty(2 * slots.numel(), dtype=torch.int64)
+        if self.lib.sd_write_index(slots.numel(), slots.data_ptr(), page_size, out.data_ptr()):
+            raise ValueError(f"sd_write_index: page_size {page_size}; allowed: >= 1")
+        return out
+
+    def layers(self, layers: ctypes.Array, start: int, n: int, step: StepArgs) -> int:
+        """sd_layers (specdec/native/layer.c) over layers[start:start + n] and one step: 0 when
+        they ran, else its refusal (nothing written). The structs hold pointers only: the caller
+        checks the tensors behind them (specdec.models.fused)."""
+        assert 0 <= start and start + n <= len(layers), (start, n, len(layers))
+        return self.lib.sd_layers(ctypes.byref(layers, start * ctypes.sizeof(LayerArgs)), n,
+                                  ctypes.byref(step))
 
     def layer_scratch(self, args: LayerArgs) -> int:
         """Floats of scratch ``layer(args)`` needs (for args.T rows, args.max_keys keys)."""
@@ -325,6 +373,46 @@ def _check_requests(qo_lens: list[int], kv_lens: list[int], kv_indptr: torch.Ten
         if m is not None and tuple(m.shape) != (qo, kv):
             raise ValueError(f"{kernel}: request {i}'s mask of shape {tuple(m.shape)}; "
                              f"allowed: [{qo}, {kv}] (query rows, keys)")
+
+
+def _refuse_requests(qo_lens, kv_lens, kv_indptr, kv_indices, page_size, masks,
+                     what: str) -> NoReturn:
+    """Raise ``_check_requests``'s explanation of a refusal of ``what`` (a cheaper check, or
+    sd_key_lists's, found it)."""
+    _check_requests(qo_lens, kv_lens, kv_indptr, kv_indices, page_size, masks)
+    raise ValueError(f"sd_key_lists: refused {what} ({len(qo_lens)} requests)")
+
+
+def _index_array(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and not t.is_floating_point()
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int32 CPU tensor (itself when it is one)."""
+    if t.dtype == torch.int32 and t.is_cpu and t.is_contiguous():
+        return t
+    return t.to("cpu", torch.int32).contiguous()
+
+
+def _mask_pointers(qo_lens, kv_lens, kv_indptr, kv_indices, page_size,
+                   masks) -> tuple[list[torch.Tensor], int | None]:
+    """(the masks as contiguous 1-byte CPU tensors, the address of their pointers: 0 for a
+    causal request), or ([], None) when every request is causal."""
+    if all(m is None for m in masks):
+        return [], None
+    held, ptrs = [], array.array("Q", bytes(8 * len(masks)))
+    for i, m in enumerate(masks):
+        if m is None:
+            continue
+        if tuple(m.shape) != (qo_lens[i], kv_lens[i]):
+            _refuse_requests(qo_lens, kv_lens, kv_indptr, kv_indices, page_size, masks,
+                             f"request {i}'s mask")
+        if m.dtype not in (torch.bool, torch.uint8) or not m.is_cpu or not m.is_contiguous():
+            m = m.to("cpu", torch.bool).contiguous()
+        held.append(m)
+        ptrs[i] = m.data_ptr()
+    held.append(ptrs)
+    return held, ptrs.buffer_info()[0]
 
 
 @functools.cache  # the process's one handle on the library (and one log line)

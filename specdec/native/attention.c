@@ -103,30 +103,91 @@ int64_t sd_check_keys(int64_t T, const int64_t* key_indptr, const int64_t* key_i
     return -1;
 }
 
-/* The per-row key lists of a step (specdec/attention/torch_backend.py _KeyLists): for request
- * b (qo[b] query rows over kv[b] keys, its pages kv_indices[kv_indptr[b] ..]), query row r
- * sees key c when mask_offset[b] < 0 and c <= kv[b] - qo[b] + r (causal), else when
- * masks[mask_offset[b] + r * kv[b] + c] != 0 (its tree mask). counts[t] (T = sum qo) gets each
- * row's count; with index != NULL, index gets the K cache rows (page * 2 * page_size + offset)
- * row after row, keys ascending. Returns the total count. */
-int64_t sd_key_lists(int64_t B, const int64_t* qo, const int64_t* kv, const int32_t* kv_indptr,
-                     const int32_t* kv_indices, int64_t page_size, const int64_t* mask_offset,
-                     const uint8_t* masks, int64_t* counts, int64_t* index) {
-    int64_t t = 0, n = 0;
-    if (page_size < 1) return -1; /* the caller checks every length (native.py key_lists) */
-    for (int64_t b = 0; b < B; b++) {
-        const int32_t* pages = kv_indices + kv_indptr[b];
-        for (int64_t r = 0; r < qo[b]; r++, t++) {
-            const uint8_t* m = mask_offset[b] < 0 ? NULL : masks + mask_offset[b] + r * kv[b];
-            const int64_t last = m ? kv[b] - 1 : kv[b] - qo[b] + r;
-            int64_t c0 = n;
-            for (int64_t c = 0; c <= last; c++) {
-                if (m && !m[c]) continue;
-                if (index) index[n] = (int64_t)pages[c / page_size] * 2 * page_size + c % page_size;
-                n++;
+static int64_t count_set(const uint8_t* m, int64_t n) {
+    int64_t k = 0;
+    for (int64_t c = 0; c < n; c++) k += m[c] != 0;
+    return k;
+}
+
+/* index[n ..] = the K rows of keys 0 .. keys - 1 (those set in m, when m != NULL), a page at a
+ * time (no division per key); the new n, or -1 past n_cap */
+static int64_t row_keys(const int32_t* pages, int64_t page_size, const uint8_t* m, int64_t keys,
+                        int64_t* index, int64_t n, int64_t n_cap) {
+    for (int64_t c = 0, p = 0; c < keys; p++) {
+        const int64_t row = (int64_t)pages[p] * 2 * page_size - c;
+        const int64_t end = keys - c < page_size ? keys : c + page_size;
+        if (m && n + end - c <= n_cap) { /* room for every key: branchless */
+            for (; c < end; c++) {
+                index[n] = row + c;
+                n += m[c] != 0;
             }
-            counts[t] = n - c0;
+        } else if (m) {
+            for (; c < end; c++)
+                if (m[c]) {
+                    if (n >= n_cap) return -1;
+                    index[n++] = row + c;
+                }
+        } else {
+            if (n + end - c > n_cap) return -1;
+            for (; c < end; c++) index[n++] = row + c;
         }
     }
     return n;
+}
+
+/* The per-row key lists of a step (specdec/attention/torch_backend.py _KeyLists): for request
+ * b (qo[b] query rows over kv[b] keys, its pages kv_indices[kv_indptr[b] ..]), query row r
+ * sees key c when masks == NULL or masks[b] == NULL and c <= kv[b] - qo[b] + r (causal), else
+ * when masks[b][r * kv[b] + c] != 0 (its [qo, kv] tree mask, row-major). First checks that
+ * every request's pages lie within kv_indices (n_indices of them; kv_indptr has B + 1 entries):
+ * -2 - b for the first request b whose lengths or pages do not (nothing written), -1 for
+ * page_size < 1. Then indptr [T + 1] (T = sum qo) gets the rows' list bounds, *max_keys the
+ * longest list (1 when T == 0), and, with index != NULL, index (at most n_cap entries) the K
+ * cache rows (page * 2 * page_size + offset) row after row, keys ascending. Returns the total
+ * count. Call it once with index NULL to size index, then again to fill it. */
+int64_t sd_key_lists(int64_t B, const int64_t* qo, const int64_t* kv, const int32_t* kv_indptr,
+                     const int32_t* kv_indices, int64_t n_indices, int64_t page_size,
+                     const uint8_t* const* masks, int64_t* indptr, int64_t* index,
+                     int64_t n_cap, int64_t* max_keys) {
+    if (page_size < 1) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t pages = kv[b] > 0 ? (kv[b] + page_size - 1) / page_size : 0;
+        if (qo[b] < 0 || kv[b] < 0 || kv_indptr[b] < 0 || kv_indptr[b] + pages > kv_indptr[b + 1]
+            || kv_indptr[b + 1] > n_indices)
+            return -2 - b;
+    }
+    int64_t t = 0, n = 0, longest = 0;
+    indptr[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int32_t* pages = kv_indices + kv_indptr[b];
+        const uint8_t* mask = masks ? masks[b] : NULL;
+        for (int64_t r = 0; r < qo[b]; r++, t++) {
+            const uint8_t* m = mask ? mask + r * kv[b] : NULL;
+            const int64_t keys = m ? kv[b] : kv[b] - qo[b] + r + 1, c0 = n; /* 0 .. keys - 1 */
+            if (index)
+                n = row_keys(pages, page_size, m, keys, index, n, n_cap);
+            else if (m)
+                n += count_set(m, keys);
+            else
+                n += keys > 0 ? keys : 0;
+            if (n < 0) return -1; /* more than n_cap */
+            indptr[t + 1] = n;
+            longest = n - c0 > longest ? n - c0 : longest;
+        }
+    }
+    *max_keys = t ? longest : 1;
+    return n;
+}
+
+/* out [2S] = the cache rows of slots [S] (specdec/attention/kv_rows.py kv_write_index, floor
+ * division as torch's): the K rows, then the V rows (page_size later). -1 for page_size < 1. */
+int sd_write_index(int64_t S, const int64_t* slots, int64_t page_size, int64_t* out) {
+    if (page_size < 1) return -1;
+    for (int64_t i = 0; i < S; i++) {
+        const int64_t s = slots[i];
+        const int64_t page = s >= 0 ? s / page_size : -((-s + page_size - 1) / page_size);
+        out[i] = page * 2 * page_size + (s - page * page_size);
+        out[S + i] = out[i] + page_size;
+    }
+    return 0;
 }

@@ -15,6 +15,7 @@
  * This replaces ~25 framework ops per layer (their dispatch cost was ~40 % of a one-row step).
  */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -176,4 +177,84 @@ int sd_layer(const sd_layer_args* a) {
             for (int64_t i = 0; i < Hd; i++) a->x[t * Hd + i] += y[t * ldd + i];
     }
     return 0;
+}
+
+/* One step's arguments shared by every layer of a model (specdec/models/fused.py): the rows,
+ * their key lists, and the layers' caches, one every kv_stride bytes from kv (layer i's at kv +
+ * i * kv_stride), each of kv_rows rows [*, kv_heads, head_dim]. n_keys: key_index's length.
+ * qkv_input / qkv_in are the first layer's of the call (sd_layer_args). */
+typedef struct {
+    int64_t T;
+    float* x;
+    const float *cos, *sin;
+    void* kv;
+    int64_t kv_stride, kv_rows, kv_fmt, page_size;
+    const int64_t *write_index, *key_indptr, *key_index;
+    int64_t n_keys, max_keys, nthreads;
+    const float* qkv_input;
+    int64_t qkv_in;
+} sd_step;
+
+static void step_layer(const sd_layer_args* layer, const sd_step* s, int64_t i, float* scratch,
+                       sd_layer_args* a) {
+    *a = *layer;
+    a->T = scratch ? s->T : 0;
+    a->x = s->x, a->cos = s->cos, a->sin = s->sin;
+    a->kv = (char*)s->kv + i * s->kv_stride;
+    a->kv_fmt = s->kv_fmt, a->page_size = s->page_size;
+    a->write_index = s->write_index, a->key_indptr = s->key_indptr, a->key_index = s->key_index;
+    a->max_keys = s->max_keys, a->nthreads = s->nthreads, a->scratch = scratch;
+    a->qkv_input = i == 0 ? s->qkv_input : NULL;
+    a->qkv_in = i == 0 ? s->qkv_in : 0;
+}
+
+/* 0 when the rows the step writes and the keys it reads lie in the cache: write_index [2T] in
+ * 0 .. kv_rows - 1, key_indptr [T + 1] non-decreasing from >= 0 to <= n_keys with at most
+ * max_keys keys a row, every key a K row below kv_rows - page_size (its V row exists); else
+ * -2 (a write row) or -3 (a key list). */
+static int check_rows(const sd_step* s) {
+    uint64_t bad = 0;
+    for (int64_t i = 0; i < 2 * s->T; i++) bad |= (uint64_t)s->write_index[i] >= (uint64_t)s->kv_rows;
+    if (bad) return -2;
+    const int64_t* p = s->key_indptr;
+    if (p[0] < 0 || p[s->T] > s->n_keys) return -3;
+    for (int64_t t = 0; t < s->T; t++)
+        if (p[t + 1] < p[t] || p[t + 1] - p[t] > s->max_keys) return -3;
+    if (s->kv_rows < s->page_size) return p[s->T] > p[0] ? -3 : 0; /* no K row has its V */
+    const uint64_t limit = (uint64_t)(s->kv_rows - s->page_size);
+    for (int64_t j = p[0]; j < p[s->T]; j++) bad |= (uint64_t)s->key_index[j] >= limit;
+    return bad ? -3 : 0;
+}
+
+/* Runs layers[0 .. n) over one step (x updated in place), the step's scratch allocated here.
+ * Every layer's arguments are checked (sd_layer's checks, with no rows) and the step's rows
+ * (check_rows) before any layer runs: -1 (sd_layer refuses a layer; n < 0), -2 / -3
+ * (check_rows), -4 (no memory) write nothing. The lengths of x, cos, sin, qkv_input,
+ * write_index and key_indptr and the caches' sizes are not known here: the caller checks them
+ * (specdec/models/fused.py). */
+int sd_layers(const sd_layer_args* layers, int64_t n, const sd_step* s) {
+    sd_layer_args a;
+    int64_t floats = 0;
+    if (n < 0 || s->T < 0 || s->max_keys < 0 || s->nthreads < 1) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        step_layer(layers + i, s, i, NULL, &a);
+        if (sd_layer(&a)) return -1;
+        a.T = s->T;
+        const int64_t need = sd_layer_scratch(&a);
+        floats = need > floats ? need : floats;
+    }
+    if (s->T == 0 || n == 0) return 0;
+    if (!s->write_index || !s->key_indptr || !s->key_index) return -1;
+    const int rc = check_rows(s);
+    if (rc) return rc;
+    /* 64-byte aligned, as torch allocates (the scratch was a torch tensor) */
+    float* scratch = aligned_alloc(64, ((size_t)floats * sizeof(float) + 63) / 64 * 64);
+    if (!scratch) return -4;
+    int rc_layer = 0;
+    for (int64_t i = 0; i < n && !rc_layer; i++) {
+        step_layer(layers + i, s, i, scratch, &a);
+        rc_layer = sd_layer(&a); /* checked above: cannot fail */
+    }
+    free(scratch);
+    return rc_layer;
 }

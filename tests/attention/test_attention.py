@@ -419,3 +419,29 @@ def test_key_lists_are_each_rows_visible_keys_in_order(data):
     assert torch.equal(plan.index, torch.cat(want))
     assert torch.equal(plan.indptr[1:] - plan.indptr[:-1], torch.cat(counts))
     assert plan.max_keys == int(torch.cat(counts).max())
+    assert torch.equal(plan.write_index, kv_write_index(md.slot_mapping, page))
+    # a mask of another dtype or layout: the same lists (converted for the call)
+    kinds = [None if m is None else m.to(torch.uint8) for m in masks]
+    if any(m is not None for m in masks):
+        kinds[[m is not None for m in masks].index(True)] *= 3  # any nonzero byte sees the key
+    for other in (kinds, [None if m is None else m.t().contiguous().t().float() for m in masks]):
+        md2 = build_metadata(tables, kv, qo, page, other)
+        same = _KeyLists(md2, native.load())
+        assert torch.equal(same.index, plan.index) and torch.equal(same.indptr, plan.indptr)
+
+
+@pytest.mark.skipif(native.load() is None, reason="compiled kernels not built")
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_compiled_write_index_equals_kv_write_index(page):
+    """Slots -> cache rows in C (the CPU plan's) and in torch ops, negative slots too (floor
+    division: any negative slot gives a negative K row, refused before a layer writes)."""
+    from specdec.attention.kv_rows import kv_write_index
+
+    slots = torch.cat([torch.randint(-100, 1000, (40,)), torch.tensor([0, -1, page, -page])])
+    rows = native.load().write_index(slots, page)
+    assert torch.equal(rows, kv_write_index(slots, page))
+    assert native.load().write_index(slots[:0], page).shape == (0,)
+    with pytest.raises(TypeError, match="sd_write_index: slots"):
+        native.load().write_index(slots.int(), page)
+    with pytest.raises(ValueError, match="page_size 0"):
+        native.load().write_index(slots, 0)

@@ -43,6 +43,7 @@ def test_pack_rows_positions_and_logits_rows(model):
     last = runner.pack([[5, 6, 7], [9]], [0, 12], ts, logits="last")
     assert last.input_ids.tolist() == [5, 6, 7, 9] and last.positions.tolist() == [0, 1, 2, 12]
     assert last.logits_indices.tolist() == [2, 3] and last.num_rows == 4
+    assert {t.dtype for t in (last.input_ids, last.positions, last.logits_indices)} == {torch.int64}
     assert last.metadata.qo_lens() == [3, 1] and last.metadata.kv_lens() == [3, 13]
     assert runner.pack([[5, 6, 7], [9]], [0, 12], ts, "all").logits_indices.tolist() == [0, 1, 2, 3]
     assert runner.pack([[5, 6, 7], [9]], [0, 12], ts, "none").logits_indices.numel() == 0

@@ -176,3 +176,43 @@ def test_a_shape_the_compiled_call_refuses_runs_the_torch_forward(tiny_llama, ca
     from specdec import SamplingParams
     out = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.metrics.draft_tokens_proposed > 0
+
+
+class _LayerByLayer:
+    """A cache of another kind than KVCache (each layer its own tensor): fused.run checks and
+    runs it layer by layer."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def layer(self, i: int) -> torch.Tensor:
+        return self.tensors[i]
+
+
+@pytest.mark.parametrize("num_layers, capture", [(None, (0,)), (None, (0, 1)), (None, ()),
+                                                 (1, (0, 5))])
+def test_a_cache_of_another_kind_gives_the_same_rows(tiny_llama, num_layers, capture):
+    """One sd_layers call over a KVCache's tensor (runs split at the captured layers) and one
+    call per layer over separate tensors: bitwise the same rows, captures and K/V."""
+    import torch.nn.functional as F
+
+    llm = LLM(model=str(tiny_llama), max_model_len=64)
+    runner, model = llm.engine.runner, llm.engine.model
+    table = BlockTable()
+    assert runner.kv.try_reserve(table, len(PROMPT))
+    batch = runner.pack([PROMPT], [0], [table], logits="all")
+    runner.backend.plan(batch.metadata)
+    plan = runner.backend.key_lists()
+    kv = runner.kv.cache
+    kv.tensor.zero_()
+    alone = _LayerByLayer([torch.zeros_like(kv.tensor[i]) for i in range(kv.tensor.shape[0])])
+    with torch.inference_mode():
+        x = F.embedding(batch.input_ids, model.embed)
+        cos, sin = model.rope.lookup(batch.positions)
+        outs = [model.fused.run(x.clone(), cos, sin, plan, cache, num_layers, capture)
+                for cache in (kv, alone)]
+    (y, got), (y_alone, got_alone) = outs
+    layers = range(kv.tensor.shape[0])[:num_layers]
+    assert torch.equal(y, y_alone) and got.keys() == got_alone.keys() == set(capture) & {*layers}
+    assert all(torch.equal(got[i], got_alone[i]) for i in got)
+    assert torch.equal(kv.tensor, torch.stack(alone.tensors)) and kv.tensor.abs().sum() > 0

@@ -358,9 +358,20 @@ def test_a_fused_step_refuses_tensors_that_do_not_fit(tiny_llama):
            (dict(plan=step(write_index=torch.tensor([0, 1, 2, 4, 5, rows]))),
             f"0..{rows - 1}"),
            (dict(plan=step(index=torch.tensor([0, 1, rows]))), "row 2's key list"),
-           (dict(plan=step(indptr=torch.tensor([0, 3]))), "key_indptr of shape (2,)")]
+           (dict(plan=step(indptr=torch.tensor([0, 3]))), "key_indptr of shape (2,)"),
+           # the values are checked in C (sd_layers), the message found by _check_step
+           (dict(plan=step(write_index=torch.tensor([0, 1, 2, 4, 5, -1]))), f"0..{rows - 1}"),
+           (dict(plan=step(max_keys=0)), "row 0's key list"),
+           (dict(plan=step(indptr=torch.tensor([0, 2, 1, 3]), max_keys=2)), "row 1's key list"),
+           (dict(plan=step(indptr=torch.tensor([0, 1, 2, 4]))), "row 2's key list"),
+           (dict(plan=step(index=torch.tensor([0, 1, rows - kv.page_size]))),  # V row outside
+            "row 2's key list")]
+    before = kv.tensor.clone()
     for change, text in bad:
         kw = dict(x=x.clone(), cos=cos, sin=cos, plan=plan, kv_cache=kv) | change
+        given = kw["x"].clone()
         with pytest.raises(ValueError, match="sd_layer: ") as e:
             fused.run(**kw)
         assert text in str(e.value), str(e.value)
+        assert torch.equal(kv.tensor, before), text  # refused before any layer ran
+        assert torch.equal(kw["x"], given), text
