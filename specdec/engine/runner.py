@@ -154,8 +154,9 @@ class ModelRunner:
             rows = list(itertools.accumulate(lens, initial=-1))[1:]
         else:
             rows = list(range(sum(lens))) if logits == "all" else []
-        ids, pos, rows = (host_tensor(v).to(self.device)
-                          for v in ([t for f in feeds for t in f], pos, rows))
+        ids, pos, rows = (host_tensor(v) for v in ([t for f in feeds for t in f], pos, rows))
+        if self.device.type != "cpu":
+            ids, pos, rows = ids.to(self.device), pos.to(self.device), rows.to(self.device)
         return ForwardBatch(ids, pos, md, rows, features, context_rows)
 
 

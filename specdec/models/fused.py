@@ -121,10 +121,10 @@ class FusedLayers:
         step = (x, cos, sin, plan, kv_cache, num_layers, qkv_input)
         if cache is None or not self._fits(x, cos, sin, plan, qkv_input):
             self._check_step(*step)  # raises what does not fit (else: a cache of another kind)
-        dtype, (t, d) = x.dtype, (x.shape[0], self._head_dim)
-        h = x.float().contiguous()  # updated in place, layer after layer
-        cos, sin = cos.reshape(t, d).float().contiguous(), sin.reshape(t, d).float().contiguous()
-        first = None if qkv_input is None else qkv_input.float().contiguous()
+        dtype, t = x.dtype, x.shape[0]
+        h = _fp32(x)  # updated in place, layer after layer
+        cos, sin = _fp32(cos), _fp32(sin)  # [T, head_dim] in memory (numel checked)
+        first = None if qkv_input is None else _fp32(qkv_input)
         st = self._step
         st.T, st.x, st.cos, st.sin = t, h.data_ptr(), cos.data_ptr(), sin.data_ptr()
         st.page_size, st.max_keys = plan.page_size, plan.max_keys
@@ -141,7 +141,7 @@ class FusedLayers:
                 self._refused(rc, *step)
             if stop - 1 in capture_layers:
                 captured[stop - 1] = h.to(dtype, copy=True)
-        return h.to(dtype), captured
+        return (h if dtype == torch.float32 else h.to(dtype)), captured
 
     def _runs(self, cache: torch.Tensor | None, kv_cache, n: int, capture_layers):
         """(first layer, end, its cache's address, bytes from one layer's cache to the next,
@@ -239,6 +239,11 @@ class FusedLayers:
                  lambda: f"cache rows in 0..{rows - 1} (got {lo}..{hi})")
         self.kernels._check_keys("sd_layer", plan.indptr, plan.index, t, plan.max_keys,
                                  rows - plan.page_size)
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as contiguous float32 (itself when it is: the pointer is all the C side reads)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 def _int64s(t) -> bool:
