@@ -29,6 +29,9 @@ class TrainConfig:
     regen_activations: str = "float"
     limit: int | None = None  # conversations sampled from the data (None: all)
     holdout: int = 16  # conversations kept out of training for the end-of-run evaluation
+    # training prompts whose word 3-gram Jaccard with a held-out prompt is at least this are
+    # removed from the training side of the split (0: keep them; training/near_dup.py)
+    holdout_near_dup: float = 0.5
     max_length: int = 512
     max_turn_tokens: int | None = None  # shorten longer user/system turns (keep head and tail)
     draft_vocab_size: int = 16000
@@ -81,6 +84,10 @@ class TrainConfig:
         if self.max_steps is not None:  # 0: calibrate and evaluate init_from, no training
             _int_at_least("max_steps", self.max_steps, 0 if self.init_from else 1)
         _int_at_least("holdout", self.holdout, 0)
+        near = self.holdout_near_dup
+        if not isinstance(near, (int, float)) or isinstance(near, bool) or not 0 <= near <= 1:
+            raise ValueError("holdout_near_dup must be a Jaccard threshold in [0, 1] (0: off), got "
+                             f"{self.holdout_near_dup!r}")
         for name in ("learning_rate", "max_grad_norm", "loss_gamma"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:

@@ -37,6 +37,7 @@ import shutil
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -102,7 +103,7 @@ def train(config: TrainConfig) -> dict:
     model, cfg, hf = load_model(folder, dtype, accelerator.device, config.max_length + 16)
     tokenizer = load_tokenizer(folder)
     convs = load_conversations([Path(f) for f in config.data], config.limit, config.seed)
-    train_convs, held_out = held_out_split(convs, config)
+    train_convs, held_out, near_dups = held_out_split(convs, config)
     train_convs = _answers(train_convs, config, out, accelerator, tokenizer)
     dataset = tokenize_all(train_convs, tokenizer, config.max_length, config.max_turn_tokens)
     k = kind(config.kind)
@@ -118,6 +119,9 @@ def train(config: TrainConfig) -> dict:
                 calibration, config, accelerator.device))
         drafter = _export(k, raw, hf, config, out, metrics, calibrated)
         report = _evaluate(config, drafter, held_out, engine_device(accelerator))
+        report["split"] = {"held_out": len(held_out), "train_conversations": len(train_convs),
+                           "near_duplicates_removed": near_dups,
+                           "holdout_near_dup": config.holdout_near_dup}
         for path in (out / "eval.json", drafter / "eval.json"):
             path.write_text(json.dumps(report, indent=2) + "\n")
     accelerator.wait_for_everyone()
@@ -152,13 +156,34 @@ def _prepare_out(out: Path, resume: bool) -> Path:
     return out
 
 
-def held_out_split(convs: list[Conversation], config: TrainConfig):
-    """(training conversations, held-out prompts): a seeded split, the same on every rerun."""
+class Split(NamedTuple):
+    train: list[Conversation]
+    held_out: list[list[dict]]  # prompts (chats ending with a user turn)
+    near_duplicates_removed: int  # training conversations dropped as near a held-out prompt
+
+
+def held_out_split(convs: list[Conversation], config: TrainConfig) -> Split:
+    """(training conversations, held-out prompts, near duplicates removed): a seeded split, the
+    same on every rerun. With ``holdout_near_dup`` > 0 the training side loses every
+    conversation whose prompt is that near (word 3-gram Jaccard) to a held-out one, so that the
+    held-out figures measure prompts the drafter never saw, not paraphrases of its data."""
     order = list(range(len(convs)))
     random.Random(config.seed).shuffle(order)
     k = min(config.holdout, max(0, len(convs) - 1))
-    held = [prompts_of(convs[i]) for i in order[:k]]
-    return [convs[i] for i in sorted(order[k:])], [p for p in held if p]
+    held = [p for p in (prompts_of(convs[i]) for i in order[:k]) if p]
+    train = [convs[i] for i in sorted(order[k:])]
+    removed: list[int] = []
+    if config.holdout_near_dup > 0 and held:
+        from specdec.training.near_dup import drop_near_duplicates, prompt_text
+
+        removed = drop_near_duplicates([prompt_text(c.messages) for c in train],
+                                       [prompt_text(p) for p in held], config.holdout_near_dup)
+        log.info("held-out split: %d training conversations removed as near duplicates "
+                 "(word 3-gram Jaccard >= %g) of the %d held-out prompts", len(removed),
+                 config.holdout_near_dup, len(held))
+        drop = set(removed)
+        train = [c for i, c in enumerate(train) if i not in drop]
+    return Split(train, held, len(removed))
 
 
 def _answers(convs: list[Conversation], config: TrainConfig, out: Path, accelerator,
