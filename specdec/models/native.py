@@ -36,7 +36,7 @@ from typing import NoReturn
 
 import torch
 
-ABI = 8
+ABI = 9
 PANEL = 8
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

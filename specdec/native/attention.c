@@ -9,7 +9,13 @@
 
 #include "kernels.h"
 
-/* dot over D (D % 8 == 0): 8 lanes, ascending chunks, lanes summed pairwise */
+/* dot over D (D % 8 == 0): 8 lanes, ascending chunks, lanes summed pairwise.
+ *
+ * Every result is formed by exactly these operations in this order whatever the loop shape
+ * around it, so the kernel below may interleave independent sums (four keys' dot products at
+ * once; every V column block's sums over the keys at once) to keep the FMA units busy instead of
+ * waiting on one accumulator's latency: bitwise the results of one sum at a time. */
+#define VB 8 /* V columns per pass: VB accumulators of 8 lanes (64 floats) in registers */
 #define ATTEND(NAME, LOADKV)                                                                   \
     AVX2 static inline float NAME##_dot(const float* a, const void* b, int64_t i, int64_t D) { \
         __m256 acc = _mm256_setzero_ps();                                                      \
@@ -17,27 +23,63 @@
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), LOADKV(b, i + d), acc);              \
         return sd_hsum8(acc);                                                                  \
     }                                                                                          \
+    /* four keys' dot products, each the one above */                                          \
+    AVX2 static inline void NAME##_dot4(const float* a, const void* b, const int64_t* at,      \
+                                        int64_t D, float* out) {                               \
+        __m256 c0 = _mm256_setzero_ps(), c1 = c0, c2 = c0, c3 = c0;                            \
+        for (int64_t d = 0; d < D; d += 8) {                                                   \
+            const __m256 x = _mm256_loadu_ps(a + d);                                           \
+            c0 = _mm256_fmadd_ps(x, LOADKV(b, at[0] + d), c0);                                 \
+            c1 = _mm256_fmadd_ps(x, LOADKV(b, at[1] + d), c1);                                 \
+            c2 = _mm256_fmadd_ps(x, LOADKV(b, at[2] + d), c2);                                 \
+            c3 = _mm256_fmadd_ps(x, LOADKV(b, at[3] + d), c3);                                 \
+        }                                                                                      \
+        out[0] = sd_hsum8(c0), out[1] = sd_hsum8(c1), out[2] = sd_hsum8(c2);                   \
+        out[3] = sd_hsum8(c3);                                                                 \
+    }                                                                                          \
     /* one (row, head): scores over its keys in the given order, max, exp, sums in order */  \
     AVX2 static void NAME##_row(const float* q, const void* kv, int64_t base,                 \
                                 int64_t v_offset, const int64_t* keys, int64_t n, int64_t Hkv,\
                                 int64_t D, float scale, float* out, float* s) {                \
         float m = -INFINITY;                                                                   \
-        for (int64_t j = 0; j < n; j++) {                                                      \
+        int64_t j = 0;                                                                         \
+        for (; j + 4 <= n; j += 4) {                                                           \
+            const int64_t at[4] = {base + keys[j] * Hkv * D, base + keys[j + 1] * Hkv * D,     \
+                                   base + keys[j + 2] * Hkv * D, base + keys[j + 3] * Hkv * D};\
+            float dots[4];                                                                     \
+            NAME##_dot4(q, kv, at, D, dots);                                                   \
+            for (int u = 0; u < 4; u++) {                                                      \
+                s[j + u] = scale * dots[u];                                                    \
+                m = s[j + u] > m ? s[j + u] : m;                                               \
+            }                                                                                  \
+        }                                                                                      \
+        for (; j < n; j++) {                                                                   \
             s[j] = scale * NAME##_dot(q, kv, base + keys[j] * Hkv * D, D);                     \
             m = s[j] > m ? s[j] : m;                                                           \
         }                                                                                      \
         float l = 0.0f;                                                                        \
-        for (int64_t j = 0; j < n; j++) {                                                      \
+        for (j = 0; j < n; j++) {                                                              \
             s[j] = expf(s[j] - m);                                                             \
             l += s[j];                                                                         \
         }                                                                                      \
-        for (int64_t d = 0; d < D; d += 8) {                                                   \
-            __m256 acc = _mm256_setzero_ps();                                                  \
-            for (int64_t j = 0; j < n; j++) {                                                  \
-                const __m256 v = LOADKV(kv, base + (keys[j] + v_offset) * Hkv * D + d);        \
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), v, acc);                           \
+        const __m256 inv_l = _mm256_set1_ps(l);                                                \
+        for (int64_t d0 = 0; d0 < D; d0 += 8 * VB) {                                           \
+            const int nb = (int)((D - d0) / 8 < VB ? (D - d0) / 8 : VB);                       \
+            __m256 acc[VB];                                                                    \
+            for (int c = 0; c < VB; c++) acc[c] = _mm256_setzero_ps();                         \
+            for (j = 0; j < n; j++) {                                                          \
+                const __m256 w = _mm256_set1_ps(s[j]);                                         \
+                const int64_t row = base + (keys[j] + v_offset) * Hkv * D + d0;                \
+                if (nb == VB) {                                                                \
+                    for (int c = 0; c < VB; c++)                                               \
+                        acc[c] = _mm256_fmadd_ps(w, LOADKV(kv, row + 8 * c), acc[c]);          \
+                } else {                                                                       \
+                    for (int c = 0; c < nb; c++)                                               \
+                        acc[c] = _mm256_fmadd_ps(w, LOADKV(kv, row + 8 * c), acc[c]);          \
+                }                                                                              \
             }                                                                                  \
-            _mm256_storeu_ps(out + d, _mm256_div_ps(acc, _mm256_set1_ps(l)));                  \
+            for (int c = 0; c < nb; c++)                                                       \
+                _mm256_storeu_ps(out + d0 + 8 * c, _mm256_div_ps(acc[c], inv_l));              \
         }                                                                                      \
     }
 ATTEND(att_f32, sd_load_f32)

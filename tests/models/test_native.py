@@ -77,8 +77,10 @@ def _attention_case(seed: int, t: int = 6, h: int = 6, hkv: int = 2, d: int = 64
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_attention_matches_float64_and_rows_are_invariant(dtype):
-    q, rows, keys, indptr, index = _attention_case(3)
+@pytest.mark.parametrize("d", [64, 8, 72, 136])  # V column blocks of 64: whole, and a part
+def test_attention_matches_float64_and_rows_are_invariant(dtype, d):
+    """Key counts 1..60 (the four-key dot products and their tail), every head_dim shape."""
+    q, rows, keys, indptr, index = _attention_case(3, d=d)
     rows = rows.to(dtype)
     out = KERNELS.attention(q, rows, 60, indptr, index, 60, 0.125)
     for t, k in enumerate(keys):
