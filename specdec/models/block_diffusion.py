@@ -98,6 +98,10 @@ class BlockDiffusionConfig:
 
 
 class BlockDiffusionModel(TokenMap):
+    # the blocks draft_weights="auto" quantizes it to (specdec.models.draft_weights): drafts
+    # need no exactness, and on SmolLM2 Q4_1 accepts within 1 % of Q8_0 (docs/benchmarks.md)
+    auto_draft_weights = "Q4_1"
+
     def __init__(self, config: BlockDiffusionConfig, embed: torch.Tensor, hf_config,
                  trainable: bool = False) -> None:
         super().__init__()

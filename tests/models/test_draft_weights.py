@@ -16,7 +16,7 @@ from conftest import make_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.config import EngineConfig
 from specdec.models import native
-from specdec.models.draft_weights import draft_panels, quantize
+from specdec.models.draft_weights import draft_panels, mode_of, quantize
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.gguf_blocks import dequantize
 from specdec.models.loader import load_model
@@ -63,7 +63,7 @@ def target(tmp_path_factory):
 
 
 @needs_kernels
-@pytest.mark.parametrize("mode, kind", [("q8_0", "Q8_0"), ("q4_1", "Q4_1"), ("auto", "Q8_0")])
+@pytest.mark.parametrize("mode, kind", [("q8_0", "Q8_0"), ("q4_1", "Q4_1"), ("auto", "Q4_1")])
 def test_kernel_computes_with_the_blocks_values(target, mode, kind):
     _, model, cfg, hf = target
     head = random_head(model, cfg, hf)
@@ -76,6 +76,15 @@ def test_kernel_computes_with_the_blocks_values(target, mode, kind):
     expected = F.linear(x.double(), dequantize(quantize(w, kind)).double())
     torch.testing.assert_close(k.linear(x, panels).double(), expected, rtol=1e-5, atol=1e-5)
     assert all(torch.equal(w, before[n]) for n, w in head.named_matrices().items())
+
+
+@needs_kernels
+def test_auto_is_q4_1_for_learned_heads_and_q8_0_for_a_draft_model(target):
+    _, model, cfg, hf = target
+    cpu = torch.device("cpu")
+    head = draft_panels([random_head(model, cfg, hf)], "auto", torch.float32, cpu, "invariant")
+    whole = draft_panels([model], "auto", torch.float32, cpu, "invariant")
+    assert mode_of(head) == "q4_1" and mode_of(whole) == "q8_0"
 
 
 def test_float_and_unrunnable_choices(target):
