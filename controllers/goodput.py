@@ -57,6 +57,11 @@ GAIN_FLOOR = 0.01  # chain nodes less likely than this to be accepted are not pl
 # an exploration that leaves a request still not worth drafting doubles its interval, up to
 # this many times the base (a drafter that does not pay costs ~1/8 of the exploring it did)
 MAX_BACKOFF = 8
+# keep_drafting keeps an idle request's drafter state while its exploration is due this soon
+# (the engine asks again every 32 idle steps: specdec.engine.draft_stage.IDLE_CHECK)
+EXPLORE_HORIZON = 32
+# a plan that drafted nothing is reused for this many steps while nothing it reads changed
+REPLAN = 16
 
 
 class _Line:
@@ -119,7 +124,11 @@ class GoodputController:
         self._idle: dict[str, int] = {}  # steps since a request last drafted
         self._backoff: dict[str, int] = {}  # a request's exploration interval multiplier
         self._carried = 1  # the backoff a new request starts from (explorations across requests)
+        self._batch = 1  # requests in the last budgets call (explorations are per batch)
         self._exploring: set[str] = set()  # requests explored in the last budgets call
+        self._explore_drafted: set[str] = set()  # of which drafted (observe)
+        self._observed = 0  # steps whose drafts observe() learned from
+        self._last_plan = None  # (requests and batch shape, _observed, uses, arm): drafted none
         self.max_depth = min(max_depth or budget, budget)
         self.costs = costs
         self.prior = float(prior)
@@ -167,8 +176,7 @@ class GoodputController:
     # ---- phase 1: budgets -------------------------------------------------------------------
 
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
-        plans = [self._plan(requests, batch, arm) for arm in self.arms]
-        _, depths, arm = max(plans, key=lambda p: p[0])  # ties: the first arm
+        depths, arm = self._plans(requests, batch)
         arms = [arm] * len(requests)
         # explore: a request kept at 0 drafts one level now and then, so that its estimate is
         # not frozen; about one request in ``explore_every`` steps across the batch (a large
@@ -176,7 +184,11 @@ class GoodputController:
         # started together do not all explore in the same step. With several arms (a composed
         # drafter's members) the explorations take them in turn
         interval = self.explore_every * max(1, len(requests))
+        self._batch = len(requests)
         explored_before, self._exploring = self._exploring, set()
+        # only an exploration that drafted says something (a request without drafter state,
+        # specdec.engine.draft_stage, gets no draft: that one backs nothing off)
+        drafted_before, self._explore_drafted = self._explore_drafted, set()
         for i, r in enumerate(requests):
             rid = r.request_id
             if rid not in self._idle:
@@ -184,7 +196,7 @@ class GoodputController:
             backoff = self._backoff.get(rid, self._carried)
             if depths[i] > 0:
                 backoff = self._carried = 1
-            elif rid in explored_before:  # its exploration did not make it pay
+            elif rid in explored_before and rid in drafted_before:  # it did not make it pay
                 backoff = min(2 * backoff, MAX_BACKOFF)
                 self._carried = max(self._carried, backoff)
             self._backoff[rid] = backoff
@@ -199,7 +211,8 @@ class GoodputController:
                for k, a in zip(depths, arms)]
         self._asked_arm = {r.request_id: a for r, a in zip(requests, arms)}
         expected = len(requests) + sum(
-            sum(self._gains(r.request_id, a)[:k]) for r, k, a in zip(requests, depths, arms))
+            sum(self._gains(r.request_id, a)[:k]) for r, k, a in zip(requests, depths, arms)
+            if k)
         rows = batch.num_prefill_tokens + len(requests) + sum(depths)
         self._predicted = self._forward(rows) + self._draft_time(
             {a: max((k for k, b in zip(depths, arms) if b == a), default=0) for a in arms}
@@ -215,13 +228,45 @@ class GoodputController:
                 "+".join(a): self.depths[a].summary(min(self.max_depth, 6)) for a in self.arms}
         return out
 
+    def _plans(self, requests: list[RequestView], batch: BatchComposition):
+        """(depth per request, arm) of the best arm's plan. A plan that drafted nothing is
+        reused, without planning, for the same requests and batch shape until an observation
+        changes what the plan reads (acceptance: a drafted outcome; the forward's costs drift
+        slowly, so every REPLAN steps): a drafter kept off costs its planning once in a while,
+        not every step."""
+        shape = (tuple(r.request_id for r in requests), batch.num_prefill_tokens,
+                 batch.max_draft_rows)
+        last = self._last_plan
+        if last is not None and last[0] == shape and last[1] == self._observed \
+                and last[2] < REPLAN:
+            self._last_plan = (shape, self._observed, last[2] + 1, last[3])
+            return [0] * len(requests), last[3]
+        plans = [self._plan(requests, batch, arm) for arm in self.arms]
+        _, depths, arm = max(plans, key=lambda p: p[0])  # ties: the first arm
+        self._last_plan = None if any(depths) else (shape, self._observed, 1, arm)
+        return depths, arm
+
     def keep_drafting(self, request: RequestView, recompute_tokens: int) -> bool:
         """Keep what drafting for ``request`` needs (recompute a prefix hit the drafter cannot
-        restore; keep a long-idle request's drafter state) only while drafting pays now: the
-        plan for it alone at its frontier (its own acceptance if known, else the drafter's)
-        drafts with some arm. For a drafter the plan keeps off it would only cost."""
+        restore; keep an idle request's drafter state) only while drafting pays now: the plan
+        for it alone at its frontier (its own acceptance if known, else the drafter's) drafts
+        with some arm; or, for an idle request (nothing to recompute), while its next
+        exploration is due within EXPLORE_HORIZON steps (an exploration drafts from that
+        state). For a drafter the plan keeps off it would only cost."""
         lone = BatchComposition(1, 0, 0, 0, max(self.budget, 1))
-        return any(max(self._plan([request], lone, arm)[1]) > 0 for arm in self.arms)
+        if any(max(self._plan([request], lone, arm)[1]) > 0 for arm in self.arms):
+            return True
+        return recompute_tokens == 0 and self._explores_within(request.request_id,
+                                                               EXPLORE_HORIZON)
+
+    def _explores_within(self, request_id: str, steps: int) -> bool:
+        """Whether ``budgets`` would explore this request in the next ``steps`` steps (at the
+        batch size it last saw)."""
+        if not self.explore_every:
+            return False
+        interval = self.explore_every * max(1, self._batch)
+        idle = self._idle.get(request_id, -(zlib.crc32(request_id.encode()) % interval))
+        return interval * self._backoff.get(request_id, self._carried) - idle <= steps
 
     def _gains(self, request_id: str, arm) -> list[float]:
         """Chain gains by depth, cut after the first below GAIN_FLOOR: a node accepted less
@@ -352,7 +397,11 @@ class GoodputController:
         rest = max(report.step_seconds - report.forward_seconds - report.draft_seconds, 0.0)
         self._overhead_n = min(self._overhead_n + 1, 50)
         self.overhead += (rest - self.overhead) / self._overhead_n
+        if any(o.num_proposed for o in report.outcomes):
+            self._observed += 1  # what the plan reads of acceptance changed
         for o in report.outcomes:
+            if o.num_proposed and o.request_id in self._exploring:
+                self._explore_drafted.add(o.request_id)
             if o.num_proposed:
                 # what asking for this depth yielded, pruning included: a depth counts as tried
                 # when it was drafted, not only when it was verified (otherwise the estimate

@@ -36,7 +36,7 @@ from specdec.kv.block_table import KVCacheManager
 from specdec.metrics import StepStats
 from specdec.tree import DraftTree
 
-IDLE_CHECK = 32  # decode steps at budget 0 between two keep_drafting questions
+IDLE_CHECK = 32  # decode steps at budget 0 between two keep_drafting questions (the first at 1)
 
 
 class DraftStage:
@@ -108,10 +108,13 @@ class DraftStage:
         return out
 
     def _stop_idle(self, idle: list[Sequence], drafting: list[Sequence]) -> None:
-        """A request kept at budget 0 for IDLE_CHECK decode steps in a row asks the controller's
-        ``keep_drafting`` (nothing to recompute): False, and it decodes on without its drafter
-        state — no more features kept, no layers captured for it, no on_verified (outputs
-        unchanged; the controller had stopped drafting for it anyway)."""
+        """A request kept at budget 0 asks the controller's ``keep_drafting`` (nothing to
+        recompute) at its first such decode step and every IDLE_CHECK in a row after: False,
+        and it decodes on without its drafter state — no more features kept, no layers
+        captured for it, no on_verified (outputs unchanged; the controller had stopped drafting
+        for it anyway). Asked at once, a drafter the controller keeps off costs its planning
+        only, not 32 steps of keeping up (a controller that means to explore a request keeps
+        its state by answering True)."""
         for seq in drafting:
             self.idle.pop(seq.request_id, None)
         for seq in idle:
@@ -119,7 +122,8 @@ class DraftStage:
             if rid in self.undrafted or not seq.drafter_ready:
                 continue
             self.idle[rid] = self.idle.get(rid, 0) + 1
-            if self.idle[rid] % IDLE_CHECK == 0 and not self._keep_drafting(seq, 0):
+            n = self.idle[rid]
+            if (n == 1 or n % IDLE_CHECK == 0) and not self._keep_drafting(seq, 0):
                 self._drop_state(seq)
                 self.undrafted.add(rid)
                 self.idle.pop(rid, None)

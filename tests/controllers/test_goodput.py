@@ -44,12 +44,53 @@ def test_no_draft_when_verification_costs_more_than_it_returns():
     # now and then a request explores one level, so its estimate can recover: each request
     # first within 2 x 4 x 4 steps, not all in the same step; an exploration after which it still
     # does not pay doubles its interval (16, then 32 steps, ... up to MAX_BACKOFF x 16)
-    explored = [[b != NO_DRAFT for b in c.budgets(views(4), batch(4))] for _ in range(64)]
+    explored = [[b != NO_DRAFT for b in _drafted_step(c, 4)] for _ in range(64)]
     when = [[t for t, step in enumerate(explored) if step[i]] for i in range(4)]
     assert all(len(w) == 2 and w[0] < 32 and w[1] - w[0] == 32 for w in when), when
     assert max(sum(step) for step in explored) <= 2
-    many = [sum(b != NO_DRAFT for b in c.budgets(views(4), batch(4))) for _ in range(2000)]
+    many = [sum(b != NO_DRAFT for b in _drafted_step(c, 4)) for _ in range(2000)]
     assert 4 * 2000 / (16 * MAX_BACKOFF) - 8 <= sum(many) <= 4 * 2000 / (16 * MAX_BACKOFF) + 8
+
+
+def _drafted_step(c, n: int, drafted: bool = True) -> list[DraftBudget]:
+    """One step of n requests: budgets, then (``drafted``) each budget drafted one node and
+    none accepted, as the engine reports it."""
+    out = c.budgets(views(n), batch(n))
+    c.observe(_report([RequestOutcome(f"r{i}", b, 1 if drafted else 0, 0, False,
+                                      DraftTree.chain([1], None) if drafted else None, ())
+                       for i, b in enumerate(out) if b != NO_DRAFT]))
+    return out
+
+
+def test_a_plan_that_drafts_nothing_is_reused_until_what_it_reads_changes(monkeypatch):
+    """Kept off: one plan per REPLAN steps for the same requests, not one a step; a drafted
+    outcome (acceptance changed) or another batch plans again; budgets are unchanged by it."""
+    from specdec.controllers.goodput import REPLAN
+
+    c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=0)
+    calls = []
+    plan = c._plan
+    monkeypatch.setattr(c, "_plan", lambda *a: (calls.append(1), plan(*a))[1])
+    for _ in range(3 * REPLAN):
+        assert c.budgets(views(2), batch(2)) == [NO_DRAFT] * 2
+    assert len(calls) == 3
+    c.observe(_report([RequestOutcome("r0", DraftBudget(1), 1, 0, False,
+                                      DraftTree.chain([1], None), ())]))
+    c.budgets(views(2), batch(2))
+    c.budgets(views(3), batch(3))
+    assert len(calls) == 5
+
+
+def test_an_exploration_that_drafted_nothing_backs_nothing_off():
+    """A request without drafter state gets no draft when the controller explores it: that
+    exploration says nothing about acceptance, and the interval stays."""
+    c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=4)
+    for _ in range(200):
+        _drafted_step(c, 1, drafted=False)
+    assert c._backoff["r0"] == 1 and c._carried == 1
+    for _ in range(200):
+        _drafted_step(c, 1)
+    assert c._backoff["r0"] == MAX_BACKOFF
 
 
 def test_drafting_resets_the_exploration_backoff():
@@ -94,6 +135,29 @@ def test_new_requests_start_from_the_backoff_explorations_reached():
         c.observe(_report([RequestOutcome("c", DraftBudget(2), 2, 2, False, chain, (0, 1))]))
     assert c.budgets(views(1), batch(1))[0].max_nodes > 0
     assert c._carried == 1
+
+
+def test_keep_drafting_keeps_an_idle_request_only_while_its_exploration_is_near():
+    """A drafter the plan keeps off: an idle request keeps its drafter state (keep_drafting
+    with nothing to recompute) only while budgets would explore it within EXPLORE_HORIZON
+    steps, so what an exploration drafts from is there; never for a prefix hit to recompute."""
+    from specdec.controllers.goodput import EXPLORE_HORIZON
+
+    c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=64)
+    view = RequestView("r", 50, 10, 5, 0, (), 0, 0)
+    answers, explored = [], []
+    for _ in range(200):
+        b = c.budgets([view], batch(1))[0]
+        explored.append(b != NO_DRAFT)
+        answers.append(c.keep_drafting(view, 0))
+    first = explored.index(True)
+    assert first > EXPLORE_HORIZON  # explorations every 64 steps, this one not at once
+    assert answers[first - EXPLORE_HORIZON - 1] is False
+    assert all(answers[first - EXPLORE_HORIZON:first])
+    assert not c.keep_drafting(view, 16)  # recomputing a hit pays only where drafting does
+    quiet = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=0)
+    quiet.budgets([view], batch(1))
+    assert not quiet.keep_drafting(view, 0)
 
 
 def test_deep_trees_when_acceptance_is_high_and_rows_are_nearly_free():
