@@ -37,8 +37,10 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     forward, drafting = {}, {}
     for path in runs:
-        act = path.stem.rsplit("_", 1)[1]
-        drafter, controller = path.stem.rsplit("_", 1)[0].rsplit("_", 1)
+        parts = path.stem.rsplit("_", 2)  # <drafter>_<controller>_<activations>
+        if len(parts) != 3 or parts[2] not in ("q8", "float"):
+            continue  # not one of step_budget.sh's runs
+        drafter, controller, act = parts
         report = json.loads(path.read_text())
         budget = report.get("step_budget") or {}
         systems = budget.get("systems", {})
