@@ -94,20 +94,13 @@ def test_an_eagle3_heads_layer_runs_compiled_too(tiny_llama):
     runner = llm.engine.drafter_runners[0]
     assert runner.model is head and head.fused is not None
     features = torch.randn(len(PROMPT), cfg.hidden_size)
-    outs = []
-    for fused in (True, False):
-        keep, head.fused = head.fused, (head.fused if fused else None)
-        runner.kv.cache.tensor.zero_()
-        table = BlockTable()
-        assert runner.kv.try_reserve(table, len(PROMPT))
-        try:
-            out = runner.forward(runner.pack([PROMPT], [0], [table], logits="all",
-                                             features=features.clone()))
-            outs.append((out.final_hidden.clone(), out.logits.clone(),
-                         runner.kv.cache.tensor.clone()))
-        finally:
-            runner.kv.release(table)
-            head.fused = keep
+
+    def step(table):
+        out = runner.forward(runner.pack([PROMPT], [0], [table], logits="all",
+                                         features=features.clone()))
+        return out.final_hidden.clone(), out.logits.clone()
+
+    outs = _compiled_and_framework(head, runner, len(PROMPT), step)
     for f, r in zip(*outs):
         torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4)
     assert outs[0][2].abs().sum() > 0
@@ -143,21 +136,15 @@ def test_a_block_diffusion_layer_runs_compiled_too(tiny_llama):
     feed = [0] * n + [PROMPT[-1]] + [c.mask_id(k) for k in range(1, c.block_size)]
     features = torch.randn(len(feed), llm0.engine.model_config.hidden_size)
     context = torch.tensor([True] * n + [False] * c.block_size)
-    outs = []
-    for fused in (True, False):
-        keep, bd.fused = bd.fused, (bd.fused if fused else None)
-        runner.kv.cache.tensor.zero_()
-        table = BlockTable()
-        assert runner.kv.try_reserve(table, len(feed))
-        try:
-            out = runner.forward(runner.pack(
-                [feed], [0], [table], logits="none", positions=[list(range(len(feed)))],
-                masks=[block_mask(0, n, c.block_size)], features=features.clone(),
-                context_rows=context))
-            outs.append((out.final_hidden.clone(), runner.kv.cache.tensor.clone()))
-        finally:
-            runner.kv.release(table)
-            bd.fused = keep
+
+    def step(table):
+        out = runner.forward(runner.pack(
+            [feed], [0], [table], logits="none", positions=[list(range(len(feed)))],
+            masks=[block_mask(0, n, c.block_size)], features=features.clone(),
+            context_rows=context))
+        return (out.final_hidden.clone(),)
+
+    outs = _compiled_and_framework(bd, runner, len(feed), step)
     for f, r in zip(*outs):
         torch.testing.assert_close(f, r, rtol=1e-4, atol=1e-4)
     assert outs[0][1].abs().sum() > 0
@@ -216,3 +203,20 @@ def test_a_cache_of_another_kind_gives_the_same_rows(tiny_llama, num_layers, cap
     assert torch.equal(y, y_alone) and got.keys() == got_alone.keys() == set(capture) & {*layers}
     assert all(torch.equal(got[i], got_alone[i]) for i in got)
     assert torch.equal(kv.tensor, torch.stack(alone.tensors)) and kv.tensor.abs().sum() > 0
+
+
+def _compiled_and_framework(model, runner, slots: int, step) -> list[tuple]:
+    """``step(table)``'s outputs and the K/V it wrote, first through the model's compiled layer
+    calls, then through its framework path (``fused`` off), each from a zeroed cache."""
+    outs = []
+    for fused in (True, False):
+        keep, model.fused = model.fused, (model.fused if fused else None)
+        runner.kv.cache.tensor.zero_()
+        table = BlockTable()
+        assert runner.kv.try_reserve(table, slots)
+        try:
+            outs.append((*step(table), runner.kv.cache.tensor.clone()))
+        finally:
+            runner.kv.release(table)
+            model.fused = keep
+    return outs
