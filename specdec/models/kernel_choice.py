@@ -37,7 +37,7 @@ def install_kernels(models: list, choice: str, dtype: torch.dtype, device: torch
                 refusal = _refusal(m)
                 if refusal is None:
                     m.fused = FusedLayers(kernels.kernels, kernels, m)
-                elif models.index(m) > 0:  # a drafter's model (the target's is said elsewhere)
+                else:
                     logger.info("%s: the compiled layer call does not take %s; its torch "
                                 "forward runs instead", type(m).__name__, refusal)
     return kernels
