@@ -27,8 +27,10 @@ Four optional methods:
   pages): True, the target recomputes those ``recompute_tokens`` so that the drafter hears of
   them and may draft for the request; False, the target reuses its cached KV and the request
   decodes without drafts until it ends or is preempted (outputs are the same either way).
-  Also asked, with ``recompute_tokens`` 0, of a request kept at budget 0 for 32 decode steps
-  in a row: False drops its drafter state (no features kept, no layers captured for it).
+  Also asked, with ``recompute_tokens`` 0, of a request at its first decode step at budget 0
+  and every 32 such steps in a row after: False drops its drafter state (no features kept, no
+  layers captured for it; a later budget for it gets no draft); a controller that means to
+  draft or explore for it soon answers True.
   Without the method: True.
 """
 
