@@ -205,7 +205,9 @@ class Scheduler:
         if not self.prefix_caching:
             return
         if len(self.in_flight) > 4 * self.kv.num_free_pages + 1024:  # drop the stale ones
-            self.in_flight = {k: v for k, v in self.in_flight.items() if self._in_flight(k)}
+            # over a snapshot of the keys: _in_flight deletes the stale entry it finds
+            self.in_flight = {k: self.in_flight[k] for k in list(self.in_flight)
+                              if self._in_flight(k)}
         first = seq.num_computed // self.kv.page_size
         for p, key in enumerate(seq.page_keys[first:(seq.num_tokens - 1) // self.kv.page_size],
                                 first):

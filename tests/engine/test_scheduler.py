@@ -219,3 +219,20 @@ def test_zero_and_unused_budgets_reserve_nothing_extra(ask):
     out = step(sched, Budgets(ask=ask))
     assert out.scheduled[0].budget == DraftBudget(ask)
     assert a.block_table.num_slots == a.num_computed + 1 + ask
+
+
+def test_stale_in_flight_pages_are_dropped_without_breaking_the_walk():
+    """Past 4 x free pages + 1024 entries, admitting a request drops the in-flight pages of
+    requests no longer running (regression: the walk deleted entries of the dict it walked,
+    RuntimeError mid-regeneration after ~8,000 requests)."""
+    sched = Scheduler(KVCacheManager(PagePool(8), 4), 8, 64, prefix_caching=True)
+    gone = Sequence("gone", [1, 2, 3], GREEDY, None)
+    gone.status = SequenceStatus.FINISHED
+    live = Sequence("live", [1, 2, 3], GREEDY, None)
+    live.status = SequenceStatus.RUNNING
+    sched.in_flight = {bytes([i % 256, i // 256]): (gone, 0) for i in range(2000)}
+    sched.in_flight[b"live"] = (live, 0)
+    new = Sequence("new", list(range(1, 10)), GREEDY, None)
+    new.page_keys = [b"k0", b"k1"]
+    sched._mark_in_flight(new)
+    assert set(sched.in_flight) == {b"live", b"k0", b"k1"}
