@@ -454,6 +454,17 @@ int sd_q8_isa(void) {
     return got;
 }
 
+/* T rows as tiles of at most `most` rows, as even as possible: tile i has
+ * base + (i < extra) rows (no tiles for T == 0) */
+typedef struct {
+    int64_t tiles, base, extra;
+} row_tiles;
+
+static row_tiles split_rows(int64_t T, int64_t most) {
+    const int64_t tiles = (T + most - 1) / most;
+    return (row_tiles){tiles, tiles ? T / tiles : 0, tiles ? T % tiles : 0};
+}
+
 /* y[T, ldy] = x[T, K] @ W.T for the formats SD_Q4_1_Q8 / SD_Q8_0_Q8, as a work-sharing loop
  * (see sd_linear_for). Every thread rounds all rows itself (T * K work beside the T * K * out
  * of the products), into its own buffer, then the team splits the panel pairs. */
@@ -477,13 +488,13 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
 #if SD_HAVE_AMX
     if (isa == SD_Q8_AMX && T >= AMX_MIN_ROWS[q8]) {
         /* row tiles of at most 16, as even as possible; every tile M rows (the largest) */
-        const int64_t tiles = (T + 15) / 16, base = T / tiles, extra = T % tiles;
-        amx_configure((int)(base + (extra > 0)));
+        const row_tiles rt = split_rows(T, 16);
+        amx_configure((int)(rt.base + (rt.extra > 0)));
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
-            for (int64_t i = 0, t = 0; i < tiles; i++) {
-                const int64_t r = base + (i < extra);
+            for (int64_t i = 0, t = 0; i < rt.tiles; i++) {
+                const int64_t r = rt.base + (i < rt.extra);
                 q8_amx(!q8, q + t * K, d + t * nb, s + t * nb, K, nb, pair,
                        y + t * ldy + 2 * p * PW, ldy, (int)r, i == 0);
                 t += r;
@@ -503,13 +514,12 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
             for (int64_t i = 0; i < T * K; i++) u[i] = (uint8_t)q[i] ^ 0x80;
             a = (const int8_t*)u;
         }
-        const int64_t tiles = (T + TILE512 - 1) / TILE512, base = tiles ? T / tiles : 0;
-        const int64_t extra = tiles ? T % tiles : 0;
+        const row_tiles rt = split_rows(T, TILE512);
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
-            for (int64_t i = 0, t = 0; i < tiles; i++) {
-                const int64_t r = base + (i < extra);
+            for (int64_t i = 0, t = 0; i < rt.tiles; i++) {
+                const int64_t r = rt.base + (i < rt.extra);
                 TABLE_512[q8][r - 1](a + t * K, d + t * nb, s + t * nb, K, nb, pair,
                                      y + t * ldy + 2 * p * PW, ldy);
                 t += r;
@@ -519,13 +529,12 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
         return;
     }
     /* row tiles of at most TILE, as even as possible */
-    const int64_t tiles = (T + TILE - 1) / TILE, base = tiles ? T / tiles : 0;
-    const int64_t extra = tiles ? T % tiles : 0;
+    const row_tiles rt = split_rows(T, TILE);
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
         const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
-        for (int64_t i = 0, t = 0; i < tiles; i++) {
-            const int64_t r = base + (i < extra);
+        for (int64_t i = 0, t = 0; i < rt.tiles; i++) {
+            const int64_t r = rt.base + (i < rt.extra);
             for (int panel = 0; panel < 2; panel++)
                 TABLES[isa][q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair, panel,
                                        y + t * ldy + (2 * p + panel) * PW, ldy);
