@@ -91,7 +91,8 @@ async def run_load(url: str, model: str, prompts: list[list[dict]], rate: float,
     async def limited(client, messages):
         async with sem:
             body = {"model": model, "messages": messages, "max_tokens": max_tokens,
-                    "temperature": 0, "stream": True, "cache_salt": salt}
+                    "temperature": 0, "stream": True, "cache_salt": salt,
+                    "stream_options": {"include_usage": True}}  # the token count
             return await _one(client, url + "/v1/chat/completions", body, headers)
 
     limits = httpx.Limits(max_connections=max_concurrency + 4)

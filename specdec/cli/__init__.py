@@ -75,6 +75,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.command == "generate":
         generate.check_sampling(parser, args)
         args.drafter = _generate_drafter(args)
+    if args.command == "serve" and args.drafter == "none":  # plain decoding, as generate's
+        args.drafter = None
     if args.drafter_args and args.drafter is None and not getattr(args, "drafters", None):
         parser.error("argument --drafter-args: given without --drafter")
     if args.drafter_args and args.drafter == "auto":

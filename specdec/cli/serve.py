@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -9,13 +10,28 @@ import sys
 from specdec.cli.common import PROG, add_model_args, add_spec_args, engine_kwargs, int_at_least
 
 
+def float_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {text!r}") from None
+        if not value >= low or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low}, got {text}")
+        return value
+
+    parse.__name__ = f"number >= {low}"
+    return parse
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int_at_least(0), default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health; "
+                        "repeat for several keys, each a tenant with its own prefix cache "
                         "(default: $SPECDEC_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: --model)")
@@ -26,8 +42,11 @@ def add_parser(sub) -> None:
     p.add_argument("--max-tokens-limit", type=int_at_least(1), default=None,
                    help="largest max_tokens a request may ask (default: max_model_len)")
     p.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20)
+    p.add_argument("--drain-timeout", type=float_at_least(0), default=30.0,
+                   help="on SIGTERM: seconds running requests may take to finish (new ones "
+                        "get 503); those still running then end with an error (default 30)")
     add_model_args(p)
-    add_spec_args(p)
+    add_spec_args(p, drafter_help="registered drafter name, or none (default: none)")
     p.set_defaults(func=run)
 
 
@@ -39,15 +58,17 @@ def run(args) -> int:
     llm = LLM(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               **engine_kwargs(args))
     loop = EngineLoop(llm.engine, max_queued=args.max_queued)
-    key = args.api_key or os.environ.get("SPECDEC_API_KEY") or None
-    app = create_app(loop, args.served_model_name or args.model, key,
+    keys = args.api_key or [k for k in [os.environ.get("SPECDEC_API_KEY")] if k]
+    app = create_app(loop, args.served_model_name or args.model, keys,
                      ServerLimits(args.max_body_bytes, args.max_tokens_limit))
-    if args.host not in ("127.0.0.1", "localhost", "::1") and key is None:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
         print(f"{PROG} serve: warning: listening on {args.host} without an API key",
               file=sys.stderr)
     server = ServerThread(app, args.host, args.port, log_level="info")
-    print(f"{PROG} serve: {server.url}/v1 (Ctrl-C or SIGTERM stops)", file=sys.stderr)
-    signal.signal(signal.SIGTERM, lambda *_: loop.shutdown())  # e.g. docker stop: end cleanly
+    print(f"{PROG} serve: {server.url}/v1 (Ctrl-C stops; SIGTERM drains for up to "
+          f"{args.drain_timeout:g} s, then stops)", file=sys.stderr)
+    # e.g. docker stop: new requests get 503, running ones finish (or time out), then exit
+    signal.signal(signal.SIGTERM, lambda *_: loop.drain(args.drain_timeout))
     try:
         loop.run()  # the engine steps in the thread that built it; HTTP runs in another
     except KeyboardInterrupt:

@@ -6,6 +6,10 @@ per sample. Requests and aborts reach the engine thread through an inbox that it
 steps, so the engine itself is only ever touched by that thread. An abort (a client that went
 away) ends the request before the next step: its pages go back at once.
 
+``drain(timeout)`` (SIGTERM) stops taking requests and lets those in flight finish; whatever is
+still running at the deadline ends with an error. A step that raises ends the requests it ran
+with its error (counted in ``step_failures``); the loop goes on serving the next ones.
+
     loop = EngineLoop(llm.engine).start()   # a background thread (tests); a server calls
     stream = loop.submit(prompt_ids, SamplingParams(max_tokens=64))   # loop.run() instead
     for event in stream:                 # or `async for` inside an event loop
@@ -16,9 +20,10 @@ away) ends the request before the next step: its pages go back at once.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
+import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -28,7 +33,11 @@ from specdec.serving.streaming import DeltaTracker, changed
 
 
 class QueueFullError(RuntimeError):
-    """The loop already holds ``max_queued`` requests that have not started; try later."""
+    """``max_queued`` sequences already wait for a seat in the engine's batch; try later."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The loop is draining or stopped: it takes no new requests."""
 
 
 @dataclass
@@ -86,13 +95,16 @@ class EngineLoop:
         self.max_queued = max_queued
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # request id -> stream (engine thread)
-        self._pending = 0  # submitted, not yet admitted by the engine thread
-        self._lock = threading.Lock()
+        self._pending = 0  # sequences submitted, not yet handed to the engine by its thread
+        self._lock = threading.Lock()  # guards _pending, _closed and the order of inbox puts
+        self._closed = False  # no more submissions (draining or stopped)
+        self._drain_deadline: float | None = None  # time.monotonic() at which draining ends
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._ids = itertools.count()
-        self.error: str | None = None  # a step that raised: every request then failed with it
+        self.ended = False  # the loop has stopped stepping (what /health reports)
+        self.step_failures = 0  # steps that raised (each ended the requests it ran)
+        self.last_error: str | None = None  # the latest failed step's error
         # called in the engine thread with every sample's final event (aborted ones too)
         self.on_finish: list = []
         self.num_steps = 0
@@ -119,29 +131,50 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def drain(self, timeout: float) -> None:
+        """Take no new requests (``ShuttingDownError``) and stop once the running ones have
+        finished, or after ``timeout`` seconds: those still running then end with an error."""
+        with self._lock:
+            self._closed = True
+            self._drain_deadline = time.monotonic() + timeout
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
     @property
     def num_waiting(self) -> int:
-        return self._pending + len(self.engine.scheduler.waiting)
+        """Sequences that would still wait after the engine's next admission: those queued
+        for it (in the engine or in the inbox) beyond the batch's free seats. Requests in the
+        inbox that a free seat will take at once do not wait."""
+        scheduler = self.engine.scheduler
+        free = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        return max(0, self._pending + len(scheduler.waiting) - free)
 
     @property
     def num_running(self) -> int:
         return len(self.engine.scheduler.running)
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    def submit(self, prompt_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
         """Queue a request (ValueError for one the engine cannot run, QueueFullError when
-        ``max_queued`` requests are waiting); events arrive on the stream returned."""
+        ``max_queued`` sequences wait for a seat, ShuttingDownError while draining); events
+        arrive on the stream returned. ``request_id``: unique, default ``req-<uuid hex>``."""
         self.engine.check_request(prompt_ids, params)
         try:
             aio = asyncio.get_running_loop()
         except RuntimeError:
             aio = None
+        stream = RequestStream(request_id or f"req-{uuid.uuid4().hex}", params.n, self, aio)
         with self._lock:
+            if self._closed:
+                raise ShuttingDownError("the server is shutting down: it takes no new requests")
             if self.num_waiting >= self.max_queued:
-                raise QueueFullError(f"{self.num_waiting} requests are waiting "
-                                     f"(max_queued={self.max_queued})")
-            self._pending += 1
-        stream = RequestStream(f"req-{next(self._ids)}", params.n, self, aio)
-        self._inbox.put(("add", stream, list(prompt_ids), params))
+                raise QueueFullError(f"{self.num_waiting} sequences wait for a seat in the "
+                                     f"batch (max_queued={self.max_queued})")
+            self._pending += params.n
+            self._inbox.put(("add", stream, list(prompt_ids), params))
         self._wake.set()
         return stream
 
@@ -153,22 +186,39 @@ class EngineLoop:
 
     def _run(self) -> None:
         sent = DeltaTracker(self.engine.tokenizer)
-        while not self._stop.is_set():
+        try:
+            while not self._stop.is_set() and not self._drained():
+                self._drain(sent)
+                if not self.engine.has_unfinished():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    continue
+                self._step(sent)
+        finally:
+            with self._lock:  # nothing is queued after this: every stream gets its end
+                self._closed = True
             self._drain(sent)
-            if not self.engine.has_unfinished():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                result = self.engine.step()
-            except Exception as e:  # the engine's state is unknown: end every request
-                self._fail_all(f"engine step failed: {e!r}", sent)
-                continue
-            self.num_steps += 1
-            self.last_stats = result.stats
-            for seq in changed(result):
-                self._emit(seq, sent)
-        self._fail_all("the server is shutting down", sent)
+            self._fail_all("the server is shutting down", sent)
+            self.ended = True
+
+    def _drained(self) -> bool:
+        deadline = self._drain_deadline
+        if deadline is None:
+            return False
+        return (not self._streams and self._inbox.empty()) or time.monotonic() >= deadline
+
+    def _step(self, sent: DeltaTracker) -> None:
+        try:
+            result = self.engine.step()
+        except Exception as e:  # the engine's state is unknown: end every request
+            self.step_failures += 1
+            self.last_error = f"engine step failed: {e!r}"
+            self._fail_all(self.last_error, sent)
+            return
+        self.num_steps += 1
+        self.last_stats = result.stats
+        for seq in changed(result):
+            self._emit(seq, sent)
 
     def _drain(self, sent: DeltaTracker) -> None:
         while True:
@@ -179,7 +229,7 @@ class EngineLoop:
             if item[0] == "add":
                 _, stream, ids, params = item
                 with self._lock:
-                    self._pending -= 1
+                    self._pending -= params.n
                 try:
                     self.engine.add_request(ids, params, stream.request_id)
                 except ValueError as e:
@@ -218,7 +268,6 @@ class EngineLoop:
             stream._put(None)
 
     def _fail_all(self, message: str, sent: DeltaTracker) -> None:
-        self.error = message
         for rid in list(self._streams):
             group = self.engine.samples_of(rid)
             ended = [s for s in group if s in self.engine.requests

@@ -1,30 +1,155 @@
-"""The parts of OpenAI's completions and chat completions requests that ``specdec serve`` reads,
-as pydantic models: a known field of the wrong type or out of range is a 400 naming it; fields
-this server does not use are ignored, as OpenAI's clients send many of them."""
+"""OpenAI's completions and chat completions requests as ``specdec serve`` reads them (pydantic
+models): a known field of the wrong type or out of range is a 400 naming it, ``null`` means the
+field's default, and nothing a client asks for is dropped in silence:
+
+- ``REFUSED_*``: the fields of OpenAI's (and vLLM's) requests this server does not implement
+  yet. A request that sets one to anything but its neutral value (``null``, ``false``, 0, an
+  empty list, ...) is refused with a 400 naming it. Implementing one: declare it on the model
+  below and delete its line here.
+- ``NO_EFFECT``: fields that do not change what is generated (``user``, ``metadata``, ...):
+  accepted and not used.
+- Any other field: a 400 naming it (``extra="forbid"``).
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from specdec.sampling_params import MAX_SAMPLES, MAX_SEED
+from specdec.serving.errors import APIError
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+def _unset(v) -> bool:
+    return v is None
 
+
+def _false(v) -> bool:
+    return v is None or v is False
+
+
+def _zero(v) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+def _one(v) -> bool:
+    return v is None or (type(v) in (int, float) and v == 1)
+
+
+def _empty(v) -> bool:
+    return v is None or v == [] or v == {}
+
+
+def _one_of(*values) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(type(v) is type(x) and v == x for x in values)
+
+
+# field -> is this value neutral (the same as not asking)? One place for what is not served.
+REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": _zero, "frequency_penalty": _zero, "repetition_penalty": _one,
+    "logit_bias": _empty, "min_tokens": _zero, "bad_words": _empty, "prompt_logprobs": _unset,
+    "response_format": _one_of({"type": "text"}), "structured_outputs": _unset,
+    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
+    "guided_grammar": _unset,
+}
+REFUSED_CHAT = {
+    **REFUSED_COMMON, "logprobs": _false, "top_logprobs": _zero, "tools": _empty,
+    "tool_choice": _one_of("none"), "functions": _empty, "function_call": _one_of("none"),
+    "audio": _unset, "modalities": _one_of(["text"]), "prediction": _unset,
+    "reasoning_effort": _unset, "web_search_options": _unset,
+}
+REFUSED_COMPLETION = {
+    **REFUSED_COMMON, "logprobs": _unset, "echo": _false, "best_of": _one_of(1),
+    "suffix": _one_of(""),
+}
+REFUSED_MESSAGE = {"tool_calls": _empty, "function_call": _unset, "audio": _unset,
+                   "refusal": _unset, "annotations": _empty}
+NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls",
+             "safety_identifier", "prompt_cache_key")
+
+
+def accepted_fields(data: dict, refused: dict) -> dict:
+    """``data`` without the fields that change nothing (neutral refused ones, ``NO_EFFECT``);
+    a 400 naming the first refused field set to something else, or a non-text content part."""
+    out = {}
+    for name, value in data.items():
+        if name in refused:
+            if not refused[name](value):
+                raise APIError(400, f"{name}: not supported by this server yet (got "
+                                    f"{_short(value)})", param=name)
+        elif name not in NO_EFFECT:
+            out[name] = value
+    if isinstance(out.get("messages"), list):
+        out["messages"] = [_message_fields(m, i) for i, m in enumerate(out["messages"])]
+    return out
+
+
+def _message_fields(message, i: int):
+    if not isinstance(message, dict):
+        return message
+    for name, neutral in REFUSED_MESSAGE.items():
+        if name in message and not neutral(message[name]):
+            raise APIError(400, f"messages.{i}.{name}: not supported by this server yet",
+                           param=f"messages.{i}.{name}")
+    content = message.get("content")
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        if isinstance(part, dict) and "type" in part and part["type"] != "text":
+            param = f"messages.{i}.content.{j}.type"
+            raise APIError(400, f"{param}: only text content parts are served (got "
+                                f"{_short(part['type'])})", param=param)
+    return {k: v for k, v in message.items() if k not in REFUSED_MESSAGE}
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """``"temperature": null`` means the default, as OpenAI's API reads it."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or fields[k].default is None}
+
+
+class StreamOptions(_Request):
+    include_usage: StrictBool = False  # a last chunk with the usage and no choices
+
+
+class _Sampling(_Request):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     temperature: StrictFloat | StrictInt = Field(1.0, ge=0)
     top_p: StrictFloat | StrictInt = Field(1.0, gt=0, le=1)
-    top_k: StrictInt = Field(-1, ge=-1)
+    top_k: StrictInt = Field(-1, ge=-1, le=1 << 30)
     min_p: StrictFloat | StrictInt = Field(0.0, ge=0, le=1)
     n: StrictInt = Field(1, ge=1, le=MAX_SAMPLES)
     stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = Field(None, ge=0, le=MAX_SEED)
     stream: StrictBool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
-    logprobs: StrictBool | StrictInt | None = None  # not served: a 400 when asked for
     cache_salt: StrictStr | None = None  # as vLLM's: prefix-cache pages shared only within it
 
     def stops(self) -> list[str]:
@@ -32,17 +157,53 @@ class _Sampling(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictInt]
+    REFUSED: ClassVar = REFUSED_COMPLETION
+    # one prompt (text or token ids) or a list of them: each prompt its own n choices
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Request):
+    type: Literal["text"]
+    text: StrictStr
 
-    role: StrictStr
-    content: StrictStr
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = Field(None, validate_default=True)
+    name: StrictStr | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _null_only_for_the_assistant(cls, v, info: ValidationInfo):
+        if v is None and info.data.get("role") not in ("assistant", None):
+            raise ValueError("content may be null only in an assistant message")
+        return v
+
+    def for_template(self) -> dict:
+        """As the chat template reads it: text parts joined by newlines, a null content empty,
+        the developer role as the system role."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text for part in content)
+        out = {"role": "system" if self.role == "developer" else self.role,
+               "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
 
 class ChatRequest(_Sampling):
+    REFUSED: ClassVar = REFUSED_CHAT
     messages: list[ChatMessage] = Field(min_length=1)

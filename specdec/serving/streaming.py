@@ -1,8 +1,10 @@
 """What a stream sends of a request at each step: the tokens and text it has not sent yet.
 
 Text only grows and nothing is sent twice: while a stop string could still cut the tail, the
-last ``len(longest stop) - 1`` characters are held back (a stop completing later cuts the text
-at its start, which is never before what was sent). Shared by ``LLM.stream`` and the engine loop
+tail that could begin one is held back: the longest end of the text that is a proper prefix of
+a stop string (at most ``len(longest stop) - 1`` characters, and none when the text ends in no
+stop's beginning). A stop completing later cuts the text at its start, which is never before
+what was sent. Shared by ``LLM.stream`` and the engine loop
 behind the server.
 """
 
@@ -19,6 +21,23 @@ def changed(result) -> list[Sequence]:
     for s in result.finished:
         seen.setdefault(id(s), s)
     return list(seen.values())
+
+
+def stop_prefix_len(text: str, stops: list[str]) -> int:
+    """The length of the longest end of ``text`` that is a proper prefix of a stop string: what
+    a later token could complete into a stop (e.g. "say ab" with stop "abc": 2; with stop "xyz":
+    0). Only prefixes ending in the text's last character are tried, longest first."""
+    if not text:
+        return 0
+    last, best = text[-1], 0
+    for stop in stops:
+        i = stop.rfind(last, 0, len(stop) - 1)  # stop[:i + 1] ends as the text does
+        while i + 1 > best:
+            if text.endswith(stop[:i + 1]):
+                best = i + 1
+                break
+            i = stop.rfind(last, 0, i)
+    return best
 
 
 @dataclass
@@ -43,7 +62,7 @@ class DeltaTracker:
         sent_tokens, sent_text = self._tokens.get(rid, 0), self._text.get(rid, 0)
         text = self.text(seq)
         if seq.params.stop and not seq.is_finished:  # a stop string may still cut this tail
-            text = text[:max(sent_text, len(text) - max(len(s) for s in seq.params.stop) + 1)]
+            text = text[:max(sent_text, len(text) - stop_prefix_len(text, seq.params.stop))]
         out = seq.token_ids[seq.num_prompt_tokens + sent_tokens:]
         self._tokens[rid], self._text[rid] = sent_tokens + len(out), len(text)
         return Delta(out, text[sent_text:])

@@ -105,7 +105,7 @@ def test_a_failing_step_ends_every_request_with_its_error(llm, monkeypatch):
         monkeypatch.setattr(llm.engine, "step", boom)
         events = list(loop.submit([1, 2, 3], GREEDY))
         assert events[-1].finished and events[-1].finish_reason == "error"
-        assert "kaput" in events[-1].error and "kaput" in loop.error
+        assert "kaput" in events[-1].error and "kaput" in loop.last_error and loop.step_failures == 1
         assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
     finally:
         loop.shutdown()
