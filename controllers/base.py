@@ -6,6 +6,12 @@ Each step the engine first schedules the batch (decode rows, prefill chunks), th
 composition; after the step it calls ``observe(report)`` with the step's costs and, per
 request, the budget asked, the nodes proposed and the nodes accepted, kept apart.
 
+A request decoding on without its drafter state (``keep_drafting`` below answered False, or its
+drafter failed in ``on_verified``) is not asked again until it ends or is preempted: its budget
+is 0 and it has no outcome in the report, though ``BatchComposition.num_decode`` and the
+report's rows count it. A step in which no request was asked and nothing was prefilled is not
+reported: a drafter the controller keeps off costs nothing of it.
+
 Four optional methods:
 
 * ``setup(context)`` once, after the engine is built: a ``ControllerContext`` that can measure
@@ -29,8 +35,8 @@ Four optional methods:
   decodes without drafts until it ends or is preempted (outputs are the same either way).
   Also asked, with ``recompute_tokens`` 0, of a request at its first decode step at budget 0
   and every 32 such steps in a row after: False drops its drafter state (no features kept, no
-  layers captured for it; a later budget for it gets no draft); a controller that means to
-  draft or explore for it soon answers True.
+  layers captured for it, no more budgets asked for it); a controller that means to draft or
+  explore for it soon answers True.
   Without the method: True.
 """
 

@@ -210,10 +210,10 @@ class GoodputController:
         out = [NO_DRAFT if k == 0 else DraftBudget(min(self.budget, k * self.width), k, a)
                for k, a in zip(depths, arms)]
         self._asked_arm = {r.request_id: a for r, a in zip(requests, arms)}
-        expected = len(requests) + sum(
+        expected = _decoding(requests, batch) + sum(
             sum(self._gains(r.request_id, a)[:k]) for r, k, a in zip(requests, depths, arms)
             if k)
-        rows = batch.num_prefill_tokens + len(requests) + sum(depths)
+        rows = batch.num_prefill_tokens + _decoding(requests, batch) + sum(depths)
         self._predicted = self._forward(rows) + self._draft_time(
             {a: max((k for k, b in zip(depths, arms) if b == a), default=0) for a in arms}
         ) + self.overhead
@@ -296,12 +296,13 @@ class GoodputController:
     def _plan(self, requests: list[RequestView], batch: BatchComposition, arm):
         """(expected tokens per second, depth per request, arm) of the best prefix of
         chain nodes admitted in order of expected gain, every request drafting with ``arm``."""
-        base_rows = batch.num_prefill_tokens + len(requests)
+        decoding = _decoding(requests, batch)
+        base_rows = batch.num_prefill_tokens + decoding
         cap = max(0, batch.max_draft_rows)
         gains = {i: self._gains(r.request_id, arm) for i, r in enumerate(requests)}
         heap = [(-gains[i][0], i, 0) for i in gains if self.max_depth > 0]
         heapq.heapify(heap)
-        tokens, depth_now = float(len(requests)), 0
+        tokens, depth_now = float(decoding), 0
         # the step's seconds by admitted count and depth, read once (planning is per step)
         most = min(cap, sum(len(g) for g in gains.values()))
         forward = (self.costs.table(max(base_rows, 1), most + 1) if self.costs is not None
@@ -428,6 +429,12 @@ class GoodputController:
         self._exploring.discard(request_id)
         for d in self.depths.values():
             d.forget(request_id)
+
+
+def _decoding(requests: list[RequestView], batch: BatchComposition) -> int:
+    """Decode requests of the step: those asked and those decoding without a drafter (which the
+    engine does not ask about), each a row and a token."""
+    return max(len(requests), batch.num_decode)
 
 
 def _admissible_roots(tree) -> list[int]:

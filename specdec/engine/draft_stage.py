@@ -17,6 +17,7 @@ import torch
 
 from specdec import plugins
 from specdec.controllers.base import (
+    NO_DRAFT,
     BatchComposition,
     DraftBudget,
     RequestOutcome,
@@ -84,20 +85,31 @@ class DraftStage:
     def budgets(self, frontier: list[Sequence], batch: BatchComposition) -> list[DraftBudget]:
         """The controller's budget per decode request (none without a drafter)."""
         if self.drafter is None:
-            return [DraftBudget(0)] * len(frontier)
-        wanted = self.controller.budgets([_view(s) for s in frontier], batch)
-        if not isinstance(wanted, (list, tuple)) or len(wanted) != len(frontier) \
-                or not all(isinstance(b, DraftBudget) for b in wanted):
+            return [NO_DRAFT] * len(frontier)
+        # a request decoding on without its drafter state (undrafted) is not asked: it cannot
+        # draft again until it ends or is preempted, and asking would cost every step
+        asking = [s for s in frontier if s.request_id not in self.undrafted]
+        self.batch = batch
+        if not asking:
+            self.asked = {}
+            return [NO_DRAFT] * len(frontier)
+        answer = self.controller.budgets([_view(s) for s in asking], batch)
+        if not isinstance(answer, (list, tuple)) or len(answer) != len(asking) \
+                or not all(isinstance(b, DraftBudget) for b in answer):
             raise plugins.PluginError(
-                f"controller {self.controller.name!r} must return {len(frontier)} DraftBudget "
-                f"values (one per request), got {wanted!r}")
+                f"controller {self.controller.name!r} must return {len(asking)} DraftBudget "
+                f"values (one per request), got {answer!r}")
+        if len(asking) < len(frontier):
+            by_id = {s.request_id: b for s, b in zip(asking, answer)}
+            wanted = [by_id.get(s.request_id, NO_DRAFT) for s in frontier]
+        else:
+            wanted = list(answer)
         for b in wanted:
             if b.sources is not None and not set(b.sources) <= set(self.sources):
                 raise plugins.PluginError(
                     f"controller {self.controller.name!r} asked for drafts from "
                     f"{list(b.sources)}; this drafter's sources are {sorted(self.sources) or 'none'}")
-        self.asked = {s.request_id: b for s, b in zip(frontier, wanted)}
-        self.batch = batch
+        self.asked = {s.request_id: b for s, b in zip(asking, answer)}
         # drafts past max_model_len or past max_tokens (the bonus token comes on top) are waste
         out = [b.clip(0 if s.request_id in self.undrafted else
                       min(self.max_model_len - s.num_tokens,
@@ -360,7 +372,9 @@ class DraftStage:
     def observe(self, records: list[StepRequest], stats: StepStats) -> None:
         """The controller hears the step's costs and, per asked request, asked/proposed/accepted;
         then the release of the requests that ended."""
-        if self.drafter is not None:
+        # a step in which no request was asked and nothing was prefilled (every decode
+        # request without its drafter state) says nothing the controller acts on: not reported
+        if self.drafter is not None and (self.asked or stats.num_prefill_tokens):
             self._report_step(records, stats)
             decision = getattr(self.controller, "decision", None)
             if isinstance(decision, dict) and decision:  # the controller's figures, after it
@@ -374,7 +388,7 @@ class DraftStage:
                                         r.num_accepted, r.no_kv,
                                         r.tree if r.num_nodes else None,
                                         tuple(r.result.accepted) if r.result is not None else ())
-                         for r in records if r.asked is not None)
+                         for r in records if r.seq.request_id in asked)
         self.controller.observe(StepReport(
             draft_seconds=stats.draft_seconds, forward_seconds=stats.forward_seconds,
             verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,

@@ -139,3 +139,47 @@ def test_budgets_naming_unknown_sources_are_refused(tiny_llama):
     with pytest.raises(PluginError, match=r"asked for drafts from \['nope'\]; this drafter's "
                                           "sources are none"):
         llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+
+
+class KeepsNinesOff(Recording):
+    """Drafts for every request but those whose prompt starts with 9, which it keeps off."""
+
+    def __init__(self):
+        super().__init__()
+        self.nines, self.kept = set(), []
+
+    def budgets(self, requests, batch):
+        self.views.append(requests)
+        self.batches.append(batch)
+        return [DraftBudget(0) if r.request_id in self.nines else ASK for r in requests]
+
+    def keep_drafting(self, request, recompute_tokens):
+        self.kept.append(request.request_id)
+        return request.request_id not in self.nines
+
+
+def test_a_request_kept_off_is_not_asked_again_and_a_step_of_only_such_is_not_reported(
+        tiny_llama):
+    """Once keep_drafting said no, the request decodes without its drafter and the controller
+    is not asked about it (a drafter kept off costs no planning per step); the batch still
+    counts it; a step whose decode requests are all such, with no prefill, is not reported."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    truth = PROMPT + LLM(model=str(tiny_llama), dtype="float64").generate(
+        [PROMPT], short)[0].token_ids
+    rec = Plugins()
+    ctl = rec.controller = KeepsNinesOff()
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="oracle", controller="recording",
+              plugins=(oracle_plugin(truth, depth=3), rec))
+    ids = [llm.engine.add_request(p, q) for p, q in ((PROMPT, short), ([9, 1, 2], params))]
+    ctl.nines.add(ids[1])
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    asked_nine = [v for step in ctl.views for v in step if v.request_id == ids[1]]
+    assert len(asked_nine) == 1 and ctl.kept.count(ids[1]) == 1  # asked once, then kept off
+    both = [b for b, v in zip(ctl.batches, ctl.views) if len(v) == 1 and v[0].request_id == ids[0]]
+    assert both and all(b.num_decode == 2 for b in both)  # the batch counts the unasked one
+    # after the short request ended the nines request decoded alone for ~13 steps, unreported
+    assert len(rec.stats) - len(ctl.reports) >= 10
+    assert all(s.num_draft_nodes == 0 for s in rec.stats[len(ctl.reports):])
+    assert [o.request_id for r in ctl.reports for o in r.outcomes].count(ids[1]) == 1

@@ -179,6 +179,18 @@ def test_batch_size_turns_speculation_down():
     assert max(b.depth_limit for b in large) <= 1
 
 
+def test_requests_decoding_without_a_drafter_count_in_the_plan():
+    """The engine does not ask about requests decoding without their drafter state, but their
+    rows and tokens are the step's: one request asked among 32 decoding plans as in a batch of
+    32 (the costs' steep part), not as a lone request."""
+    grid = [1, 8, 16, 64, 256]
+    costs = [1.0, 1.0, 1.8, 6.0, 24.0]
+    lone = GoodputController(costs=StepCosts(grid, costs), prior=0.7).budgets(views(1), batch(1))
+    among = GoodputController(costs=StepCosts(grid, costs), prior=0.7).budgets(views(1),
+                                                                               batch(32))
+    assert lone[0].max_depth >= 5 and among[0].depth_limit <= 1
+
+
 def test_budget_respects_the_rows_left():
     c = GoodputController(costs=linear_costs(1.0, 1e-4), prior=0.95)
     budgets = c.budgets(views(3), batch(3, rows=4))
