@@ -65,8 +65,9 @@ def field_param(loc: tuple, data, missing: bool = False) -> str | None:
 def validation_error(e: ValidationError, data) -> APIError:
     """pydantic's most specific error (the deepest field: a union's member error names the
     item, e.g. "stop.1", where its first error says only "stop") as a 400 naming its field."""
-    named = [(field_param(err["loc"], data, missing=err["type"] == "missing"), err)
-             for err in e.errors()]
+    # missing, or a left-out field whose default failed (its input None): not in the data
+    named = [(field_param(err["loc"], data, missing=err["type"] == "missing"
+                          or err.get("input", 0) is None), err) for err in e.errors()]
     param, err = max(named, key=lambda pe: len((pe[0] or "").split(".")))
     if err["type"] == "extra_forbidden":
         return APIError(400, f"{param}: unknown field (this server does not read it)",

@@ -165,12 +165,17 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     REFUSED: ClassVar = REFUSED_COMPLETION
     # one prompt (text or token ids) or a list of them: each prompt its own n choices
-    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
+    prompt: StrictStr | list[StrictStr | list[StrictInt] | StrictInt]
 
     def prompts(self) -> list[str | list[int]]:
+        """The prompts; 400 for a list mixing token ids with prompts (naming the first)."""
         p = self.prompt
         if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
             return [p]
+        for i, item in enumerate(p):
+            if isinstance(item, int):
+                raise APIError(400, f"prompt.{i}: a list of prompts holds texts or lists of "
+                                    "token ids, not token ids among them", param=f"prompt.{i}")
         return list(p)
 
 

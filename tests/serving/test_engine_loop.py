@@ -1,15 +1,17 @@
 """The engine loop: concurrent clients (threads and an event loop), streams that add up to
-LLM.generate's output, aborts that free pages at once, a full queue, a failing step."""
+LLM.generate's output, aborts that free pages at once, a queue limit on what waits for a seat,
+a failing step (the loop goes on), draining (running requests finish or time out)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
 from specdec import LLM, SamplingParams
-from specdec.serving.engine_loop import EngineLoop, QueueFullError
+from specdec.serving.engine_loop import EngineLoop, QueueFullError, ShuttingDownError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,27 +87,84 @@ def test_async_clients_n_samples_and_an_abort_mid_stream(llm):
         loop.shutdown()
 
 
-def test_bad_request_and_full_queue(llm):
-    loop = EngineLoop(llm.engine, max_queued=1)  # not started: nothing leaves the queue
+def test_the_queue_limit_counts_what_waits_for_a_seat(tiny_llama):
+    """Requests that free seats of the batch will take at once do not wait (a burst of 40 with
+    32 seats free is not 38 x 503); a request's n samples are n sequences."""
+    llm = LLM(model=str(tiny_llama), dtype="float64", page_size=4, max_num_seqs=3)
+    loop = EngineLoop(llm.engine, max_queued=2)  # not started: nothing leaves the inbox
     with pytest.raises(ValueError, match="prompt is empty"):
         loop.submit([], GREEDY)
-    loop.submit([1, 2], GREEDY)
-    with pytest.raises(QueueFullError, match="max_queued=1"):
+    for _ in range(3):
+        loop.submit([1, 2], GREEDY)
+    assert loop.num_waiting == 0  # three seats, three requests: none waits
+    loop.submit([1, 2], SamplingParams(temperature=0, n=2, max_tokens=2))
+    assert loop.num_waiting == 2
+    with pytest.raises(QueueFullError, match="max_queued=2"):
         loop.submit([1, 2], GREEDY)
     loop.start()
     loop.shutdown()
 
 
-def test_a_failing_step_ends_every_request_with_its_error(llm, monkeypatch):
-    def boom():
-        raise RuntimeError("kaput")
+def test_a_failing_step_ends_its_requests_and_the_loop_goes_on(llm, monkeypatch):
+    real, failed = llm.engine.step, []
+
+    def fails_once():
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("kaput")
+        return real()
 
     loop = EngineLoop(llm.engine).start()
     try:
-        monkeypatch.setattr(llm.engine, "step", boom)
+        monkeypatch.setattr(llm.engine, "step", fails_once)
         events = list(loop.submit([1, 2, 3], GREEDY))
         assert events[-1].finished and events[-1].finish_reason == "error"
-        assert "kaput" in events[-1].error and "kaput" in loop.last_error and loop.step_failures == 1
+        assert "kaput" in events[-1].error and "kaput" in loop.last_error
         assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
+        assert _tokens(loop.submit([1, 2, 3], GREEDY))[0]  # the next request runs
+        assert loop.step_failures == 1 and not loop.ended
+    finally:
+        loop.shutdown()
+
+
+def _slow(monkeypatch, engine, seconds: float) -> None:
+    real = engine.step
+
+    def step():
+        time.sleep(seconds)
+        return real()
+
+    monkeypatch.setattr(engine, "step", step)
+
+
+def test_drain_refuses_new_requests_and_lets_running_ones_finish(llm, monkeypatch):
+    _slow(monkeypatch, llm.engine, 0.01)
+    loop = EngineLoop(llm.engine).start()
+    try:
+        stream = loop.submit([1, 2, 3], GREEDY)
+        loop.drain(timeout=60)
+        with pytest.raises(ShuttingDownError):
+            loop.submit([1, 2, 3], GREEDY)
+        assert len(_tokens(stream)[0]) == GREEDY.max_tokens  # finished: "length"
+        loop._thread.join(10)
+        assert loop.ended and llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
+    finally:
+        loop.shutdown()
+
+
+def test_drain_ends_what_outlasts_its_timeout(llm, monkeypatch):
+    _slow(monkeypatch, llm.engine, 0.02)
+    loop = EngineLoop(llm.engine).start()
+    try:
+        stream = loop.submit([1, 2, 3], SamplingParams(temperature=0, max_tokens=400,
+                                                       ignore_eos=True))
+        t0 = time.perf_counter()
+        loop.drain(timeout=0.3)
+        events = list(stream)
+        assert time.perf_counter() - t0 < 5
+        assert events[-1].finish_reason == "error" and "shutting down" in events[-1].error
+        assert sum(len(e.token_ids) for e in events) < 400
+        loop._thread.join(10)
+        assert loop.ended and llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
     finally:
         loop.shutdown()
