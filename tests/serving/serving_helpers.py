@@ -35,8 +35,9 @@ class Served:
         """``body``: a dict (as JSON) or bytes (as they are)."""
         headers = {**self.headers(key), "Content-Type": "application/json"}
         content = body if isinstance(body, bytes) else None
+        kw.setdefault("timeout", 60)
         return httpx.post(self.url + path, json=None if content else body, content=content,
-                          headers=headers, timeout=60, **kw)
+                          headers=headers, **kw)
 
     def openai(self, key: str | None = None):
         from openai import OpenAI
