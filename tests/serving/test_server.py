@@ -10,12 +10,14 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import serving_helpers
 
 from specdec import LLM, SamplingParams
 from specdec.serving.engine_loop import EngineLoop
 from specdec.serving.server import ServerLimits, ServerThread, create_app
 
 pytestmark = pytest.mark.slow
+chat_model_dir = serving_helpers.chat_model_dir  # a fixture: a tiny model with a tokenizer
 
 KEY = "test-key"
 CHAT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
@@ -155,11 +157,12 @@ def test_prompt_over_max_model_len_auth_health_models_metrics(served):
 
 
 def test_a_full_queue_answers_503_with_retry_after(smollm2_dir):
-    llm = LLM(model=str(smollm2_dir), max_model_len=128)
-    loop = EngineLoop(llm.engine, max_queued=1)  # not started: the first request stays queued
+    llm = LLM(model=str(smollm2_dir), max_model_len=128, max_num_seqs=1)
+    loop = EngineLoop(llm.engine, max_queued=1)  # not started: requests stay queued
     server = ServerThread(create_app(loop, "smollm2"))
     try:
-        loop.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        loop.submit([1, 2, 3], SamplingParams(max_tokens=2))  # takes the one seat
+        loop.submit([1, 2, 3], SamplingParams(max_tokens=2))  # waits
         r = httpx.post(server.url + "/v1/completions", timeout=30,
                        json={"prompt": [1, 2, 3], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["retry-after"] == "1"
@@ -216,14 +219,15 @@ def test_speculation_figures_in_usage_and_metrics(tiny_llama):
         loop.shutdown()
 
 
-def test_specdec_serve_starts_answers_and_stops_on_sigterm(tiny_llama):
+def test_specdec_serve_starts_answers_and_drains_on_sigterm(chat_model_dir):
     import os
     import signal
     import subprocess
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "--model",
-                             str(tiny_llama), "--port", "0", "--dtype", "float64"],
+                             str(chat_model_dir), "--port", "0", "--dtype", "float64",
+                             "--drafter", "none", "--drain-timeout", "20"],
                             stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     try:
         url = None
@@ -238,7 +242,13 @@ def test_specdec_serve_starts_answers_and_stops_on_sigterm(tiny_llama):
         r = httpx.post(url + "/v1/completions", timeout=60,
                        json={"prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0})
         assert r.json()["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGTERM)
+        body = {"prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # running when the signal comes
+            proc.send_signal(signal.SIGTERM)  # drains: the stream finishes, not fails
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
