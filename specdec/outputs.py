@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.logits.logprobs import TokenLogprob
+
 
 @dataclass
 class RequestMetrics:
@@ -41,6 +43,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # one per token of token_ids when SamplingParams.logprobs was set (specdec.logits.logprobs)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -58,3 +62,7 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     outputs: list[CompletionOutput] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # outputs[0]'s
+    # SamplingParams.prompt_logprobs: one per prompt token, None for the first (nothing
+    # decided it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -14,6 +14,51 @@ GREEDY_TEMPERATURE_EPS = 1e-5
 MAX_SEED = 2**63 - 1
 # Most samples of one prompt (SamplingParams.n): they run as that many requests at once.
 MAX_SAMPLES = 64
+# Most alternatives per position in logprobs / prompt_logprobs (OpenAI's top_logprobs: 20).
+MAX_LOGPROBS = 20
+# logit_bias values (OpenAI: -100 .. 100)
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass
+class StructuredOutputs:
+    """Constrain the output to a language; exactly one of:
+
+    json: a JSON schema (a dict, or its JSON text); json_object: any JSON object (OpenAI's
+    ``response_format: {"type": "json_object"}``); regex: a regular expression; grammar: a Lark
+    grammar (llguidance's dialect); choice: one of these strings.
+
+    The constraint masks the target's logits at every step (and every draft-tree node, along
+    its path), so the output is what unspeculated constrained decoding gives. It is compiled
+    (llguidance) when the request is added: a malformed schema, regex or grammar is a
+    ValueError then. ``whitespace_flexible``: JSON may have any whitespace between tokens
+    (default: the compact form llguidance prefers, one space after ``:`` and ``,``)."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "grammar", "choice")
+                 if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
+        _check(len(given) == 1, "structured_outputs needs exactly one of json, json_object, "
+                                f"regex, grammar, choice; got {given or 'none'}")
+        _check(self.json is None or isinstance(self.json, (dict, str)),
+               f"structured_outputs.json must be a JSON schema (dict or JSON text), got "
+               f"{type(self.json).__name__}")
+        for key in ("regex", "grammar"):
+            value = getattr(self, key)
+            _check(value is None or (isinstance(value, str) and value),
+                   f"structured_outputs.{key} must be a non-empty string, got {value!r}")
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
+               f"{self.choice!r}")
+        _check(isinstance(self.json_object, bool) and isinstance(self.whitespace_flexible, bool),
+               "structured_outputs.json_object and whitespace_flexible must be bools")
 
 
 @dataclass
@@ -25,6 +70,21 @@ class SamplingParams:
     top_k -1 (or 0) disables top-k; top_p 1.0 and min_p 0.0 disable nucleus and min-p
     filtering. seed is None (a fresh random seed) or an int in [0, MAX_SEED] = [0, 2**63 - 1];
     the same seed gives the same output. Numbers must be finite and never bools.
+
+    What changes the target's logits before sampling (``specdec.logits``; the same at every
+    draft-tree node as in plain decoding, computed along the node's path, so speculation stays
+    lossless), in this order: logit_bias ({token id: -100 .. 100} added); repetition_penalty
+    (> 0, 1 = off: over prompt and output tokens, positive logits divided by it, negative ones
+    multiplied, as HF and vLLM); frequency_penalty and presence_penalty (-2 .. 2: subtract
+    penalty x count, and penalty once, for each token already in the output, as OpenAI);
+    then bans (-inf): EOS and stop_token_ids while fewer than min_tokens are out, the last token
+    of a bad_words sequence after its first tokens, what structured_outputs forbids.
+
+    logprobs: None, or how many alternatives (0 .. 20) to return beside each output token's
+    log-probability; prompt_logprobs the same for prompt tokens (the first has none). They are
+    the target's own log-softmax, before temperature, penalties and constraints (vLLM's
+    default "raw" logprobs), from the verification forward: the same with and without a
+    drafter.
 
     n: samples of the prompt, 1 .. MAX_SAMPLES (64); they share the prompt's cached pages
     (prefix caching) and each draws from its own seed stream (sample 0 from ``seed``, sample i
@@ -45,6 +105,15 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     cache_salt: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +141,41 @@ class SamplingParams:
         _check(isinstance(self.stop_token_ids, (list, tuple))
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+
+        for key in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, key)
+            _check(_is_real(value) and -2.0 <= value <= 2.0,
+                   f"{key} must be a number in [-2, 2], {_got(value)}")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+               f"repetition_penalty must be a number > 0 (1 = off), "
+               f"{_got(self.repetition_penalty)}")
+        _check(self.logit_bias is None or (
+            isinstance(self.logit_bias, dict)
+            and all(_is_int(k) and k >= 0 and _is_real(v) and abs(v) <= MAX_LOGIT_BIAS
+                    for k, v in self.logit_bias.items())),
+            f"logit_bias must be a dict of token id (int >= 0) to a number in [-100, 100], "
+            f"got {self.logit_bias!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+               f"{_got(self.min_tokens)}")
+        _check(isinstance(self.bad_words, (list, tuple))
+               and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
+        for key in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, key)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+                   f"{key} must be None or an int in [0, {MAX_LOGPROBS}], {_got(value)}")
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputs),
+               "structured_outputs must be None or a StructuredOutputs, got "
+               f"{type(self.structured_outputs).__name__}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything changes the target's logits before sampling (specdec.logits)."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.min_tokens
+                    or self.bad_words or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:

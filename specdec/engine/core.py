@@ -34,6 +34,7 @@ from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence
 from specdec.engine.step_stats import StepRecorder, StepTimes
 from specdec.kv.prefix import root_key
+from specdec.logits.setup import LogitsSetup
 from specdec.metrics import StepStats
 from specdec.sampling_params import SamplingParams
 
@@ -64,6 +65,8 @@ class LLMEngine:
                                    config.enable_prefix_caching, self.drafting.restore,
                                    self.drafting.release)
         self.outputs = OutputStage(p.model_config.eos_token_ids, p.max_model_len, p.tokenizer)
+        self.logits = LogitsSetup(p.tokenizer, p.model_config.vocab_size,
+                                  tuple(p.model_config.eos_token_ids))
         self.commits = CommitStage(self.kv, config.page_size, config.enable_prefix_caching,
                                    self.drafting, self.scheduler)
         self.recorder = StepRecorder(self.kv, p.tier)
@@ -107,12 +110,14 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         root = root_key(self.cache_namespace, params.cache_salt)
         seed = None if params.greedy else self._seed(params)
+        # each sample its own processing state (a grammar compiles here: ValueError if not)
+        processing = [self.logits.make(params, list(prompt_token_ids)) for _ in ids]
         leader = None
         for i, sid in enumerate(ids):
             sample_seed = None if seed is None else (
                 seed if i == 0 else randomness.splitmix64(seed ^ i) & (2**63 - 1))
             seq = Sequence(sid, list(prompt_token_ids), params, sample_seed, cache_root=root,
-                           leader=leader, sample_index=i)
+                           leader=leader, sample_index=i, logits=processing[i])
             leader = leader or seq
             self.requests[sid] = seq
             self.scheduler.add(seq)
@@ -136,6 +141,7 @@ class LLMEngine:
             raise ValueError(f"verifier {self.verifying.name} verifies greedy requests only; "
                              f"temperature={params.temperature} needs a sampling verifier "
                              "(e.g. verifier='gumbel')")
+        self.logits.check(params)
         if not isinstance(ids, (list, tuple)) or not ids:
             raise ValueError("prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size

@@ -158,6 +158,8 @@ class DraftStage:
                     failed.append(rec.seq)
                     continue
                 rec.tree, rec.no_kv, rec.num_proposed = outcome, req.no_kv, outcome.num_nodes
+            self._constrain([r for r in jobs if r.tree is not None and r.tree.num_nodes
+                             and r.seq.logits is not None])
             self._prune([r for r in jobs if r.tree is not None and r.tree.num_nodes])
             for rec in jobs:
                 if rec.seq.finish_reason is None:
@@ -184,6 +186,18 @@ class DraftStage:
                          "and each proposes alone the next time")
         return outcomes
 
+    @staticmethod
+    def _constrain(records: list[StepRequest]) -> None:
+        """Drafts the request's constraint forbids (structured output) are dropped before the
+        forward: the target would reject them. Sampled drafts drop a forbidden node's later
+        siblings too (each was drawn given the earlier ones were rejected)."""
+        for rec in records:
+            tree = rec.tree
+            keep = rec.seq.logits.prune(tree.tokens.tolist(), tree.parents.tolist(),
+                                        tree.draft_probs is not None)
+            if keep is not None and len(keep) < tree.num_nodes:
+                rec.tree, rec.kept = tree.select(keep), keep
+
     def _prune(self, records: list[StepRequest]) -> None:
         """The controller's second phase (optional ``prune``): verify only the nodes it keeps."""
         prune = getattr(self.controller, "prune", None)
@@ -202,7 +216,8 @@ class DraftStage:
                 raise plugins.PluginError(
                     f"controller {self.controller.name!r}: prune returned {keep!r} for a tree "
                     f"of {rec.num_proposed} nodes: {e}") from e
-            rec.kept = [int(i) for i in keep]
+            # node indices of the proposal (through the constraint's selection, if any)
+            rec.kept = [int(i) if rec.kept is None else rec.kept[int(i)] for i in keep]
 
     def restore(self, seq: Sequence, keys: list[bytes]) -> int:
         """The target is about to reuse cached KV for the pages ``keys`` of a request being

@@ -81,6 +81,9 @@ class LLM:
         delta = sent.delta(seq)
         sample = self._sample(seq, "")
         sample.token_ids, sample.text = delta.token_ids, delta.text
+        if seq.logprobs is not None:  # the delta's tokens' (they end the output so far)
+            end = seq.num_output_tokens
+            sample.logprobs = seq.logprobs[end - len(delta.token_ids):end]
         return self._request_output(seq, [sample])
 
     def _add_all(self, prompts, sampling_params) -> list[str]:
@@ -127,7 +130,8 @@ class LLM:
         return CompletionOutput(
             index=seq.sample_index, token_ids=seq.output_token_ids,
             text=self._text(seq) if text is None else text, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, error=seq.error, metrics=seq.metrics())
+            finish_reason=seq.finish_reason, error=seq.error, metrics=seq.metrics(),
+            logprobs=None if seq.logprobs is None else list(seq.logprobs))
 
     def _group_output(self, seqs: list[Sequence]) -> RequestOutput:
         return self._request_output(seqs[0], [self._sample(s) for s in seqs])
@@ -141,7 +145,7 @@ class LLM:
         return RequestOutput(
             request_id=rid, prompt_token_ids=seq.prompt_token_ids, token_ids=first.token_ids,
             text=first.text, finished=first.finished, finish_reason=first.finish_reason,
-            error=first.error, metrics=first.metrics, outputs=samples)
+            error=first.error, metrics=first.metrics, outputs=samples, logprobs=first.logprobs)
 
 
 def _is_single_prompt(prompts) -> bool:

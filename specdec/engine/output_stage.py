@@ -21,8 +21,17 @@ class OutputStage:
         now = time.perf_counter()
         for rec in records:
             if rec.result is not None:
-                rec.appended = self.stopper.append_and_check(rec.seq, rec.result.tokens)
-                _count(rec.seq, rec, now)
+                seq, tokens = rec.seq, rec.result.tokens
+                if seq.logits is not None:  # a complete grammar ends the request at once
+                    tokens = tokens[:seq.logits.until_complete(tokens)]
+                rec.appended = self.stopper.append_and_check(seq, tokens)
+                if rec.logprobs is not None:
+                    seq.logprobs.extend(rec.logprobs[:rec.appended])
+                if seq.logits is not None:
+                    seq.logits.commit(tokens[:rec.appended])
+                    if seq.logits.stopped and seq.finish_reason is None:
+                        seq.finish_reason = "stop"
+                _count(seq, rec, now)
 
 
 def _count(seq: Sequence, rec: StepRequest, now: float) -> None:

@@ -9,6 +9,8 @@ from typing import Any
 
 from specdec.kv.block_table import BlockTable
 from specdec.kv.prefix import extend_keys
+from specdec.logits.logprobs import TokenLogprob
+from specdec.logits.processors import RequestLogits
 from specdec.outputs import RequestMetrics
 from specdec.sampling_params import SamplingParams
 
@@ -67,10 +69,16 @@ class Sequence:
     # computes the prompt's full pages, then reuse them (the scheduler's in-flight pages)
     leader: Sequence | None = None
     sample_index: int = 0
+    # what its sampling options do to its logits (specdec.logits; None: nothing), and the
+    # log-probabilities of its output tokens when asked (SamplingParams.logprobs)
+    logits: RequestLogits | None = None
+    logprobs: list[TokenLogprob] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.logprobs is None and self.params.logprobs is not None:
+            self.logprobs = []
 
     @property
     def num_tokens(self) -> int:

@@ -37,6 +37,7 @@ class StepRequest:
     logits_start: int = -1  # first of its 1 + num_nodes logits rows (-1: needs no logits)
     result: VerifyResult | None = None  # at the frontier: accepted path and emitted tokens
     appended: int = 0  # tokens appended to the request this step (stop conditions cut them)
+    logprobs: list | None = None  # TokenLogprob per emitted token, when the request asked
     computed_before: int = field(init=False)  # seq.num_computed when scheduled
     at_frontier: bool = field(init=False)  # this step ends at the last token: it emits tokens
 

@@ -13,6 +13,7 @@ import torch
 
 from specdec import plugins
 from specdec.engine.step import StepRequest
+from specdec.logits.logprobs import token_logprobs
 from specdec.sampling import logits_to_probs, params_to_tensors
 from specdec.tree import DraftTree
 from specdec.verifiers.base import VerifyBatch, VerifyOutput, VerifyResult
@@ -39,16 +40,39 @@ class VerifyStage:
         return bool(getattr(self.verifier, "supports_sampling", True))
 
     def verify(self, records: list[StepRequest], logits: torch.Tensor | None) -> None:
-        """Set ``result`` on every frontier record, or fail its request."""
+        """Set ``result`` on every frontier record (and ``logprobs`` where asked), or fail its
+        request."""
         frontier = [r for r in records if r.at_frontier]
         if not frontier:
             return
+        raw = self._process(frontier, logits)
         batch = self.batch(frontier, logits)
         for rec, result in zip(frontier, self._run(batch)):
             if isinstance(result, str):
                 rec.seq.finish_reason, rec.seq.error = "error", f"verifier {self.name} {result}"
-            else:
-                rec.result = result
+                continue
+            rec.result = result
+            if rec in raw:  # the raw row that decided each emitted token
+                rows = [0, *(1 + a for a in result.accepted)]
+                rec.logprobs = token_logprobs(raw[rec][rows], result.tokens,
+                                              rec.seq.params.logprobs)
+
+    @staticmethod
+    def _process(frontier: list[StepRequest], logits: torch.Tensor) -> dict:
+        """Each request's sampling options applied to its rows in place (``specdec.logits``),
+        after keeping the raw rows of those that asked for logprobs (returned by record)."""
+        raw, start = {}, 0
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            for rec in frontier:
+                n = 1 + rec.num_nodes
+                if rec.seq.params.logprobs is not None:
+                    raw[rec] = logits[start:start + n].clone()
+                if rec.seq.logits is not None:
+                    tree = rec.tree if rec.tree is not None else _EMPTY
+                    rec.seq.logits.process(logits[start:start + n], tree.tokens.tolist(),
+                                           tree.parents.tolist())
+                start += n
+        return raw
 
     @staticmethod
     def batch(frontier: list[StepRequest], logits: torch.Tensor) -> VerifyBatch:
