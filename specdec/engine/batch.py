@@ -5,6 +5,10 @@ tree of m nodes: rows are tokens[c:n] then the tree nodes; KV slots c .. n+m-1 (
 n + i); positions c .. n-1 then n + depth(i). Its logits rows are the last committed token's row
 and every node's row (1 + m rows, the verifier's input), stored back to back in request order.
 A chunk that stops short of the frontier needs no logits. The records get their row offsets.
+
+A request asking for its prompt's log-probabilities also gets, after every frontier row of the
+step (so the verifier's rows stay first), the rows of its chunk that decide prompt tokens:
+position j's row decides token j + 1, for j + 1 < the prompt's length (``prompt_rows``).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from specdec.tree import step_mask
 
 def build_forward_batch(records: list[StepRequest], page_size: int, device) -> ForwardBatch:
     ids, pos, logit_rows = [], [], []
-    tables, kv_lens, qo_lens, masks = [], [], [], []
+    tables, kv_lens, qo_lens, masks, prompt_rows = [], [], [], [], []
     offset = 0
     for rec in records:
         seq, c = rec.seq, rec.computed_before
@@ -35,7 +39,14 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device) -> F
         kv_lens.append(end + rec.num_nodes)
         qo_lens.append(rec.num_rows)
         masks.append(step_mask(rec.tree, c, end) if rec.num_nodes else None)
+        if seq.needs_prompt_rows:
+            last = min(end, seq.num_prompt_tokens - 1)  # rows c .. last - 1
+            if last > c:
+                prompt_rows.append((rec, offset, c, last - c))
         offset += rec.num_rows
+    for rec, row, first, n in prompt_rows:
+        rec.prompt_rows = (len(logit_rows), first, n)
+        logit_rows.extend(range(row, row + n))
     metadata = build_metadata(tables, kv_lens, qo_lens, page_size, masks, device)
     ids, pos, logit_rows = (host_tensor(v).to(device) for v in (ids, pos, logit_rows))
     return ForwardBatch(ids, pos, metadata, logit_rows)

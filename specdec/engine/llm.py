@@ -145,7 +145,8 @@ class LLM:
         return RequestOutput(
             request_id=rid, prompt_token_ids=seq.prompt_token_ids, token_ids=first.token_ids,
             text=first.text, finished=first.finished, finish_reason=first.finish_reason,
-            error=first.error, metrics=first.metrics, outputs=samples, logprobs=first.logprobs)
+            error=first.error, metrics=first.metrics, outputs=samples, logprobs=first.logprobs,
+            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))
 
 
 def _is_single_prompt(prompts) -> bool:

@@ -177,7 +177,8 @@ class Scheduler:
         """Map the longest cached prefix of a request that has nothing computed: _GO (also
         when nothing is cached), _WAIT (not enough pages for the rest even with it), or _DEFER
         (the next page is being computed by a running request: it will be cached soon)."""
-        if not self.prefix_caching or seq.num_computed or seq.block_table.pages:
+        if not self.prefix_caching or seq.num_computed or seq.block_table.pages \
+                or seq.needs_prompt_rows:  # prompt logprobs need every prompt row computed
             return _GO
         kv, ps = self.kv, self.kv.page_size
         keys = seq.keys(ps, (seq.num_tokens - 1) // ps)  # the last token is always computed

@@ -73,12 +73,23 @@ class Sequence:
     # log-probabilities of its output tokens when asked (SamplingParams.logprobs)
     logits: RequestLogits | None = None
     logprobs: list[TokenLogprob] | None = None
+    # SamplingParams.prompt_logprobs: per prompt token so far (None for the first)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.logprobs is None and self.params.logprobs is not None:
             self.logprobs = []
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Its prompt's log-probabilities are asked for and not all computed yet: every prompt
+        row is computed (no prefix-cache hit), each one's logits kept."""
+        return self.prompt_logprobs is not None \
+            and len(self.prompt_logprobs) < len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,8 @@ class StepRequest:
     result: VerifyResult | None = None  # at the frontier: accepted path and emitted tokens
     appended: int = 0  # tokens appended to the request this step (stop conditions cut them)
     logprobs: list | None = None  # TokenLogprob per emitted token, when the request asked
+    # prompt logprobs: (first logits row, first position, rows); position j decides token j + 1
+    prompt_rows: tuple[int, int, int] | None = None
     computed_before: int = field(init=False)  # seq.num_computed when scheduled
     at_frontier: bool = field(init=False)  # this step ends at the last token: it emits tokens
 

@@ -42,9 +42,11 @@ class VerifyStage:
     def verify(self, records: list[StepRequest], logits: torch.Tensor | None) -> None:
         """Set ``result`` on every frontier record (and ``logprobs`` where asked), or fail its
         request."""
+        _prompt_logprobs([r for r in records if r.prompt_rows is not None], logits)
         frontier = [r for r in records if r.at_frontier]
         if not frontier:
             return
+        logits = logits[:sum(1 + r.num_nodes for r in frontier)]  # prompt rows come after
         raw = self._process(frontier, logits)
         batch = self.batch(frontier, logits)
         for rec, result in zip(frontier, self._run(batch)):
@@ -119,3 +121,17 @@ class VerifyStage:
         if not 0 <= r.tokens[-1] < self.vocab_size:
             return f"emitted token {r.tokens[-1]} outside the vocab [0, {self.vocab_size})"
         return r
+
+
+def _prompt_logprobs(records: list[StepRequest], logits: torch.Tensor) -> None:
+    """Prompt tokens' log-probabilities from the chunk rows that decide them (a request
+    recomputing its prompt after a preemption keeps the ones it has)."""
+    for rec in records:
+        start, first, n = rec.prompt_rows
+        have = rec.seq.prompt_logprobs
+        skip = len(have) - 1 - first  # rows whose token already has its figures
+        if skip >= n:
+            continue
+        rows = logits[start + max(skip, 0):start + n]
+        tokens = rec.seq.prompt_token_ids[first + 1 + max(skip, 0):first + 1 + n]
+        have.extend(token_logprobs(rows, tokens, rec.seq.params.prompt_logprobs))
