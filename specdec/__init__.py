@@ -1,9 +1,9 @@
 """specdec: a speculative decoding engine (paged KV, tree verification, lossless acceptance)."""
 
 from specdec.outputs import RequestMetrics, RequestOutput
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "RequestMetrics"]
 
 
 def __getattr__(name: str):

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specdec.logits.logprobs import TokenLogprob
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability, its rank among the vocabulary (1 = the most likely; ties
+    share the better rank), and the ``top`` alternatives as (token id, log-probability), most
+    likely first (ties: lower id first)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass

@@ -9,9 +9,8 @@ from typing import Any
 
 from specdec.kv.block_table import BlockTable
 from specdec.kv.prefix import extend_keys
-from specdec.logits.logprobs import TokenLogprob
 from specdec.logits.processors import RequestLogits
-from specdec.outputs import RequestMetrics
+from specdec.outputs import RequestMetrics, TokenLogprob
 from specdec.sampling_params import SamplingParams
 
 

@@ -6,7 +6,7 @@ gets back.
                     along its draft-tree path; kept up to date with the request's output
     grammar.py      structured output with llguidance: the request's matcher, the allowed tokens
                     at every node of a draft tree, and the drafts it prunes before the forward
-    logprobs.py     TokenLogprob: the target's log-softmax of each emitted (or prompt) token, and
+    logprobs.py     the target's log-softmax of each emitted (or prompt) token, and
                     the top alternatives, from the raw verification rows
 
 Losslessness: a tree node's row is processed exactly as plain decoding would process the row

@@ -9,21 +9,9 @@ bits whether a drafter proposed it or plain decoding did.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's log-probability, its rank among the vocabulary (1 = the most likely; ties
-    share the better rank), and the ``top`` alternatives as (token id, log-probability), most
-    likely first (ties: lower id first)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...] = ()
+from specdec.outputs import TokenLogprob
 
 
 def token_logprobs(rows: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
