@@ -15,6 +15,8 @@ then): every token is checked against the mask first.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -38,26 +40,53 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._ll = None  # the LLTokenizer, built on first use (~0.3 s)
+        self._lock = threading.Lock()  # checked from a server's threads, compiled in the engine's
+        self._valid: OrderedDict[str, None] = OrderedDict()  # grammars checked lately
 
-    def compile(self, spec: StructuredOutputs) -> Grammar:
+    def tokenizer_ll(self):
+        """llguidance's view of the tokenizer (token bytes, masks)."""
         if llguidance is None:
             raise ValueError("structured_outputs needs the llguidance package "
                              "(pip install llguidance)")
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs a tokenizer; this model was loaded "
                              "without one")
-        if self._ll is None:
-            eos = list(self.eos_token_ids) or None
-            self._ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
-                                                    eos_token=eos)
+        with self._lock:
+            if self._ll is None:
+                eos = list(self.eos_token_ids) or None
+                try:
+                    self._ll = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+                except Exception as e:  # e.g. a word-level tokenizer: no bytes to match
+                    raise ValueError("structured_outputs needs a tokenizer llguidance can "
+                                     f"read (a fast, byte-level one); this one is not: {e}"
+                                     ) from None
+            return self._ll
+
+    def check(self, spec: StructuredOutputs) -> str:
+        """The grammar text of ``spec``; ValueError naming the field if it does not compile
+        (the last 256 grammars that did are remembered: a request is checked when the server
+        takes it and again when the engine adds it)."""
+        ll = self.tokenizer_ll()
         field, grammar = _grammar(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._ll)
+        with self._lock:
+            if grammar in self._valid:
+                self._valid.move_to_end(grammar)
+                return grammar
+        error = llguidance.LLMatcher.validate_grammar(grammar, ll)
         if error:
             raise ValueError(f"structured_outputs.{field} does not compile: {error}")
-        matcher = llguidance.LLMatcher(self._ll, grammar)
+        with self._lock:
+            self._valid[grammar] = None
+            while len(self._valid) > 256:
+                self._valid.popitem(last=False)
+        return grammar
+
+    def compile(self, spec: StructuredOutputs) -> Grammar:
+        grammar = self.check(spec)
+        matcher = llguidance.LLMatcher(self.tokenizer_ll(), grammar)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs.{field} does not compile: "
-                             f"{matcher.get_error()}")
+            raise ValueError(f"structured_outputs does not compile: {matcher.get_error()}")
         return Grammar(matcher, self.vocab_size)
 
 

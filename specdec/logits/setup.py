@@ -23,6 +23,16 @@ class LogitsSetup:
                                  f"[0, {self.vocab_size})")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words needs a tokenizer; this model was loaded without one")
+        if params.structured_outputs is not None:
+            self.grammars.check(params.structured_outputs)
+
+    def token_bytes(self, token_ids: list[int]) -> list[bytes]:
+        """Each token's bytes (a byte-level token may hold part of a UTF-8 character)."""
+        try:
+            ll = self.grammars.tokenizer_ll()
+        except ValueError:  # a tokenizer llguidance cannot read: its own decoding
+            return [self.tokenizer.decode([t]).encode() for t in token_ids]
+        return [ll.decode_bytes([t]) for t in token_ids]
 
     def make(self, params: SamplingParams, prompt: list[int]) -> RequestLogits | None:
         """The request's processing (None when its options change nothing); compiles its

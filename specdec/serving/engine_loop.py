@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-from specdec.outputs import RequestMetrics
+from specdec.outputs import RequestMetrics, TokenLogprob
 from specdec.sampling_params import SamplingParams
 from specdec.serving.streaming import DeltaTracker, changed
 
@@ -50,6 +50,11 @@ class StreamEvent:
     error: str | None = None
     metrics: RequestMetrics | None = None  # on the final event
     num_prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # the new tokens' (SamplingParams.logprobs)
+    # on a sample's first event: the prompt's ids and (SamplingParams.prompt_logprobs) their
+    # log-probabilities
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -251,11 +256,19 @@ class EngineLoop:
         stream = self._streams.get(rid)
         if stream is None:
             return
+        first = not sent.started(seq)
         delta = sent.delta(seq)
         done = seq.is_finished
         event = StreamEvent(seq.sample_index, delta.token_ids, delta.text, done,
                             seq.finish_reason if done else None, seq.error,
                             seq.metrics() if done else None, seq.num_prompt_tokens)
+        if seq.logprobs is not None:
+            end = seq.num_output_tokens
+            event.logprobs = seq.logprobs[end - len(delta.token_ids):end]
+        if first:
+            event.prompt_token_ids = list(seq.prompt_token_ids)
+            if seq.prompt_logprobs is not None:
+                event.prompt_logprobs = list(seq.prompt_logprobs)
         stream._put(event)
         if not done:
             return

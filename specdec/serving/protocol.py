@@ -29,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from specdec.sampling_params import MAX_SAMPLES, MAX_SEED
+from specdec.sampling_params import MAX_LOGPROBS, MAX_SAMPLES, MAX_SEED
 from specdec.serving.errors import APIError
 
 
@@ -58,23 +58,14 @@ def _one_of(*values) -> Callable[[Any], bool]:
 
 
 # field -> is this value neutral (the same as not asking)? One place for what is not served.
-REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _zero, "frequency_penalty": _zero, "repetition_penalty": _one,
-    "logit_bias": _empty, "min_tokens": _zero, "bad_words": _empty, "prompt_logprobs": _unset,
-    "response_format": _one_of({"type": "text"}), "structured_outputs": _unset,
-    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
-    "guided_grammar": _unset,
-}
+REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {}
 REFUSED_CHAT = {
-    **REFUSED_COMMON, "logprobs": _false, "top_logprobs": _zero, "tools": _empty,
+    **REFUSED_COMMON, "tools": _empty,
     "tool_choice": _one_of("none"), "functions": _empty, "function_call": _one_of("none"),
     "audio": _unset, "modalities": _one_of(["text"]), "prediction": _unset,
     "reasoning_effort": _unset, "web_search_options": _unset,
 }
-REFUSED_COMPLETION = {
-    **REFUSED_COMMON, "logprobs": _unset, "echo": _false, "best_of": _one_of(1),
-    "suffix": _one_of(""),
-}
+REFUSED_COMPLETION = {**REFUSED_COMMON, "best_of": _one_of(1), "suffix": _one_of("")}
 REFUSED_MESSAGE = {"tool_calls": _empty, "function_call": _unset, "audio": _unset,
                    "refusal": _unset, "annotations": _empty}
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -136,6 +127,38 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False  # a last chunk with the usage and no choices
 
 
+class JsonSchemaFormat(_Request):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: text (no constraint), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('json_schema is required with "type": "json_schema", and only '
+                             "then")
+        return self
+
+
+class GuidedOutputs(_Request):
+    """vLLM's ``structured_outputs``: exactly one of these."""
+
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    whitespace_flexible: StrictBool = False  # specdec's: JSON with any whitespace
+
+
 class _Sampling(_Request):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -151,6 +174,20 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: StrictBool = False
     cache_salt: StrictStr | None = None  # as vLLM's: prefix-cache pages shared only within it
+    # what changes the logits (specdec.logits): OpenAI's, then vLLM's extensions
+    presence_penalty: StrictFloat | StrictInt = Field(0.0, ge=-2, le=2)
+    frequency_penalty: StrictFloat | StrictInt = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[StrictStr, StrictFloat | StrictInt] | None = None  # token id -> -100..100
+    response_format: ResponseFormat | None = None
+    repetition_penalty: StrictFloat | StrictInt = Field(1.0, gt=0)
+    min_tokens: StrictInt = Field(0, ge=0)
+    bad_words: list[StrictStr] | None = None
+    structured_outputs: GuidedOutputs | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def stops(self) -> list[str]:
         if self.stop is None:
@@ -164,6 +201,8 @@ class _Sampling(_Request):
 
 class CompletionRequest(_Sampling):
     REFUSED: ClassVar = REFUSED_COMPLETION
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token
+    echo: StrictBool = False  # the prompt before the completion (and its logprobs, if asked)
     # one prompt (text or token ids) or a list of them: each prompt its own n choices
     prompt: StrictStr | list[StrictStr | list[StrictInt] | StrictInt]
 
@@ -212,3 +251,11 @@ class ChatMessage(_Request):
 class ChatRequest(_Sampling):
     REFUSED: ClassVar = REFUSED_CHAT
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError('top_logprobs needs "logprobs": true')
+        return self

@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from specdec.serving.engine_loop import RequestStream, StreamEvent
 from specdec.serving.errors import APIError, error_body
+from specdec.serving.logprobs import CompletionLogprobs, TokenBytes, chat_logprobs, merge
 
 
 @dataclass
@@ -29,6 +30,32 @@ class Job:
     n: int  # samples per prompt
     streams: list[RequestStream]  # one per prompt
     include_usage: bool = False
+    # log-probabilities asked for (specdec.serving.logprobs): None, or how many alternatives
+    top_logprobs: int | None = None
+    token_bytes: TokenBytes | None = None
+    echo: list[str] | None = None  # completions' echo: each prompt's text
+    _completion_lps: dict = field(default_factory=dict)  # choice -> CompletionLogprobs
+
+    def logprobs(self, index: int, ev: StreamEvent):
+        """The event's logprobs in the response's shape (None when not asked)."""
+        if self.top_logprobs is None:
+            return None
+        if self.chat:
+            return chat_logprobs(ev.logprobs or [], self.token_bytes)
+        lps = self._completion_lps.setdefault(
+            index, CompletionLogprobs(self.token_bytes, self.top_logprobs))
+        parts = []
+        if self.echo is not None and ev.prompt_token_ids is not None:
+            prompt_lps = ev.prompt_logprobs or [None] * len(ev.prompt_token_ids)
+            parts.append(lps.add(ev.prompt_token_ids, prompt_lps))
+        parts.append(lps.add(ev.token_ids, ev.logprobs or [None] * len(ev.token_ids)))
+        return merge(parts)
+
+    def text(self, index: int, ev: StreamEvent) -> str:
+        """The event's text; with echo, a choice's first event starts with its prompt."""
+        if self.echo is not None and ev.prompt_token_ids is not None:
+            return self.echo[index // self.n] + ev.text
+        return ev.text
 
     @property
     def num_choices(self) -> int:
@@ -79,8 +106,10 @@ async def collect(request: Request, job: Job) -> dict:
     try:
         texts = [""] * job.num_choices
         finals: dict[int, StreamEvent] = {}
+        logprobs: dict[int, list] = {}
         async for index, ev in job.events():
-            texts[index] += ev.text
+            texts[index] += job.text(index, ev)
+            logprobs.setdefault(index, []).append(job.logprobs(index, ev))
             if ev.finished:
                 finals[index] = ev
     finally:
@@ -90,7 +119,8 @@ async def collect(request: Request, job: Job) -> dict:
         raise APIError(500, f"generation failed: {errors[0]}")
     choices = []
     for i in range(job.num_choices):
-        choice = {"index": i, "finish_reason": finals[i].finish_reason, "logprobs": None}
+        choice = {"index": i, "finish_reason": finals[i].finish_reason,
+                  "logprobs": _whole(job, logprobs.get(i, []))}
         if job.chat:
             choice["message"] = {"role": "assistant", "content": texts[i]}
         else:
@@ -118,7 +148,7 @@ async def sse(job: Job) -> AsyncIterator[str]:
                 return
             if ev.finished:
                 finals[index] = ev
-            if ev.text or ev.finished:
+            if ev.text or ev.token_ids or ev.finished or ev.prompt_token_ids is not None:
                 yield _line(job.chunk([_delta(job, index, ev)]))
         if job.include_usage:
             last = job.chunk([])
@@ -132,12 +162,23 @@ async def sse(job: Job) -> AsyncIterator[str]:
 
 
 def _delta(job: Job, index: int, ev: StreamEvent) -> dict:
-    choice = {"index": index, "logprobs": None, "finish_reason": ev.finish_reason}
+    choice = {"index": index, "logprobs": job.logprobs(index, ev),
+              "finish_reason": ev.finish_reason}
+    text = job.text(index, ev)
     if job.chat:
-        choice["delta"] = {"content": ev.text} if ev.text else {}
+        choice["delta"] = {"content": text} if text else {}
     else:
-        choice["text"] = ev.text
+        choice["text"] = text
     return choice
+
+
+def _whole(job: Job, parts: list):
+    """A whole response's logprobs from its events' pieces."""
+    if job.top_logprobs is None:
+        return None
+    if job.chat:
+        return {"content": [c for p in parts for c in p["content"]], "refusal": None}
+    return merge(parts)
 
 
 def usage(finals: dict[int, StreamEvent], n: int) -> dict:

@@ -38,6 +38,7 @@ from specdec.serving.engine_loop import EngineLoop, QueueFullError, ShuttingDown
 from specdec.serving.errors import APIError, install_error_handlers, validation_error
 from specdec.serving.limits import ServerLimits, check_stops, parse_json, read_body
 from specdec.serving.metrics import Metrics
+from specdec.serving.options import constraint, logit_options
 from specdec.serving.protocol import ChatRequest, CompletionRequest, accepted_fields
 from specdec.serving.responses import Job, collect, sse
 from specdec.serving.tenants import AuthMiddleware, cache_salt
@@ -102,6 +103,16 @@ def create_app(loop: EngineLoop, model_name: str,
         if req.stop and engine.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; this model has none",
                            param="stop")
+        field, spec = constraint(req)
+        if spec is not None:  # compiled off the event loop (the engine then finds it checked)
+            try:
+                await off_loop(engine.logits.grammars.check, spec)
+            except ValueError as e:
+                raise APIError(400, f"{field}: {e}", param=field) from None
+        for name in ("bad_words", "logprobs", "prompt_logprobs"):
+            if getattr(req, name, None) and engine.tokenizer is None:
+                raise APIError(400, f"{name} needs a tokenizer; this model has none",
+                               param=name)
         return req
 
     def sampling(req, prompt_len: int, salt: str | None) -> SamplingParams:
@@ -116,17 +127,21 @@ def create_app(loop: EngineLoop, model_name: str,
             return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
                                   top_k=req.top_k, min_p=float(req.min_p), n=req.n,
                                   seed=req.seed, max_tokens=max_tokens, stop=req.stops(),
-                                  ignore_eos=req.ignore_eos, cache_salt=salt)
+                                  ignore_eos=req.ignore_eos, cache_salt=salt,
+                                  **logit_options(req))
         except ValueError as e:
             name = str(e).split()[0]
             raise APIError(400, str(e), param=name if name in type(req).model_fields
                            else None) from None
 
     def submit(request: Request, req, prompts: list[list[int]], chat: bool,
-               param: str) -> Job:
+               param: str, echo: list[str] | None = None) -> Job:
         salt = cache_salt(getattr(request.state, "tenant", None), req.cache_salt)
         job = Job(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, model_name,
-                  int(time.time()), req.n, [], req.include_usage)
+                  int(time.time()), req.n, [], req.include_usage,
+                  top_logprobs=(req.top_logprobs or 0) if chat and req.logprobs else
+                  None if chat else req.logprobs, token_bytes=engine.logits.token_bytes,
+                  echo=echo)
         try:
             for i, ids in enumerate(prompts):
                 name = param if len(prompts) == 1 else f"{param}.{i}"
@@ -169,7 +184,13 @@ def create_app(loop: EngineLoop, model_name: str,
             raise APIError(400, "this model has no tokenizer: send the prompt as token "
                                 "ids", param="prompt")
         ids = await off_loop(tokenize, prompts)
-        return await respond(request, submit(request, req, ids, False, "prompt"), req.stream)
+        echo = None
+        if req.echo:  # each prompt's text as given (token ids decoded)
+            echo = [p if isinstance(p, str) else
+                    "" if engine.tokenizer is None else engine.tokenizer.decode(p)
+                    for p in prompts]
+        return await respond(request, submit(request, req, ids, False, "prompt", echo),
+                             req.stream)
 
     @app.post("/v1/chat/completions", openapi_extra=_body("ChatRequest"))
     async def chat(request: Request):

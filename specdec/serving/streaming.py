@@ -57,6 +57,10 @@ class DeltaTracker:
     def text(self, seq: Sequence) -> str:
         return "" if self.tokenizer is None else seq.text(self.tokenizer)
 
+    def started(self, seq: Sequence) -> bool:
+        """Whether a delta of this sequence was taken before."""
+        return seq.request_id in self._tokens
+
     def delta(self, seq: Sequence) -> Delta:
         rid = seq.request_id
         sent_tokens, sent_text = self._tokens.get(rid, 0), self._text.get(rid, 0)

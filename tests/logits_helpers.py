@@ -1,5 +1,5 @@
-"""A tiny random Llama with a byte-level BPE tokenizer (what llguidance needs for grammars),
-its LM head scaled up so that its greedy choices are definite."""
+"""A tiny random Llama with a byte-level BPE tokenizer (what llguidance needs for grammars) and a
+chat template, its LM head scaled up so that its greedy choices are definite."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ SPECIALS = ["<unk>", "<s>", "</s>"]
 
 
 def byte_tokenizer_model(folder: Path) -> Path:
+    from cli_helpers import CHAT_TEMPLATE
     from conftest import make_tiny_model
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -27,6 +28,7 @@ def byte_tokenizer_model(folder: Path) -> Path:
     backend.train_from_iterator(CORPUS * 4, trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
                                   unk_token="<unk>")
+    tok.chat_template = CHAT_TEMPLATE
     vocab = backend.get_vocab_size()
     make_tiny_model(folder, seed=3, vocab_size=vocab, eos_token_id=2, bos_token_id=1)
     tok.save_pretrained(folder)
