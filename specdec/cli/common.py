@@ -30,6 +30,20 @@ def int_at_least(low: int):
     return parse
 
 
+def float_at_least(low: float):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {text!r}") from None
+        if not value >= low or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= {low}, got {text}")
+        return value
+
+    parse.__name__ = f"number >= {low}"
+    return parse
+
+
 def json_object(text: str) -> dict:
     try:
         value = json.loads(text)

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
 
-from specdec.cli.common import PROG, add_model_args, add_spec_args, engine_kwargs, int_at_least
-
-
-def float_at_least(low: float):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {text!r}") from None
-        if not value >= low or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {low}, got {text}")
-        return value
-
-    parse.__name__ = f"number >= {low}"
-    return parse
+from specdec.cli.common import (
+    PROG,
+    add_model_args,
+    add_spec_args,
+    engine_kwargs,
+    float_at_least,
+    int_at_least,
+)
 
 
 def add_parser(sub) -> None:
