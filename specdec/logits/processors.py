@@ -81,9 +81,10 @@ class RequestLogits:
         p = self.params
         ids, values = self._bias
         if ids.numel():
-            row[ids] += values.to(row.dtype)
+            row[ids.to(row.device)] += values.to(row.device, row.dtype)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(self.seen.union(path)), dtype=torch.int64)
+            seen = torch.tensor(sorted(self.seen.union(path)), dtype=torch.int64,
+                                device=row.device)
             if seen.numel():
                 x = row[seen]
                 row[seen] = torch.where(x > 0, x / p.repetition_penalty,
@@ -91,15 +92,15 @@ class RequestLogits:
         if p.frequency_penalty or p.presence_penalty:
             counts = self.counts + Counter(path) if path else self.counts
             if counts:
-                out = torch.tensor(list(counts), dtype=torch.int64)
+                out = torch.tensor(list(counts), dtype=torch.int64, device=row.device)
                 penalty = torch.tensor([p.frequency_penalty * c + p.presence_penalty
                                         for c in counts.values()], dtype=torch.float64)
-                row[out] -= penalty.to(row.dtype)
+                row[out] -= penalty.to(row.device, row.dtype)
         banned = self._banned(path)
         if banned:
-            row[torch.tensor(banned, dtype=torch.int64)] = float("-inf")
+            row[torch.tensor(banned, dtype=torch.int64, device=row.device)] = float("-inf")
         if self.grammar is not None:
-            row.masked_fill_(~self.grammar.allowed(path), float("-inf"))
+            row.masked_fill_(~self.grammar.allowed(path).to(row.device), float("-inf"))
 
     def _banned(self, path: tuple[int, ...]) -> list[int]:
         """Token ids banned after the output and ``path``."""
