@@ -61,6 +61,9 @@ class TrainConfig:
     mixed_precision: str = "no"  # accelerate's: "no", "bf16" (CPUs with bf16 units, GPUs), "fp16"
     init_from: str | None = None  # start from this drafter folder's weights and vocabulary
     save_dtype: str = "bfloat16"  # dtype of the exported checkpoint
+    # engines the exported folder must load in besides specdec ("vllm", "sglang"): checked
+    # before training, a kind whose format they cannot load is a ValueError naming both
+    export_for: list[str] = field(default_factory=list)
     report_to: str = "none"  # "none" or "wandb" (offline unless configured)
     eval_max_tokens: int = 128
     eval_budget: int = 8
@@ -109,6 +112,7 @@ class TrainConfig:
         if self.regen_activations not in ("float", "q8"):
             raise ValueError("regen_activations must be 'float' or 'q8', got "
                              f"{self.regen_activations!r}")
+        _check_export_for(self.kind, self.export_for)
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
             raise ValueError(f"aux_layer_ids must list 3 layer ids, got {self.aux_layer_ids!r}")
 
@@ -140,6 +144,17 @@ def _read_yaml(path: Path) -> dict:
         raise ValueError(f"--config {path}: expected a mapping of settings, got "
                          f"{type(values).__name__}")
     return {k.replace("-", "_"): v for k, v in values.items()}
+
+
+def _check_export_for(kind: str, export_for) -> None:
+    from specdec.models.export_formats import check_formats
+
+    if not isinstance(export_for, list) or not all(isinstance(f, str) for f in export_for):
+        raise ValueError(f"export_for must list engine names (vllm, sglang), got {export_for!r}")
+    try:
+        check_formats(kind, export_for)
+    except ValueError as e:
+        raise ValueError(f"export_for: {e}") from e
 
 
 def _int_at_least(name: str, value, low: int) -> None:

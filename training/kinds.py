@@ -43,7 +43,10 @@ class Kind:
         """Metadata measured on held-out batches after training (saved with the drafter)."""
         return {}
 
-    def save(self, model, folder: Path, hf, dtype: torch.dtype, extra: dict) -> None:
+    def save(self, model, folder: Path, hf, dtype: torch.dtype, extra: dict,
+             formats: tuple[str, ...] = ()) -> None:
+        """Write the serving folder; ``formats``: engines it must load in besides specdec
+        (ValueError naming the kind and the engine where its format cannot)."""
         raise NotImplementedError
 
 
@@ -82,10 +85,10 @@ class Eagle3Kind(Kind):
             metrics[f"top1_{j}"] = top1
         return res.loss, metrics
 
-    def save(self, model, folder, hf, dtype, extra):
+    def save(self, model, folder, hf, dtype, extra, formats=()):
         from specdec.models.eagle3_io import save_eagle3
 
-        save_eagle3(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
+        save_eagle3(model, folder, hf, dtype=dtype, overwrite=True, extra=extra, formats=formats)
 
 
 class MTPKind(Kind):
@@ -120,10 +123,10 @@ class MTPKind(Kind):
 
         return calibration(*summed((hits(*b) for b in batches), model.config.num_heads, RANKS))
 
-    def save(self, model, folder, hf, dtype, extra):
+    def save(self, model, folder, hf, dtype, extra, formats=()):
         from specdec.models.mtp_io import save_mtp
 
-        save_mtp(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
+        save_mtp(model, folder, hf, dtype=dtype, overwrite=True, extra=extra, formats=formats)
 
 
 class BlockDiffusionKind(Kind):
@@ -168,10 +171,10 @@ class BlockDiffusionKind(Kind):
         return calibration(*summed((hits(*b) for b in batches), model.config.block_size - 1,
                                    RANKS))
 
-    def save(self, model, folder, hf, dtype, extra):
+    def save(self, model, folder, hf, dtype, extra, formats=()):
         from specdec.models.block_diffusion_io import save_block_diffusion
 
-        save_block_diffusion(model, folder, hf, dtype=dtype, overwrite=True, extra=extra)
+        save_block_diffusion(model, folder, hf, dtype=dtype, overwrite=True, extra=extra, formats=formats)
 
 
 def summed(parts, depth: int, ranks: int) -> list[torch.Tensor]:

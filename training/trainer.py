@@ -367,7 +367,8 @@ def _export(k: Kind, head, hf, config: TrainConfig, out: Path, metrics: dict,
             calibrated: dict) -> Path:
     folder = out / "drafter"
     k.save(head, folder, hf, getattr(torch, config.save_dtype),
-           {"target": config.target, "train": metrics, **calibrated})
+           {"target": config.target, "train": metrics, **calibrated},
+           formats=tuple(config.export_for))
     (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     return folder
 

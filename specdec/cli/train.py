@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
                    help="start from this drafter's weights and vocabulary (fine-tune it)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
                    help="accelerate's mixed precision (bf16: CPUs with bf16 units, GPUs)")
+    p.add_argument("--export-for", nargs="+", choices=["vllm", "sglang"], default=None,
+                   metavar="ENGINE", help="engines the exported drafter must load in (vllm, "
+                   "sglang); an error before training if its format cannot")
     p.set_defaults(func=run)
 
 
@@ -42,7 +45,8 @@ def run(args) -> int:
 
     flags = {k: getattr(args, k) for k in ("kind", "target", "data", "out", "regenerate",
                                            "resume", "eval_files", "report_to", "max_steps",
-                                           "limit", "init_from", "mixed_precision")}
+                                           "limit", "init_from", "mixed_precision",
+                                           "export_for")}
     config = TrainConfig.from_sources(args.config, flags)
     report = train(config)
     tau, speed = report.get("tau"), report.get("speedup_vs_plain")

@@ -44,6 +44,7 @@ from specdec.models.checkpoint import (
     write_folder,
 )
 from specdec.models.config import ModelConfig
+from specdec.models.export_formats import check_formats
 from specdec.models.loader import read_safetensors
 
 BLOCK_ARCHITECTURES = ("DFlashDraftModel",)
@@ -74,8 +75,11 @@ def tensor_layout(c: BlockDiffusionConfig) -> dict[str, tuple[int, ...]]:
 
 def save_block_diffusion(model: BlockDiffusionModel, folder: Path, target_hf_config, *,
                          dtype: torch.dtype = torch.bfloat16, extra: dict | None = None,
-                         overwrite: bool = False) -> None:
-    """Write ``model`` to ``folder`` atomically; ``extra`` goes under config.json's "specdec"."""
+                         overwrite: bool = False, formats: tuple[str, ...] = ()) -> None:
+    """Write ``model`` to ``folder`` atomically; ``extra`` goes under config.json's "specdec".
+    ``formats``: engines besides specdec; this format is specdec's own, so "vllm" or "sglang"
+    raise ValueError naming the drafter and the format."""
+    check_formats("block_diffusion", formats)
     c, lc = model.config, model.cfg
     check_rope(model.rope, c.head_dim, target_hf_config)
     floats = {"fc.weight": model.fc, "hidden_norm.weight": model.hidden_norm}

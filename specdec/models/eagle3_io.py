@@ -5,8 +5,9 @@ A folder with two files (no embedding: the head uses the target's)::
     config.json        architectures ["LlamaForCausalLMEagle3"], model_type "llama",
                        num_hidden_layers 1, the draft layer's shapes, RoPE (rope_theta /
                        rope_scaling), vocab_size (target), draft_vocab_size,
-                       tie_word_embeddings false, eagle_config {eagle_aux_hidden_state_layer_ids,
-                       use_aux_hidden_state}, torch_dtype, and our own metadata under "specdec"
+                       tie_word_embeddings false, eagle_aux_hidden_state_layer_ids (what vLLM
+                       reads), eagle_config {eagle_aux_hidden_state_layer_ids (what SGLang
+                       reads), use_aux_hidden_state}, torch_dtype, our metadata under "specdec"
     model.safetensors  fc.weight [H, 3 Ht]; midlayer.self_attn.{q,k,v}_proj.weight [*, 2 H];
                        midlayer.self_attn.o_proj.weight; midlayer.mlp.{gate,up,down}_proj.weight;
                        midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight;
@@ -42,6 +43,7 @@ from specdec.models.checkpoint import (
 )
 from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_aux_layer_ids
+from specdec.models.export_formats import check_formats
 from specdec.models.loader import read_safetensors
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -80,6 +82,7 @@ def save_eagle3(head: Eagle3Head, folder: Path, target_hf_config, *,
     stored under config.json's "specdec" key. Atomic (``checkpoint.write_folder``): an existing
     ``folder`` raises FileExistsError unless ``overwrite``.
     """
+    check_formats("eagle3", formats)
     if dtype not in SAVE_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES.values())}, got {dtype}")
     check_rope(head.rope, head.config.head_dim, target_hf_config)
@@ -107,6 +110,10 @@ def _config_json(head: Eagle3Head, target_hf_config, dtype: torch.dtype,
     if c.aux_layer_ids[0] == 1:
         warnings.warn("aux layer ids start at 1: SGLang reads such ids as output-of-layer "
                       "and shifts them by one; vLLM and specdec read them as given", stacklevel=3)
+    # vLLM reads the ids at the top level only (v1/worker/gpu/spec_decode/eagle/eagle3_utils.py),
+    # SGLang only inside eagle_config (model_runner.py): a head trained on other layers than
+    # the default would be fed the wrong hidden states by the engine that missed them
+    out["eagle_aux_hidden_state_layer_ids"] = list(c.aux_layer_ids)
     out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
                            "use_aux_hidden_state": True}
     out["torch_dtype"] = SAVE_DTYPES[dtype]

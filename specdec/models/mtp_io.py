@@ -30,6 +30,7 @@ from specdec.models.checkpoint import (
     write_folder,
 )
 from specdec.models.config import ModelConfig
+from specdec.models.export_formats import check_formats
 from specdec.models.loader import read_safetensors
 from specdec.models.mtp import MTPConfig, MTPHeads
 
@@ -48,8 +49,11 @@ def tensor_layout(c: MTPConfig) -> dict[str, tuple[int, ...]]:
 
 def save_mtp(heads: MTPHeads, folder: Path, target_hf_config, *,
              dtype: torch.dtype = torch.bfloat16, extra: dict | None = None,
-             overwrite: bool = False) -> None:
-    """Write ``heads`` to ``folder`` atomically; ``extra`` goes under config.json's "specdec"."""
+             overwrite: bool = False, formats: tuple[str, ...] = ()) -> None:
+    """Write ``heads`` to ``folder`` atomically; ``extra`` goes under config.json's "specdec".
+    ``formats``: engines the folder must load in besides specdec ("vllm"; SGLang has no Medusa
+    loader: ValueError)."""
+    check_formats("mtp", formats)
     c = heads.config
     floats = {f"blocks.{i}.layers.{j}.weight": heads.blocks[i, j] for i in range(c.num_heads)
               for j in range(c.num_layers)}
