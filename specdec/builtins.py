@@ -12,9 +12,10 @@ def specdec_drafters() -> dict:
     from specdec.drafters.eagle3 import Eagle3Drafter
     from specdec.drafters.mtp import MTPDrafter
     from specdec.drafters.ngram import NgramDrafter
+    from specdec.drafters.suffix import SuffixDrafter
 
     return {"ngram": NgramDrafter, "draft_model": DraftModelDrafter, "eagle3": Eagle3Drafter,
-            "mtp": MTPDrafter, "block_diffusion": BlockDiffusionDrafter}
+            "mtp": MTPDrafter, "block_diffusion": BlockDiffusionDrafter, "suffix": SuffixDrafter}
 
 
 @hookimpl

@@ -1,0 +1,139 @@
+"""SuffixDecoding's speculation (arXiv 2411.04975; ArcticInference ``SuffixTree::speculate``) over
+a ``TokenCorpus``, vectorised with numpy.
+
+The occurrences of the context's last token are extended backwards to their match length (how
+many of the context's last tokens end there). For a match length m, the continuations of the
+occurrences matching at least m tokens form a trie whose node counts are the suffix tree's: a
+node's probability is the running product of child count / parent count, so the probability of
+a continuation given the matched suffix (a row that stops at a document's end counts in its
+parent's total). Example, continuations [[7, 8], [7, 8], [7, 9], [4, -1]]::
+
+    7 (p = 3/4) ─┬─ 8 (p = 3/4 * 2/3 = 1/2)
+                 └─ 9 (p = 1/4)
+    4 (p = 1/4)
+
+Tree mode keeps the ``budget`` most probable nodes with p >= ``min_token_prob`` (ArcticInference's
+heap expansion: p never grows along a path, so the set is closed under parents); path mode
+follows the most frequent child. Budget = min(max_nodes, floor(m * max_spec_factor +
+max_spec_offset)), so a longer match may draft more (the paper's adaptive MAX_SPEC = alpha * p).
+Score = sum of the drafted nodes' p (the expected number accepted if the corpus is the model);
+the best-scoring m wins, ties to the longer match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec.drafters.suffix_corpus import TokenCorpus
+
+_STRIDE = 1 << 32  # trie keys: (parent node + 1) * _STRIDE + token
+
+
+@dataclass(frozen=True)
+class SpeculateParams:
+    max_spec_factor: float
+    max_spec_offset: float
+    min_token_prob: float
+    max_candidates: int  # latest occurrences of the last token looked at
+    tree: bool  # tree mode (True) or path mode
+
+
+@dataclass
+class Draft:
+    """A drafted tree in DraftTree order (parents[i] < i, -1 = below the last token)."""
+
+    tokens: np.ndarray  # [n] int64
+    parents: np.ndarray  # [n] int64
+    probs: np.ndarray  # [n] float64: the corpus probability of the path to node i
+    score: float  # probs.sum()
+    match_len: int
+    ends: np.ndarray  # [k] int64: corpus positions of the occurrences it was drafted from
+
+
+def speculate(corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: int,
+              max_depth: int, params: SpeculateParams) -> Draft | None:
+    """The best draft after ``pattern`` (the context's last tokens, int64) from the occurrences
+    ending before position ``before``; None when there is none or it would be empty."""
+    if not len(pattern) or max_nodes <= 0:
+        return None
+    ends = corpus.positions(int(pattern[-1]), params.max_candidates)
+    ends = ends[ends < before]
+    if not len(ends):
+        return None
+    lengths = corpus.match_lengths(ends, pattern)
+    best = None
+    for m in np.unique(lengths)[::-1].tolist():
+        budget = min(max_nodes, int(m * params.max_spec_factor + params.max_spec_offset + 1e-6))
+        if budget <= 0 or (best is not None and best.score >= budget):
+            break  # budgets only shrink with m: nothing shorter can score higher
+        rows = ends[lengths >= m]
+        got = _draft(corpus.continuations(rows, min(max_depth, budget)), budget, params)
+        if got is not None and (best is None or got[3] > best.score):
+            best = Draft(*got, match_len=m, ends=rows)
+    return best
+
+
+def _draft(conts: np.ndarray, budget: int, params: SpeculateParams):
+    """(tokens, parents, probs, score) of the draft from continuation rows [k, depth], or None."""
+    tokens, parents, counts, probs = count_trie(conts, params.min_token_prob)
+    if not len(tokens):
+        return None
+    keep = _best_nodes(probs, budget) if params.tree else _best_path(parents, counts, budget)
+    keep.sort()  # node order is depth-major, hence topological
+    remap = np.full(len(tokens) + 1, -1, dtype=np.int64)  # slot 0: the root
+    remap[keep + 1] = np.arange(len(keep))
+    picked = probs[keep]
+    return tokens[keep], remap[parents[keep] + 1], picked, float(picked.sum())
+
+
+def count_trie(conts: np.ndarray, min_prob: float):
+    """The trie of the rows of ``conts`` ([k, depth] int64, -1 padded), nodes depth by depth,
+    pruned below ``min_prob``: (tokens, parents (-1 = root), counts, probs), each [n]."""
+    k = conts.shape[0]
+    node = np.full(k, -1, dtype=np.int64)  # each row's node at the previous depth
+    alive = np.ones(k, dtype=bool)
+    out, total = [], 0
+    prev_counts, prev_probs = np.array([k]), np.ones(1)  # the root alone, at index -1 + 1
+    for d in range(conts.shape[1]):
+        alive &= conts[:, d] >= 0
+        rows = np.flatnonzero(alive)
+        if not len(rows):
+            break
+        uniq, inv, cnt = np.unique((node[rows] + 1) * _STRIDE + conts[rows, d],
+                                   return_inverse=True, return_counts=True)
+        par = uniq // _STRIDE - 1
+        at = par - (total - len(prev_counts))  # index among the previous depth's nodes
+        prob = prev_probs[at] * (cnt / prev_counts[at])
+        strong = prob >= min_prob
+        alive[rows[~strong[inv]]] = False
+        new = np.cumsum(strong) - 1 + total
+        node[rows] = new[inv]
+        out.append((uniq[strong] % _STRIDE, par[strong], cnt[strong], prob[strong]))
+        prev_counts, prev_probs = cnt[strong], prob[strong]
+        total += len(prev_counts)
+        if not len(prev_counts):
+            break
+    if not out:
+        empty = np.empty(0, dtype=np.int64)
+        return empty, empty, empty, np.empty(0)
+    return tuple(np.concatenate(col) for col in zip(*out))
+
+
+def _best_nodes(probs: np.ndarray, budget: int) -> np.ndarray:
+    """The ``budget`` most probable nodes; on a tie the earlier (shallower) node first, so a
+    parent always comes before its child."""
+    return np.lexsort((np.arange(len(probs)), -probs))[:budget]
+
+
+def _best_path(parents: np.ndarray, counts: np.ndarray, budget: int) -> np.ndarray:
+    """From the root down, the child with the highest count (the first of equals)."""
+    path, cur = [], -1
+    while len(path) < budget:
+        children = np.flatnonzero(parents == cur)
+        if not len(children):
+            break
+        cur = int(children[np.argmax(counts[children])])
+        path.append(cur)
+    return np.array(path, dtype=np.int64)
