@@ -74,8 +74,11 @@ def tensor_layout(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
 
 def save_eagle3(head: Eagle3Head, folder: Path, target_hf_config, *,
                 dtype: torch.dtype = torch.bfloat16, extra: dict | None = None,
-                overwrite: bool = False) -> None:
+                overwrite: bool = False, formats: tuple[str, ...] = ()) -> None:
     """Write ``head`` to ``folder`` (config.json + model.safetensors) for vLLM, SGLang and us.
+
+    ``formats``: engines the folder must load in besides specdec (any of "vllm", "sglang": this
+    format holds both; see ``export_formats``).
 
     ``target_hf_config``: the target's HF config, whose RoPE the head was built with (checked)
     and whose name/path is recorded. ``extra``: JSON-serialisable metadata (training metrics…)
