@@ -104,3 +104,21 @@ def test_sampling_params_check_the_new_options():
     assert not SamplingParams().processes_logits
     assert SamplingParams(logit_bias={1: 0.5}).processes_logits
     assert not SamplingParams(logprobs=5).processes_logits  # logprobs read, never change
+
+
+def test_logprobs_of_rows_at_once_equal_one_row_at_a_time():
+    """token_logprobs reduces several rows in one log_softmax: bitwise what one row alone
+    gives (what keeps logprobs the same with and without drafts)."""
+    from specdec.logits.logprobs import token_logprobs
+
+    torch.manual_seed(2)
+    for dtype in (torch.float32, torch.float64):
+        rows = torch.randn(9, 4099, dtype=dtype) * 6
+        tokens = [int(t) for t in torch.randint(4099, (9,))]
+        together = token_logprobs(rows, tokens, 3)
+        alone = [token_logprobs(rows[i:i + 1], tokens[i:i + 1], 3)[0] for i in range(9)]
+        assert together == alone
+        ref = torch.log_softmax(rows.double(), -1)
+        for lp, row, t in zip(together, ref, tokens):
+            assert lp.rank == int((row > row[t]).sum()) + 1
+            assert [i for i, _ in lp.top] == torch.topk(row, 3).indices.tolist()
