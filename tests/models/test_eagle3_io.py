@@ -227,7 +227,8 @@ def test_aux_ids_at_top_level_or_absent(saved, target, tmp_path):
         2, 4, 5)
 
     def absent(c):
-        del c["eagle_config"], c["specdec"]  # a foreign checkpoint: no layer count either
+        # a foreign checkpoint: no ids (neither place) and no layer count either
+        del c["eagle_config"], c["specdec"], c["eagle_aux_hidden_state_layer_ids"]
 
     loaded = _load(_damaged(saved, tmp_path / "b", config=absent), target)
     assert loaded.config.aux_layer_ids == default_aux_layer_ids(LAYERS)
