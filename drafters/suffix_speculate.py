@@ -29,6 +29,7 @@ import numpy as np
 from specdec.drafters.suffix_corpus import TokenCorpus
 
 _STRIDE = 1 << 32  # trie keys: (parent node + 1) * _STRIDE + token
+_TIE = 1e-9  # scores this close are equal (sums of products, rounded): the longer match wins
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def speculate(corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: 
             break  # budgets only shrink with m: nothing shorter can score higher
         rows = ends[lengths >= m]
         got = _draft(corpus.continuations(rows, min(max_depth, budget)), budget, params)
-        if got is not None and (best is None or got[3] > best.score):
+        if got is not None and (best is None or got[3] > best.score + _TIE):
             best = Draft(*got, match_len=m, ends=rows)
     return best
 
