@@ -73,8 +73,9 @@ class TokenCorpus:
 
     def positions(self, token: int, cap: int) -> np.ndarray:
         """[k] int64: the latest ``cap`` positions holding ``token``, in increasing order."""
-        lo = int(np.searchsorted(self.keys, token, "left"))
-        hi = int(np.searchsorted(self.keys, token, "right"))
+        key = np.int32(token)  # a Python int would cast all of `keys` to int64 first
+        lo = int(np.searchsorted(self.keys, key, "left"))
+        hi = int(np.searchsorted(self.keys, key, "right"))
         tail = np.flatnonzero(self.buf[self.n_sorted : self.n] == token) + self.n_sorted
         if len(tail) >= cap:
             return tail[len(tail) - cap :]

@@ -6,7 +6,8 @@ many of the context's last tokens end there). For a match length m, the continua
 occurrences matching at least m tokens form a trie whose node counts are the suffix tree's: a
 node's probability is the running product of child count / parent count, so the probability of
 a continuation given the matched suffix (a row that stops at a document's end counts in its
-parent's total). Example, continuations [[7, 8], [7, 8], [7, 9], [4, -1]]::
+parent's total; the product telescopes to the node's count / the number of occurrences).
+Example, continuations [[7, 8], [7, 8], [7, 9], [4, -1]]::
 
     7 (p = 3/4) ─┬─ 8 (p = 3/4 * 2/3 = 1/2)
                  └─ 9 (p = 1/4)
@@ -65,7 +66,7 @@ def speculate(corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: 
         return None
     lengths = corpus.match_lengths(ends, pattern)
     best = None
-    for m in np.unique(lengths)[::-1].tolist():
+    for m in np.flatnonzero(np.bincount(lengths))[::-1].tolist():
         budget = min(max_nodes, int(m * params.max_spec_factor + params.max_spec_offset + 1e-6))
         if budget <= 0 or (best is not None and best.score >= budget):
             break  # budgets only shrink with m: nothing shorter can score higher
@@ -78,6 +79,12 @@ def speculate(corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: 
 
 def _draft(conts: np.ndarray, budget: int, params: SpeculateParams):
     """(tokens, parents, probs, score) of the draft from continuation rows [k, depth], or None."""
+    if conts.shape[0] == 1:  # one occurrence (the usual long match): its continuation, p = 1
+        tokens = conts[0, :budget]
+        tokens = tokens[: int(np.argmin(tokens >= 0)) if tokens.min() < 0 else len(tokens)]
+        if not len(tokens):
+            return None
+        return tokens, np.arange(-1, len(tokens) - 1), np.ones(len(tokens)), float(len(tokens))
     tokens, parents, counts, probs = count_trie(conts, params.min_token_prob)
     if not len(tokens):
         return None
@@ -91,35 +98,26 @@ def _draft(conts: np.ndarray, budget: int, params: SpeculateParams):
 
 def count_trie(conts: np.ndarray, min_prob: float):
     """The trie of the rows of ``conts`` ([k, depth] int64, -1 padded), nodes depth by depth,
-    pruned below ``min_prob``: (tokens, parents (-1 = root), counts, probs), each [n]."""
-    k = conts.shape[0]
-    node = np.full(k, -1, dtype=np.int64)  # each row's node at the previous depth
-    alive = np.ones(k, dtype=bool)
-    out, total = [], 0
-    prev_counts, prev_probs = np.array([k]), np.ones(1)  # the root alone, at index -1 + 1
-    for d in range(conts.shape[1]):
-        alive &= conts[:, d] >= 0
-        rows = np.flatnonzero(alive)
-        if not len(rows):
-            break
-        uniq, inv, cnt = np.unique((node[rows] + 1) * _STRIDE + conts[rows, d],
-                                   return_inverse=True, return_counts=True)
-        par = uniq // _STRIDE - 1
-        at = par - (total - len(prev_counts))  # index among the previous depth's nodes
-        prob = prev_probs[at] * (cnt / prev_counts[at])
-        strong = prob >= min_prob
-        alive[rows[~strong[inv]]] = False
-        new = np.cumsum(strong) - 1 + total
-        node[rows] = new[inv]
-        out.append((uniq[strong] % _STRIDE, par[strong], cnt[strong], prob[strong]))
-        prev_counts, prev_probs = cnt[strong], prob[strong]
-        total += len(prev_counts)
-        if not len(prev_counts):
-            break
-    if not out:
-        empty = np.empty(0, dtype=np.int64)
-        return empty, empty, empty, np.empty(0)
-    return tuple(np.concatenate(col) for col in zip(*out))
+    those below ``min_prob`` left out: (tokens, parents (-1 = root), counts, probs), each [n].
+
+    A node's probability is its count / k (the product of child / parent counts telescopes).
+    The rows are sorted once; at each depth a node starts at a row that continues there and
+    differs from the row above in some column up to that depth (rows that stop sort first)."""
+    k, depth = conts.shape
+    rows = conts[np.lexsort(conts.T[::-1])] if k > 1 else conts
+    live = rows >= 0  # [k, depth]
+    differs = np.ones((k, depth), dtype=bool)
+    differs[1:] = np.logical_or.accumulate(rows[1:] != rows[:-1], axis=1)
+    start = (live & differs).T  # [depth, k]: depth-major, hence topological
+    node = np.cumsum(start.ravel()).reshape(depth, k) - 1  # each row's node at each depth
+    counts = np.bincount(node.ravel()[live.T.ravel()], minlength=int(node[-1, -1]) + 1)
+    d, i = np.nonzero(start)
+    parents = np.where(d > 0, node[np.maximum(d - 1, 0), i], -1)
+    probs = counts / k
+    keep = probs >= min_prob  # closed under parents: a child never counts more
+    remap = np.cumsum(keep) - 1
+    parents = np.where(parents >= 0, remap[np.maximum(parents, 0)], -1)
+    return rows.T[start][keep], parents[keep], counts[keep], probs[keep]
 
 
 def _best_nodes(probs: np.ndarray, budget: int) -> np.ndarray:
