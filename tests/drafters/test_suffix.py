@@ -6,6 +6,7 @@ prefix-cache restores and composition with a learned drafter."""
 from __future__ import annotations
 
 import heapq
+import logging
 import math
 import random
 from collections import Counter
@@ -352,13 +353,16 @@ def test_requests_in_flight_do_not_draft_from_each_other(tiny_llama, monkeypatch
     assert together == alone + alone and sum(alone.values()) > 1
 
 
-def test_the_engine_keeps_the_history_within_its_bound(tiny_llama):
+def test_the_engine_keeps_the_history_within_its_bound(tiny_llama, caplog):
+    caplog.set_level(logging.INFO, logger="specdec")
     llm = LLM(model=str(tiny_llama), dtype="float64", drafter="suffix", controller="static",
               drafter_args={"max_history_tokens": 50})
     for p in PROMPTS:
         llm.generate([p], GREEDY)
     stats = llm.engine.drafting.drafter.stats()
     assert stats["tokens"] <= 50 and stats["evicted_documents"] >= len(PROMPTS) - 2, stats
+    said = [r.getMessage() for r in caplog.records if "suffix drafter" in r.getMessage()]
+    assert len(said) == 2 and "at most 50 tokens" in said[0] and "history full" in said[1]
 
 
 @pytest.fixture(scope="module")
