@@ -3,7 +3,7 @@ earlier answers help later ones. The GSM8K test questions and the HumanEval prom
 streamed in file order as a sequence of requests to one engine at batch 1.
 
     .venv/bin/python docs/bench/repeated_work.py [--requests 30] [--max-tokens 128]
-        [--activations q8,float] [--drafters none,ngram,suffix] [--json OUT]
+        [--activations q8,float] [--drafters none,ngram,suffix] [--threads 1] [--json OUT]
 
 SmolLM2-135M-Instruct, greedy, the default controller (goodput with a drafter). Per dataset and
 activations mode, one engine per drafter, fresh for the dataset (the suffix drafter's history
@@ -13,7 +13,10 @@ requests and for those after: generated tokens per second (tokens / wall time of
 prefill included), its ratio to plain, tau (tokens emitted per decode step: 1 + accepted draft
 tokens per step), and the draft stage's time per decode step (drafting alone, scheduling
 excluded). Every drafter's tokens are checked against plain's (greedy speculation is exact).
-Ratios only mean something within one run on one machine: say which CPU.
+Ratios only mean something within one run on one machine: say which CPU. ``--threads`` (torch
+threads, default 1): on a machine other jobs share, two OpenMP threads can wait on each other
+for whole scheduler slices (plain decoding measured 1 token/s with 2 threads beside a training
+job, 130 with 1).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import platform
 import subprocess
 import time
 from pathlib import Path
+
+import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.data import load_questions
@@ -109,8 +114,10 @@ def main() -> None:
     ap.add_argument("--activations", default="q8,float")
     ap.add_argument("--drafters", default="none,ngram,suffix",
                     help="comma-separated; the first is the baseline ('none' = plain)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     drafters = args.drafters.split(",")
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
