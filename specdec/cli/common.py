@@ -17,30 +17,25 @@ PROG = "specdec"
 
 
 def int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    parse.__name__ = f"int >= {low}"
-    return parse
+    return _at_least(int, "an int", low)
 
 
 def float_at_least(low: float):
-    def parse(text: str) -> float:
+    """A finite number >= low."""
+    return _at_least(float, "a number", low)
+
+
+def _at_least(cast, what: str, low):
+    def parse(text: str):
         try:
-            value = float(text)
+            value = cast(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number >= {low}, got {text!r}") from None
-        if not value >= low or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be a finite number >= {low}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {what} >= {low}, got {text!r}") from None
+        if not value >= low or value == float("inf"):  # NaN fails the first test
+            raise argparse.ArgumentTypeError(f"must be {what} >= {low} (finite), got {text}")
         return value
 
-    parse.__name__ = f"number >= {low}"
+    parse.__name__ = f"{what.split()[-1]} >= {low}"
     return parse
 
 
