@@ -32,7 +32,8 @@ def _at_least(cast, what: str, low):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what} >= {low}, got {text!r}") from None
         if not value >= low or value == float("inf"):  # NaN fails the first test
-            raise argparse.ArgumentTypeError(f"must be {what} >= {low} (finite), got {text}")
+            finite = " (finite)" if cast is float else ""
+            raise argparse.ArgumentTypeError(f"must be {what} >= {low}{finite}, got {text}")
         return value
 
     parse.__name__ = f"{what.split()[-1]} >= {low}"
