@@ -1,7 +1,9 @@
 """The verify stage of a step: one verifier call for every request at its frontier.
 
-Builds the batch-flat `VerifyBatch` from the step's records and the target logits, applies each
-sampled request's temperature / top-k / top-p / min-p to its rows, calls the configured verifier
+Builds the batch-flat `VerifyBatch` from the step's records and the target logits: each
+request's logit options (penalties, bias, bans, grammar: ``specdec.logits``) are applied to its
+rows along each node's path, after its raw rows are kept for logprobs; then each sampled
+request's temperature / top-k / top-p / min-p, calls the configured verifier
 (the `verifier` engine option picks it from the registry) and checks what comes back. A verifier
 that raises, or returns something that is not an accepted root path of the request's tree, fails
 only the request concerned (found by retrying request by request), naming the plugin.
