@@ -131,28 +131,27 @@ class Grammar:
     def commit(self, tokens: list[int]) -> None:
         """The request emitted ``tokens`` (each allowed: verification masked its rows)."""
         self._masks = {}
-        for t in tokens:
-            if self.matcher.is_stopped():
-                break
-            if not self.matcher.consume_token(t):
-                raise RuntimeError(f"the grammar refused emitted token {t}: "
-                                   f"{self.matcher.get_error()}")
+        self._advance(tokens)
 
     def until_complete(self, tokens: list[int]) -> int:
         """How many of ``tokens`` come up to (and with) the one after which the grammar is
         complete (all of them if it never is); the matcher is left as it was."""
-        taken, complete = 0, False
+        taken, complete = self._advance(tokens)
+        if taken:
+            self.matcher.rollback(taken)
+        return taken if complete else len(tokens)
+
+    def _advance(self, tokens: list[int]) -> tuple[int, bool]:
+        """Feed ``tokens`` until the grammar is complete: (tokens fed, complete)."""
+        taken = 0
         for t in tokens:
+            if self.matcher.is_stopped():
+                return taken, True
             if not self.matcher.consume_token(t):  # verification masked it: cannot happen
                 raise RuntimeError(f"the grammar refused emitted token {t}: "
                                    f"{self.matcher.get_error()}")
             taken += 1
-            if self.matcher.is_stopped():
-                complete = True
-                break
-        if taken:
-            self.matcher.rollback(taken)
-        return taken if complete else len(tokens)
+        return taken, self.matcher.is_stopped()
 
     @property
     def stopped(self) -> bool:
