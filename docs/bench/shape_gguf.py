@@ -44,7 +44,7 @@ transformers dequantizes them (gguf-py's ``dequantize``, q and k rows un-permute
 head left out); ``config.json``, the 135M one with the shape changed; the 135M folder's
 tokenizer files; ``shape.json``. So ``weights="native"`` finds its blocks beside the weights
 and checks them bitwise at load as for the shipped model. Either way the bytes needed are
-checked against the free disk space before anything is written (an 8B Q4_K_M file is ~4.3 GB,
+checked against the free disk space before anything is written (an 8B Q4_K_M file is ~4.5 GB,
 its folder another ~30 GB).
 tests/bench/test_shape_gguf.py checks the folder against ``convert_gguf`` of the same file;
 tests/bench/test_shape_gguf_kquants.py the K-quant files against gguf-py.
