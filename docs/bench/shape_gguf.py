@@ -45,7 +45,8 @@ head left out); ``config.json``, the 135M one with the shape changed; the 135M f
 tokenizer files; ``shape.json``. So ``weights="native"`` finds its blocks beside the weights
 and checks them bitwise at load as for the shipped model. Either way the bytes needed are
 checked against the free disk space before anything is written (an 8B Q4_K_M file is ~4.5 GB,
-its folder another ~30 GB).
+its folder another ~30 GB). The .gguf is written as ``<name>.partial`` and takes its name
+only once everything (the folder too) is complete, so a file by that name is never a torn one.
 tests/bench/test_shape_gguf.py checks the folder against ``convert_gguf`` of the same file;
 tests/bench/test_shape_gguf_kquants.py the K-quant files against gguf-py.
 """
@@ -320,7 +321,7 @@ def _open_writer(path: Path, reader, arch: str, changed: dict, tensors: list):
     return writer
 
 
-def _tensor_data(rng, role: str, shp: tuple, kind, std: float) -> np.ndarray:
+def _tensor_data(rng, shp: tuple, kind, std: float) -> np.ndarray:
     """What the GGUF holds for one tensor: ones for a norm, random blocks (or fp16 values
     where llama.cpp falls back to F16) for a matrix."""
     from gguf import GGMLQuantizationType as Q
@@ -359,22 +360,37 @@ def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
     check_disk(out, need, what)
 
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
-    writer = _open_writer(gguf_path, reader, arch, changed, tensors)
+    partial = gguf_path.with_name(gguf_path.name + ".partial")  # named .gguf once complete
+    try:
+        _write_tensors(partial, out, reader, arch, changed, tensors, shape, seed, std, log,
+                       gguf_only)
+        if not gguf_only:
+            _write_folder_files(out, source, shape, changed, arch, tensors, vocab, params, seed,
+                                std)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(gguf_path)
+    return gguf_path if gguf_only else out
+
+
+def _write_tensors(path: Path, out: Path, reader, arch: str, changed: dict, tensors: list,
+                   shape: Shape, seed: int, std: float, log, gguf_only: bool) -> None:
+    """The GGUF at ``path`` and, unless ``gguf_only``, the folder's fp32 weights, one tensor in
+    memory at a time."""
+    writer = _open_writer(path, reader, arch, changed, tensors)
     st = None if gguf_only else _open_folder_weights(out, tensors)
     rng = np.random.default_rng(seed)
     for j, (name, role, _, shp, kind) in enumerate(tensors):
-        data = _tensor_data(rng, role, shp, kind, std)
+        data = _tensor_data(rng, shp, kind, std)
         writer.write_tensor_data(data)
         if st is not None:
             st.write(_hf_name(name, role), _hf_value(data, role, shp, kind, shape))
         if log and (j + 1) % 50 == 0:
             log(f"  {j + 1}/{len(tensors)} tensors", flush=True)
     writer.close()
-    if gguf_only:
-        return gguf_path
-    st.close()
-    _write_folder_files(out, source, shape, changed, arch, tensors, vocab, params, seed, std)
-    return out
+    if st is not None:
+        st.close()
 
 
 def _hf_name(name: str, role: str) -> str:

@@ -184,6 +184,23 @@ def test_a_full_disk_is_refused_before_writing(tmp_path, source, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fits.gguf"]
 
 
+def test_an_interrupted_write_leaves_no_gguf(tmp_path, source, monkeypatch):
+    """A crash (here: the fifth tensor's blocks raise) leaves neither the .gguf nor its partial
+    file: a script that reuses a file it finds never finds a torn one."""
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return random_blocks(*args)
+
+    monkeypatch.setattr(shape_gguf, "random_blocks", failing)
+    with pytest.raises(KeyboardInterrupt):
+        _write(tmp_path, source)
+    assert len(calls) == 5 and list(tmp_path.iterdir()) == []
+
+
 def test_the_presets_plans(source):
     """Parameter counts and file sizes of the presets (SmolLM2's vocabulary of 49,152)."""
     reader = GGUFReader(str(source))
