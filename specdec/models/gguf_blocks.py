@@ -121,6 +121,7 @@ def prepare(b: Blocks) -> Panels:
 
 
 def prepare_repacked(r: Repacked, out: int, inp: int) -> Panels:
+    """``prepare`` of blocks already repacked (``out`` x ``inp`` weights)."""
     pairs, nb = -(-out // (2 * PANEL)), inp // BLOCK
     q = pair_rows(r.q).permute(0, 2, 3, 1)  # [pairs, nb, 32 k, 16 rows]
     if r.fmt in NIBBLES:

@@ -116,8 +116,8 @@ def test_every_narrower_isa_is_bitwise_the_reference(isa):
     code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
             "import test_q8_activations as t\n"
             "print(t.KERNELS.q8_isa)\n"
-            "for kind in t.KINDS:\n"
-            "    for out, blocks in [(40, 3), (203, 5), (24, 19)]:\n"
+            "for kind in ['Q4_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K']:  # a type per kernel format\n"
+            "    for out, blocks in [(203, 5), (24, 19)]:\n"
             "        t.test_kernel_is_bitwise_the_reference(kind, out, blocks)\n")
     env = {**os.environ, "SPECDEC_NATIVE_ISA": isa}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
