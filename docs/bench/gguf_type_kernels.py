@@ -4,9 +4,11 @@ blocks; and each format's bytes per weight against the file's.
 
     .venv/bin/python docs/bench/gguf_type_kernels.py [--threads 1] [--repeats 7] [--kinds ...]
 
-One process, every configuration timed in turn, ``--repeats`` rounds interleaved, the median
-of each (a round: a call after a warm-up call). Ratios only mean something within one run:
-say which CPU and how busy it was.
+One process, every configuration timed in turn, ``--repeats`` rounds interleaved, the fastest
+and the median of each (a round: a call after a warm-up call; on a busy machine the median
+catches the scheduler's slices, the fastest does not). Ratios only mean something within one
+run: say which CPU and how busy it was. Run from the checkout's root with ``PYTHONPATH=.``
+where another checkout is installed.
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ def main() -> None:
             t0 = time.perf_counter()
             k.linear(x, p)
             times[c].append(time.perf_counter() - t0)
-    print(f"threads {a.threads}, q8 isa {k.q8_isa}, median of {a.repeats}")
-    print("type  kernel   matrix     mode  rows   ms    B/weight kernel  file")
+    print(f"threads {a.threads}, q8 isa {k.q8_isa}, fastest / median of {a.repeats}")
+    print("type  kernel   matrix     mode  rows  ms fastest  median  B/weight kernel  file")
     for c, (p, _, file_bytes) in cases.items():
         kind, out, inp, mode, rows = c
-        ms = 1e3 * statistics.median(times[c])
+        fast, med = 1e3 * min(times[c]), 1e3 * statistics.median(times[c])
         print(f"{kind:5} {gb.KERNEL_FORMAT[kind]:8} {out}x{inp:<5} {mode:5} {rows:4} "
-              f"{ms:7.3f}  {p.nbytes / (out * inp):.4f}  {file_bytes / (out * inp):.4f}")
+              f"{fast:8.3f} {med:8.3f}  {p.nbytes / (out * inp):.4f}  "
+              f"{file_bytes / (out * inp):.4f}")
 
 
 if __name__ == "__main__":
