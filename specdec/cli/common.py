@@ -69,8 +69,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
-                   help="a GGUF model's weights: native (its own Q4_1/Q8_0 blocks, the same "
-                        "tokens as dequantized, a sixth of the bytes), dequantized (fp32), or "
+                   help="a GGUF model's weights: native (its own blocks, Q4_0/Q4_1/Q5_0/Q5_1/"
+                        "Q8_0/Q4_K/Q5_K/Q6_K: the same tokens as dequantized, a fraction of the "
+                        "bytes), dequantized (fp32), or "
                         "auto (default: native where it can run)")
     p.add_argument("--activations", default="float", choices=ACTIVATION_CHOICES,
                    help="what a GGUF's blocks multiply: float (default: the fp32 model's "

@@ -1,7 +1,24 @@
-"""GGUF quantized blocks (Q4_1, Q8_0) as tensors: their layout, their dequantization (bitwise
-gguf-py's) and the compiled kernels' panel layout of them (``prepare``; float activations).
-``specdec.models.gguf_weights`` reads them from a file; ``specdec.models.q8_activations``
-lays them out for int8 activations.
+"""GGUF quantized blocks as tensors: a matrix as the file stores it (``Blocks``), its
+dequantization (bitwise gguf-py's: specdec.models.gguf_types), and its repacking into one of
+the compiled kernels' block formats (``repack``) and their panel layout (``prepare``; float
+activations). ``specdec.models.gguf_weights`` reads the blocks from a file;
+``specdec.models.q8_activations`` lays them out for int8 activations.
+
+The kernels take five block formats (per block of 32 inputs and output row; kernels.h), and
+every GGUF type is repacked into one whose arithmetic gives gguf-py's float32 weights exactly:
+
+    format  scales            quants             weight               from
+    Q4_1    fp16 d, m         4-bit 0..15        fl(d * q) + m        Q4_1; Q4_0 (q + 8, m = -8d)
+    Q8_0    fp16 d            int8               fl(d * q)            Q8_0; Q5_0 (q - 16)
+    Q4_F    f32 d, m          4-bit 0..15        fl(d * q) + m        Q4_K (d = D, m = -M);
+                                                                      Q4_0 where -8d overflows fp16
+    Q5_F    f32 d, m          5-bit, one a byte  fl(d * q) + m        Q5_K; Q5_1
+    I8_F16  f32 d per 16      int8               fl(d * q)            Q6_K (q - 32)
+
+Why exact: fp16 d times a 4- or 5-bit q is exact in float32 (11 + 5 bits), so Q4_0's
+d * (q - 8) = d * q - 8d has no rounding either way; a K-quant's sub-block scale D = fl(d * sc)
+is not fp16-representable, so it is kept as the float32 gguf-py computes. The tests check every
+one of these against gguf-py bitwise.
 """
 
 from __future__ import annotations
@@ -10,17 +27,24 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.models import gguf_types
+from specdec.models.gguf_types import BLOCK, TYPES
 from specdec.models.native import PANEL, Panels
 
-BLOCK = 32  # weights per block, along the input dimension
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes of one block in the file
-FORMATS = {"Q4_1": 3, "Q8_0": 4}  # the kernel's format codes (kernels.h)
+BLOCK_BYTES = {kind: t.nbytes for kind, t in TYPES.items()}  # bytes of one block in the file
+BLOCK_WIDTH = {kind: t.width for kind, t in TYPES.items()}  # inputs of one block in the file
+# the kernel's format codes (kernels.h), float activations
+FORMATS = {"Q4_1": 3, "Q8_0": 4, "Q4_F": 7, "Q5_F": 8, "I8_F16": 9}
+KERNEL_FORMAT = {"Q4_0": "Q4_1", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "Q5_1": "Q5_F",
+                 "Q8_0": "Q8_0", "Q4_K": "Q4_F", "Q5_K": "Q5_F", "Q6_K": "I8_F16"}
+NIBBLES = ("Q4_1", "Q4_F")  # the formats whose quants are 4-bit (two a byte)
 
 
 @dataclass(frozen=True)
 class Blocks:
-    """One weight matrix as the file stores it: ``rows`` [out, in / 32 * block bytes] uint8."""
-    kind: str  # "Q4_1" | "Q8_0"
+    """One weight matrix as the file stores it: ``rows`` [out, in / width * block bytes] uint8
+    (``BLOCK_WIDTH`` / ``BLOCK_BYTES`` of ``kind``)."""
+    kind: str  # a GGUF type in BLOCK_BYTES
     rows: torch.Tensor
     in_features: int
 
@@ -33,25 +57,38 @@ class Blocks:
         return self.rows.numel()
 
 
-def split(b: Blocks) -> tuple[torch.Tensor, ...]:
-    """(d fp16 [out, nb], m fp16 | None, q [out, nb, 32] uint8 0..15 / int8)."""
-    out, nb = b.out_features, b.in_features // BLOCK
-    blk = b.rows.reshape(out, nb, BLOCK_BYTES[b.kind])
-    d = blk[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-    if b.kind == "Q8_0":
-        return d, None, blk[..., 2:].contiguous().view(torch.int8)
-    m = blk[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
-    qs = blk[..., 4:]  # low nibbles: weights 0..15 of the block, high nibbles: 16..31
-    return d, m, torch.cat([qs & 15, qs >> 4], dim=-1)
+@dataclass(frozen=True)
+class Repacked:
+    """A matrix in one of the kernels' block formats (module docstring), per block of 32."""
+    fmt: str  # a key of FORMATS
+    d: torch.Tensor  # [out, in / 32, g] fp16 | float32 (g = 2: I8_F16, a scale per 16)
+    m: torch.Tensor | None  # [out, in / 32] as d
+    q: torch.Tensor  # [out, in / 32, 32] uint8 (Q4_1, Q4_F: 0..15; Q5_F: 0..31) | int8
+
+    def weights(self) -> torch.Tensor:
+        """[out, in] float32 as the kernels compute them: fl(d * q) (+ m)."""
+        m = None if self.m is None else self.m.float()
+        return gguf_types.apply(self.d.float(), m, self.q)
 
 
 def dequantize(b: Blocks) -> torch.Tensor:
-    """[out, in] float32, bitwise gguf-py's dequantization (two roundings, no fma)."""
-    d, m, q = split(b)
-    w = d.float().unsqueeze(-1) * q.float()  # Q4_1: (d * q) + m ; Q8_0: q * d (commutes)
-    if m is not None:
-        w = w + m.float().unsqueeze(-1)
-    return w.reshape(b.out_features, b.in_features)
+    """[out, in] float32, bitwise gguf-py's dequantization of the blocks."""
+    return gguf_types.apply(*gguf_types.unpack(b.kind, b.rows, b.in_features))
+
+
+def repack(b: Blocks) -> Repacked:
+    """The blocks in their kernel format (``KERNEL_FORMAT``; Q4_0 whose -8d overflows fp16
+    somewhere: Q4_F). ValueError for a type or shape gguf_types does not take."""
+    scale, add, q = gguf_types.unpack(b.kind, b.rows, b.in_features)
+    fmt = KERNEL_FORMAT[b.kind]
+    if b.kind == "Q4_0":
+        add, q = -8.0 * scale[..., 0], q + 8  # exact in float32 (an exponent shift)
+        if not add.half().isfinite().all():
+            fmt = "Q4_F"
+    if fmt in ("Q4_1", "Q8_0"):  # fp16 scales: gguf-py's d and m are fp16 values
+        scale, add = scale.half(), None if add is None else add.half()
+    signed = fmt in ("Q8_0", "I8_F16")
+    return Repacked(fmt, scale, add, q.to(torch.int8 if signed else torch.uint8))
 
 
 def pair_rows(t: torch.Tensor) -> torch.Tensor:
@@ -63,24 +100,36 @@ def pair_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def pair_scales(s: torch.Tensor) -> torch.Tensor:
-    """fp16 scales [out, nb] -> bytes [pairs, nb, 32]: per block, the pair's 16 rows."""
+    """scales [out, nb] (fp16 / float32) -> bytes [pairs, nb, 16 * size]: per block, the
+    pair's 16 rows."""
     return pair_rows(s).transpose(1, 2).contiguous().view(torch.uint8)
 
 
+def scale_bytes(r: Repacked) -> list[torch.Tensor]:
+    """A block's scales as the kernels read them: d (I8_F16: d of inputs 0..15, then d of
+    16..31), then m; each the pair's 16 rows."""
+    ds = [pair_scales(r.d[..., i].contiguous()) for i in range(r.d.shape[-1])]
+    return ds + ([] if r.m is None else [pair_scales(r.m)])
+
+
 def prepare(b: Blocks) -> Panels:
-    """The kernel's layout: per pair of 8-row panels and block of 32 inputs, the 16 rows' fp16
-    scales, then their quants k-major (Q4_1: per k one uint32 per panel, row i at bits 4i;
-    Q8_0: per k the 16 rows' int8). Rows are padded with zero blocks to a multiple of 16."""
-    d, m, q = split(b)
-    pairs, nb = -(-b.out_features // (2 * PANEL)), b.in_features // BLOCK
-    q = pair_rows(q).permute(0, 2, 3, 1)  # [pairs, nb, 32 k, 16 rows]
-    if b.kind == "Q8_0":
-        parts = [pair_scales(d), q.contiguous().view(torch.uint8).reshape(pairs, nb, -1)]
-    else:
+    """The float kernels' layout (linear.c): per pair of 8-row panels and block of 32 inputs,
+    the 16 rows' scales (``scale_bytes``), then their quants k-major (4-bit formats: per k one
+    uint32 per panel, row i at bits 4i; 8-bit ones: per k the 16 rows' bytes). Rows are padded
+    with zero blocks to a multiple of 16."""
+    return prepare_repacked(repack(b), b.out_features, b.in_features)
+
+
+def prepare_repacked(r: Repacked, out: int, inp: int) -> Panels:
+    """``prepare`` of blocks already repacked (``out`` x ``inp`` weights)."""
+    pairs, nb = -(-out // (2 * PANEL)), inp // BLOCK
+    q = pair_rows(r.q).permute(0, 2, 3, 1)  # [pairs, nb, 32 k, 16 rows]
+    if r.fmt in NIBBLES:
         shifts = torch.arange(PANEL, dtype=torch.int64) * 4
         words = (q.reshape(pairs, nb, BLOCK, 2, PANEL).long() << shifts).sum(-1)  # [.., 2]
-        as_bytes = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1)
-        parts = [pair_scales(d), pair_scales(m), as_bytes.to(torch.uint8).reshape(pairs, nb, -1)]
-    data = torch.cat(parts, dim=-1).contiguous()
-    return Panels(data, b.out_features, in_features=b.in_features, fmt=FORMATS[b.kind],
-                  panels=2 * pairs)
+        quants = torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1)
+        quants = quants.to(torch.uint8).reshape(pairs, nb, -1)
+    else:
+        quants = q.contiguous().view(torch.uint8).reshape(pairs, nb, -1)
+    data = torch.cat([*scale_bytes(r), quants], dim=-1).contiguous()
+    return Panels(data, out, in_features=inp, fmt=FORMATS[r.fmt], panels=2 * pairs)

@@ -36,13 +36,15 @@ from typing import NoReturn
 
 import torch
 
-ABI = 9
+ABI = 10
 PANEL = 8
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # bytes of one block (16 output rows x 32 inputs) of a panel pair, per GGUF format code
-# (kernels.h: SD_Q4_1, SD_Q8_0, and their 8-bit-activation layouts SD_Q4_1_Q8, SD_Q8_0_Q8)
-PAIR_BYTES = {3: 320, 4: 544, 5: 320, 6: 544}
+# (kernels.h: SD_Q4_1, SD_Q8_0, SD_Q4_F, SD_Q5_F, SD_I8_F16, and their 8-bit-activation
+# layouts SD_*_Q8; specdec.models.gguf_blocks.FORMATS / q8_activations.FORMATS)
+PAIR_BYTES = {3: 320, 4: 544, 5: 320, 6: 544, 7: 384, 8: 640, 9: 640, 10: 384, 11: 640,
+              12: 640}
 logger = logging.getLogger("specdec")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

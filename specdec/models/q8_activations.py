@@ -1,14 +1,22 @@
 """A GGUF's blocks with 8-bit activations: the kernel's layout and its pure-torch reference.
 
-``EngineConfig.activations="q8"`` computes every matrix held in the file's Q4_1 / Q8_0 blocks
-the way llama.cpp's CPU backend does: each row of activations is rounded, per block of 32
-inputs, to int8 with one scale, and each block's product is an exact integer dot product
+``EngineConfig.activations="q8"`` computes every matrix held in the file's blocks the way
+llama.cpp's CPU backend does: each row of activations is rounded, per block of 32 inputs, to
+int8 with one scale, and each block's product is an exact integer dot product
 (specdec/native/linear_q8.c, which states the arithmetic). A row's result depends on that row
 alone, so speculation stays exactly plain decoding in this mode; the numbers are no longer the
 fp32 model's (each activation is off by at most 1/254 of its block's largest), in exchange for
 rows that cost a fraction of an fp32 row's FMAs.
 
-    panels = prepare(blocks)             # gguf_blocks.Blocks -> native.Panels (fmt 5 / 6)
+Every GGUF type runs in its kernel format (gguf_blocks.repack: Q4_1, Q8_0, Q4_F, Q5_F,
+I8_F16), the K-quants too, against the same activation blocks of 32 (llama.cpp quantizes a
+K-quant's activations to Q8_K, 256 wide, to multiply its integer sub-block scales into the
+integer sums). Why 32: one rounding of a layer's input serves every matrix whatever its type (a
+Q4_K_M file mixes Q4_K, Q6_K and, where in_features % 256 != 0, Q5_0 / Q8_0), a scale per 32
+rounds the activations more finely than one per 256, and the kernel formats carry a float32
+scale per block of 32 (Q6_K: per 16) anyway, so the float work per block is the same as Q4_1's.
+
+    panels = prepare(blocks)             # gguf_blocks.Blocks -> native.Panels (FORMATS)
     y = kernels.linear(x, panels)        # the compiled kernel
     y == reference_linear(x, blocks)     # bitwise, pure torch (the oracle of the tests)
 """
@@ -20,29 +28,29 @@ from collections.abc import Callable
 import torch
 
 from specdec.models import gguf_blocks
-from specdec.models.gguf_blocks import BLOCK, Blocks, pair_rows, pair_scales, split
+from specdec.models.gguf_blocks import BLOCK, NIBBLES, Blocks, Repacked, pair_rows, repack
 from specdec.models.native import PANEL, Panels
 
-FORMATS = {"Q4_1": 5, "Q8_0": 6}  # the kernel's format codes (kernels.h: SD_*_Q8)
+# the kernel's format codes (kernels.h: SD_*_Q8), by kernel format (gguf_blocks.FORMATS)
+FORMATS = {"Q4_1": 5, "Q8_0": 6, "Q4_F": 10, "Q5_F": 11, "I8_F16": 12}
 
 
 def prepare(b: Blocks) -> Panels:
     """The layout linear_q8.c reads: per pair of 8-row panels and block of 32 inputs, the 16
-    rows' fp16 scales (Q4_1: d then m), then chunks of 8 rows x 4 inputs (Q4_1: chunk c, byte
-    4r + j = q[r][4c + j] | q[8 + r][4c + j] << 4; Q8_0: chunk (c, panel p), byte 4r + j =
-    q[8p + r][4c + j])."""
-    d, m, q = split(b)
+    rows' scales (gguf_blocks.scale_bytes), then chunks of 8 rows x 4 inputs (4-bit formats:
+    chunk c, byte 4r + j = q[r][4c + j] | q[8 + r][4c + j] << 4; 8-bit ones: chunk (c, panel
+    p), byte 4r + j = q[8p + r][4c + j])."""
+    r = repack(b)
     pairs, nb = -(-b.out_features // (2 * PANEL)), b.in_features // BLOCK
     # [pairs, 16 rows, nb, 32 k] -> [pairs, nb, 2 panels, 8 rows, 8 chunks, 4 k]
-    q = pair_rows(q).reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 2, 4, 5)
-    if b.kind == "Q8_0":
-        quants = q.permute(0, 1, 4, 2, 3, 5).contiguous().view(torch.uint8)  # [.., c, p, r, j]
-        parts = [pair_scales(d), quants.reshape(pairs, nb, -1)]
+    q = pair_rows(r.q).reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 2, 4, 5)
+    if r.fmt in NIBBLES:
+        quants = (q[:, :, 0] | (q[:, :, 1] << 4)).permute(0, 1, 3, 2, 4)  # [.., c, r, j]
     else:
-        packed = (q[:, :, 0] | (q[:, :, 1] << 4)).permute(0, 1, 3, 2, 4)  # [.., c, r, j]
-        parts = [pair_scales(d), pair_scales(m), packed.contiguous().reshape(pairs, nb, -1)]
-    data = torch.cat(parts, dim=-1).contiguous()
-    return Panels(data, b.out_features, in_features=b.in_features, fmt=FORMATS[b.kind],
+        quants = q.permute(0, 1, 4, 2, 3, 5).contiguous().view(torch.uint8)  # [.., c, p, r, j]
+    data = torch.cat([*gguf_blocks.scale_bytes(r), quants.contiguous().reshape(pairs, nb, -1)],
+                     dim=-1).contiguous()
+    return Panels(data, b.out_features, in_features=b.in_features, fmt=FORMATS[r.fmt],
                   panels=2 * pairs)
 
 
@@ -63,16 +71,28 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def reference_linear(x: torch.Tensor, b: Blocks) -> torch.Tensor:
-    """x [T, in] float32 -> [T, out]: bitwise the compiled kernel's result over ``prepare(b)``
-    (the same roundings, blocks summed in ascending order from 0)."""
+    """x [T, in] float32 -> [T, out]: bitwise the compiled kernel's result over ``prepare(b)``.
+    Per block j of 32 inputs, in ascending order from 0, with (dw, mw) the weight's scales in
+    its kernel format and (d, s) the row's (``quantize_rows``), every operation rounded:
+        Q4_1, Q4_F, Q5_F:  y += (dw * d) * isum + mw * s
+        Q8_0:              y += (dw * d) * isum
+        I8_F16:            y += (dw0 * d) * isum0 + (dw1 * d) * isum1   (per 16 inputs)
+    isum the exact integer dot product of the block's (or half-block's) quants."""
+    return _reference(x, repack(b))
+
+
+def _reference(x: torch.Tensor, r: Repacked) -> torch.Tensor:
     q, d, s = quantize_rows(x.float())
-    dw, mw, qw = split(b)  # [out, nb] fp16, [out, nb] | None, [out, nb, 32]
-    # exact integer dot products per (row, output, block); float64 holds them exactly
-    isum = torch.einsum("tbk,obk->tob", q.double(), qw.to(torch.int64).double()).float()
-    dw, y = dw.float(), torch.zeros(x.shape[0], b.out_features)
-    for j in range(d.shape[1]):
-        term = (dw[:, j] * d[:, j, None]) * isum[:, :, j]
-        if mw is not None:
-            term = term + mw[:, j].float() * s[:, j, None]
+    out, nb, g = r.d.shape
+    # exact integer dot products per (row, output, block, group); float64 holds them exactly
+    isum = torch.einsum("tbgk,obgk->tobg", q.double().reshape(-1, nb, g, BLOCK // g),
+                        r.q.double().reshape(out, nb, g, BLOCK // g)).float()
+    dw, y = r.d.float(), torch.zeros(x.shape[0], out)
+    for j in range(nb):
+        term = (dw[:, j, 0] * d[:, j, None]) * isum[:, :, j, 0]
+        if g == 2:
+            term = term + (dw[:, j, 1] * d[:, j, None]) * isum[:, :, j, 1]
+        if r.m is not None:
+            term = term + r.m[:, j].float() * s[:, j, None]
         y = y + term
     return y

@@ -11,18 +11,36 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define SD_ABI 9
+#define SD_ABI 10
 #define PW 8 /* panel width: output rows per weight panel */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-/* weight formats; the first three are also the K/V cache's (SD_NUM_FLOAT_FORMATS) */
-/* SD_Q4_1_Q8 / SD_Q8_0_Q8: the same blocks laid out for 8-bit activations (linear_q8.c) */
+/* weight formats; the first three are also the K/V cache's (SD_NUM_FLOAT_FORMATS). The GGUF
+ * block formats (specdec/models/gguf_blocks.py: every GGUF type is repacked into one of them,
+ * exactly), per block of 32 k and output row:
+ *   SD_Q4_1    fp16 d, m, 4-bit q:          w = fl(d * q) + m
+ *   SD_Q8_0    fp16 d, int8 q:              w = fl(d * q)
+ *   SD_Q4_F    fp32 d, m, 4-bit q:          w = fl(d * q) + m
+ *   SD_Q5_F    fp32 d, m, 5-bit q a byte:   w = fl(d * q) + m
+ *   SD_I8_F16  fp32 d per 16 k, int8 q:     w = fl(d * q)
+ * and each laid out for 8-bit activations (SD_*_Q8: linear_q8.c) */
 enum { SD_F32 = 0, SD_BF16 = 1, SD_F16 = 2, SD_NUM_FLOAT_FORMATS = 3, SD_Q4_1 = 3, SD_Q8_0 = 4,
-       SD_Q4_1_Q8 = 5, SD_Q8_0_Q8 = 6, SD_NUM_FORMATS = 7 };
+       SD_Q4_1_Q8 = 5, SD_Q8_0_Q8 = 6, SD_Q4_F = 7, SD_Q5_F = 8, SD_I8_F16 = 9,
+       SD_Q4_F_Q8 = 10, SD_Q5_F_Q8 = 11, SD_I8_F16_Q8 = 12, SD_NUM_FORMATS = 13 };
 #define SD_QBLOCK 32 /* weights per GGUF block (along K) */
-/* bytes of one block of a panel pair (16 output rows x 32 k): fp16 scales, then the quants */
+/* bytes of one block of a panel pair (16 output rows x 32 k): the scales, then the quants */
 #define SD_Q4_1_PAIR_BYTES (16 * 2 + 16 * 2 + 32 * 8)
 #define SD_Q8_0_PAIR_BYTES (16 * 2 + 32 * 16)
+#define SD_Q4_F_PAIR_BYTES (16 * 4 + 16 * 4 + 32 * 8)
+#define SD_Q5_F_PAIR_BYTES (16 * 4 + 16 * 4 + 32 * 16)
+#define SD_I8_F16_PAIR_BYTES (2 * 16 * 4 + 32 * 16)
+
+/* the formats laid out for 8-bit activations (linear_q8.c) */
+static inline int sd_is_q8(int64_t fmt) {
+    return fmt == SD_Q4_1_Q8 || fmt == SD_Q8_0_Q8 || fmt >= SD_Q4_F_Q8;
+}
+/* a GGUF block format (K % 32 == 0) */
+static inline int sd_is_gguf(int64_t fmt) { return fmt >= SD_Q4_1 && fmt < SD_NUM_FORMATS; }
 
 int sd_cpu_features(void); /* bit 0: AVX2 + FMA + F16C */
 
@@ -50,7 +68,7 @@ int sd_check_weight(const sd_weight* w, int64_t K);
 void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                    int64_t ldy);
 
-/* sd_linear_for for the formats SD_Q4_1_Q8 / SD_Q8_0_Q8 (activations rounded to 8 bits) */
+/* sd_linear_for for the formats SD_*_Q8 (activations rounded to 8 bits) */
 void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                       int64_t ldy);
 

@@ -9,7 +9,8 @@
  * while the next one streams in. Threads split the panel pairs.
  *
  * Formats: fp32, bf16, fp16 panels (16-bit weights widened exactly in registers), and a GGUF's
- * Q4_1 / Q8_0 blocks (specdec/models/gguf_weights.py), dequantized exactly as gguf-py does:
+ * blocks in the kernel formats (kernels.h; specdec/models/gguf_blocks.py), dequantized exactly
+ * as gguf-py does:
  * the fp32 weights, and so every element's fma chain, are those of the dequantized model.
  */
 #include <omp.h>
@@ -78,44 +79,81 @@ static const micro_fn BUF_MICRO[6] = ROWS6(buf);
 static const int64_t ELEMENT_SIZE[SD_NUM_FLOAT_FORMATS] = {4, 2, 2};
 
 /* GGUF blocks of a panel pair (16 output rows x 32 k), unpacked to fp32 buf [32][16] exactly as
- * gguf-py dequantizes (float32, two roundings: (d * q) + m; q * d), so the kernel computes with
- * the very weights transformers loads from the file:
+ * gguf-py dequantizes (float32, two roundings: fl(d * q) + m; no fma), so the kernel computes
+ * with the very weights transformers loads from the file (kernels.h: the formats):
  *   Q4_1 (320 bytes): d[16] fp16, m[16] fp16, then per k one uint32 per panel (rows 0-7 of the
  *        pair, then rows 8-15): row i's 4-bit q at bits 4i.
  *   Q8_0 (544 bytes): d[16] fp16, then per k 16 int8 q (rows 0-15).
+ *   Q4_F (384 bytes): d[16] fp32, m[16] fp32, then the quants as Q4_1's.
+ *   Q5_F (640 bytes): d[16] fp32, m[16] fp32, then per k 16 uint8 q.
+ *   I8_F16 (640 bytes): d[16] fp32 of k 0-15, d[16] fp32 of k 16-31, then per k 16 int8 q.
  * `next`: the block after the next k-block, prefetched. */
-/* the 16 weights of step kk of a block, dequantized (one vector per panel) */
+/* a block's scales, one vector per panel: d (I8_F16: of k 0-15) and m (I8_F16: d of k 16-31) */
 typedef struct {
     __m256 d0, d1, m0, m1;
 } scales;
+AVX2 static inline __m256 f16x8(const uint8_t* b) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b));
+}
 AVX2 static inline scales q4_1_scales(const uint8_t* b) {
-    scales s = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b)),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16))),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32))),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 48)))};
+    scales s = {f16x8(b), f16x8(b + 16), f16x8(b + 32), f16x8(b + 48)};
     return s;
 }
 AVX2 static inline scales q8_0_scales(const uint8_t* b) {
-    scales s = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)b)),
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16))), _mm256_setzero_ps(),
-                _mm256_setzero_ps()};
+    scales s = {f16x8(b), f16x8(b + 16), _mm256_setzero_ps(), _mm256_setzero_ps()};
     return s;
 }
-AVX2 static inline void q4_1_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
-                                  __m256* w1) {
+AVX2 static inline scales f32_scales(const uint8_t* b) {
+    const float* f = (const float*)b;
+    scales s = {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8), _mm256_loadu_ps(f + 16),
+                _mm256_loadu_ps(f + 24)};
+    return s;
+}
+#define q4_f_scales f32_scales
+#define q5_f_scales f32_scales
+#define i8_f16_scales f32_scales
+/* the 16 weights of step kk of a block, dequantized (one vector per panel) */
+AVX2 static inline void nibble_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
+                                    __m256* w1) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i low4 = _mm256_set1_epi32(15);
-    const int32_t* q = (const int32_t*)(b + 64) + 2 * kk;
+    const int32_t* q = (const int32_t*)qb + 2 * kk;
     const __m256i q0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[0]), shifts), low4);
     const __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[1]), shifts), low4);
     *w0 = _mm256_add_ps(_mm256_mul_ps(s->d0, _mm256_cvtepi32_ps(q0)), s->m0);
     *w1 = _mm256_add_ps(_mm256_mul_ps(s->d1, _mm256_cvtepi32_ps(q1)), s->m1);
 }
+AVX2 static inline void q4_1_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    nibble_step(b + 64, s, kk, w0, w1);
+}
+AVX2 static inline void q4_f_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    nibble_step(b + 128, s, kk, w0, w1);
+}
+AVX2 static inline __m256 i8x8(const uint8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+}
+AVX2 static inline __m256 u8x8(const uint8_t* q) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)q)));
+}
 AVX2 static inline void q8_0_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
                                   __m256* w1) {
     const uint8_t* q = b + 32 + 16 * kk;
-    *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)q))), s->d0);
-    *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 8)))), s->d1);
+    *w0 = _mm256_mul_ps(i8x8(q), s->d0);
+    *w1 = _mm256_mul_ps(i8x8(q + 8), s->d1);
+}
+AVX2 static inline void q5_f_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    const uint8_t* q = b + 128 + 16 * kk;
+    *w0 = _mm256_add_ps(_mm256_mul_ps(s->d0, u8x8(q)), s->m0);
+    *w1 = _mm256_add_ps(_mm256_mul_ps(s->d1, u8x8(q + 8)), s->m1);
+}
+AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
+                                    __m256* w1) {
+    const uint8_t* q = b + 128 + 16 * kk;
+    *w0 = _mm256_mul_ps(i8x8(q), kk < 16 ? s->d0 : s->m0);
+    *w1 = _mm256_mul_ps(i8x8(q + 8), kk < 16 ? s->d1 : s->m1);
 }
 
 /* nblk blocks of a pair unpacked to buf [32 * nblk][16], the blocks after them prefetched */
@@ -152,18 +190,29 @@ AVX2 static inline void q8_0_step(const uint8_t* b, const scales* s, int kk, __m
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
-UNPACK(q4_1, SD_Q4_1_PAIR_BYTES)
-UNPACK(q8_0, SD_Q8_0_PAIR_BYTES)
-DIRECT(q4_1, SD_Q4_1_PAIR_BYTES, 1, EACH1)
-DIRECT(q4_1, SD_Q4_1_PAIR_BYTES, 2, EACH2)
-DIRECT(q8_0, SD_Q8_0_PAIR_BYTES, 1, EACH1)
-DIRECT(q4_1, SD_Q4_1_PAIR_BYTES, 3, EACH3)
-DIRECT(q8_0, SD_Q8_0_PAIR_BYTES, 2, EACH2)
-DIRECT(q8_0, SD_Q8_0_PAIR_BYTES, 3, EACH3)
+#define GGUF_FORMAT(KIND, BYTES)                                                               \
+    UNPACK(KIND, BYTES)                                                                        \
+    DIRECT(KIND, BYTES, 1, EACH1) DIRECT(KIND, BYTES, 2, EACH2) DIRECT(KIND, BYTES, 3, EACH3)
+GGUF_FORMAT(q4_1, SD_Q4_1_PAIR_BYTES)
+GGUF_FORMAT(q8_0, SD_Q8_0_PAIR_BYTES)
+GGUF_FORMAT(q4_f, SD_Q4_F_PAIR_BYTES)
+GGUF_FORMAT(q5_f, SD_Q5_F_PAIR_BYTES)
+GGUF_FORMAT(i8_f16, SD_I8_F16_PAIR_BYTES)
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
 #define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
-static const direct_fn DIRECT_TABLE[2][DIRECT_ROWS] = {{q4_1_r1, q4_1_r2, q4_1_r3},
-                                                       {q8_0_r1, q8_0_r2, q8_0_r3}};
+typedef struct {
+    int64_t bytes;
+    void (*unpack)(const uint8_t*, int64_t, float*);
+    direct_fn direct[DIRECT_ROWS];
+} gguf_kernels;
+#define GGUF_KERNELS(KIND, BYTES) {BYTES, unpack_##KIND, {KIND##_r1, KIND##_r2, KIND##_r3}}
+/* by format code (the float-activation GGUF formats; the others are never looked up here) */
+static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
+    [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_Q4_1_PAIR_BYTES),
+    [SD_Q8_0] = GGUF_KERNELS(q8_0, SD_Q8_0_PAIR_BYTES),
+    [SD_Q4_F] = GGUF_KERNELS(q4_f, SD_Q4_F_PAIR_BYTES),
+    [SD_Q5_F] = GGUF_KERNELS(q5_f, SD_Q5_F_PAIR_BYTES),
+    [SD_I8_F16] = GGUF_KERNELS(i8_f16, SD_I8_F16_PAIR_BYTES)};
 
 /* the quantized path: 1-3 rows dequantize in registers; more rows unpack each k-block of a
  * pair once into fp32 (L1) and run every row tile over it. The weights, and so every fma chain,
@@ -171,9 +220,8 @@ static const direct_fn DIRECT_TABLE[2][DIRECT_ROWS] = {{q4_1_r1, q4_1_r2, q4_1_r
 static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                         int64_t ldy, int64_t tiles, int64_t base, int64_t extra) {
     const int64_t pairs = w->panels / 2, nb = K / SD_QBLOCK;
-    const int q8 = w->fmt == SD_Q8_0;
-    const int64_t bytes = q8 ? SD_Q8_0_PAIR_BYTES : SD_Q4_1_PAIR_BYTES;
-    void (*unpack)(const uint8_t*, int64_t, float*) = q8 ? unpack_q8_0 : unpack_q4_1;
+    const gguf_kernels* g = &GGUF_TABLE[w->fmt];
+    const int64_t bytes = g->bytes;
     float buf[KBLOCK * 2 * PW] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < pairs; q++) {
@@ -183,10 +231,10 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
             const uint8_t* blocks = pair + (k0 / SD_QBLOCK) * bytes;
             float* yq = y + 2 * q * PW;
             if (T >= 1 && T <= DIRECT_ROWS) { /* T == 0 never gets here (sd_linear_for) */
-                DIRECT_TABLE[q8][T - 1](x + k0, K, blocks, kn / SD_QBLOCK, yq, ldy, k0 == 0);
+                g->direct[T - 1](x + k0, K, blocks, kn / SD_QBLOCK, yq, ldy, k0 == 0);
                 continue;
             }
-            unpack(blocks, kn / SD_QBLOCK, buf);
+            g->unpack(blocks, kn / SD_QBLOCK, buf);
             for (int64_t i = 0, t = 0; i < tiles; i++) {
                 const int64_t r = base + (i < extra);
                 BUF_MICRO[r - 1](x + t * K + k0, K, buf, buf + PW, kn, yq + t * ldy, ldy,
@@ -201,7 +249,7 @@ int sd_check_weight(const sd_weight* w, int64_t K) {
     if (!w || !w->data || w->fmt < 0 || w->fmt >= SD_NUM_FORMATS || w->panels < 2 || w->panels % 2 || K < 1
         || w->out > PW * w->panels || w->out < 1)
         return -1;
-    if (w->fmt >= SD_Q4_1 && K % SD_QBLOCK) return -1;
+    if (sd_is_gguf(w->fmt) && K % SD_QBLOCK) return -1;
     return 0;
 }
 
@@ -213,11 +261,11 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
     }
     /* row tiles of at most 6, as even as possible (8 -> 4 + 4, 16 -> 6 + 5 + 5) */
     const int64_t tiles = (T + 5) / 6, base = tiles ? T / tiles : 0, extra = tiles ? T % tiles : 0;
-    if (w->fmt >= SD_Q4_1_Q8) {
+    if (sd_is_q8(w->fmt)) {
         sd_linear_q8_for(x, T, K, w, y, ldy);
         return;
     }
-    if (w->fmt >= SD_Q4_1) {
+    if (sd_is_gguf(w->fmt)) {
         linear_gguf(x, T, K, w, y, ldy, tiles, base, extra);
         return;
     }
@@ -240,7 +288,8 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
 }
 
 /* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
- * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 5 / 6 Q4_1 / Q8_0 with 8-bit activations); columns up
+ * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 7 Q4_F, 8 Q5_F, 9 I8_F16, and those blocks laid out
+ * for 8-bit activations: 5, 6, 10, 11, 12; kernels.h); columns up
  * to 8 * panels are written (ldy >= 8 * panels). T == 0 writes nothing and succeeds. Returns 0,
  * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The
  * lengths of x, w and y are not known here: the caller checks them (specdec/models/native.py).

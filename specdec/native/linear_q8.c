@@ -2,23 +2,29 @@
  *
  * Each row of x is rounded, per block of 32 inputs, to int8 with one fp32 scale:
  *   d = max|x| / 127,  q = round-half-even(x * (1 / d)) (0 where d == 0),  s = d * sum(q)
- * and each output element is a sum over blocks b, in ascending order, from 0:
- *   Q4_1 (w = dw * qw + mw):  y += ((dw * d) * isum + mw * s)      isum = sum_k qw_k * q_k
- *   Q8_0 (w = dw * qw):       y += (dw * d) * isum
- * every product and sum rounded as written (no fma), isum exact in int32. A row's result
+ * and each output element is a sum over blocks b, in ascending order, from 0, per the weight's
+ * kernel format (kernels.h; dw, mw its scales):
+ *   Q4_1, Q4_F, Q5_F (w = dw * qw + mw):  y += ((dw * d) * isum + mw * s)
+ *   Q8_0 (w = dw * qw):                   y += (dw * d) * isum
+ *   I8_F16 (dw0 for k 0-15, dw1 16-31):   y += ((dw0 * d) * isum0 + (dw1 * d) * isum1)
+ * isum = sum_k qw_k * q_k over the block (I8_F16: isum0, isum1 over its halves), every
+ * product and sum rounded as written (no fma), isum exact in int32. A row's result
  * depends only on that row, whatever shares the call (the contract of kernels.h), and a
- * pure-torch reference reproduces it bitwise (specdec/models/q8_activations.py).
+ * pure-torch reference reproduces it bitwise (specdec/models/q8_activations.py, which says
+ * why the activations of K-quants are blocked by 32 too).
  *
  * Why: the fp32 path (linear.c) is bound by dequantizing in registers at one row and by the
  * fp32 FMAs from 4 rows on (~2 ms of FMA per row of a SmolLM2 forward); here one vpmaddubsw does
  * 32 multiply-adds on 4-bit x 8-bit, so extra rows cost a fraction of that. The numerics are no
  * longer the fp32 model's (an activation's rounding error is <= 1/254 of its block's max).
  *
- * Weight layouts (one block of a panel pair: 16 output rows x 32 k; gguf_weights.prepare):
- *   Q4_1 (320 bytes): d[16] fp16, m[16] fp16, then 8 chunks c of 32 bytes: byte 4r + j holds
- *        q[row r][k = 4c + j] in its low nibble and q[row 8 + r][4c + j] in its high nibble.
- *   Q8_0 (544 bytes): d[16] fp16, then 16 chunks (c, p) of 32 bytes at 32 + 64c + 32p: byte
- *        4r + j is q[row 8p + r][4c + j] (int8).
+ * Weight layouts (one block of a panel pair: 16 output rows x 32 k; q8_activations.prepare):
+ * the scales (fp16 d[16], m[16] for Q4_1, d[16] for Q8_0; fp32 d[16], m[16] for Q4_F, Q5_F;
+ * fp32 d[16] of k 0-15 then d[16] of k 16-31 for I8_F16), then the quants at qoff:
+ *   4-bit (Q4_1, Q4_F): 8 chunks c of 32 bytes: byte 4r + j holds q[row r][k = 4c + j] in its
+ *        low nibble and q[row 8 + r][4c + j] in its high nibble.
+ *   8-bit (Q8_0, I8_F16: int8; Q5_F: 0..31): 16 chunks (c, p) of 32 bytes at qoff + 64c + 32p:
+ *        byte 4r + j is q[row 8p + r][4c + j].
  * So one 32-byte load is 8 output rows x 4 k, and a row of x broadcast 4 bytes at a time
  * meets it lane by lane (vpmaddubsw: unsigned weights x signed activations).
  */
@@ -78,90 +84,120 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
 #define EACH3(F) F(0) F(1) F(2)
 #define EACH4(F) F(0) F(1) F(2) F(3)
 
+/* A block's scales, per panel P of the pair (8 rows): fp16 (Q4_1, Q8_0: d[16] then m[16]) or
+ * fp32 (Q4_F, Q5_F: d[16] then m[16]; I8_F16: d[16] of k 0-15, then d[16] of k 16-31) */
+#define F16_D(b, P) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((b) + 16 * (P))))
+#define F16_M(b, P) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((b) + 32 + 16 * (P))))
+#define F32_D(b, P) _mm256_loadu_ps((const float*)(b) + 8 * (P))
+#define F32_M(b, P) _mm256_loadu_ps((const float*)(b) + 16 + 8 * (P))
+#define NO_SCALE(b, P) _mm256_setzero_ps()
+
 /* R rows of quantized x (q: row stride K; d, s: row stride nb) over all nb blocks of one panel
  * (P: 0 or 1) of a pair -> 8 columns of each y row. One panel at a time keeps every row's fp32
- * sum and integer block sum in registers across the blocks (2R + 3 of the 16 ymm).
+ * sum and integer block sum in registers across the blocks (2R + 3 of the 16 ymm; I8_F16 3R).
  *
  * Each kernel exists per instruction set (its name's suffix, its target attribute), chosen at
  * run time (sd_q8_isa). They differ only in how a block's integer sum isum is formed, and isum
  * is exact in all of them, so every instruction set gives bitwise the same y:
- *   avx2: vpmaddubsw adds pairs of products into int16, vpmaddwd widens to int32 (Q4_1: once
- *         a block; Q8_0: every step, since two steps could overflow int16);
+ *   avx2: vpmaddubsw adds pairs of products into int16, vpmaddwd widens to int32 (4-bit
+ *         quants: once a block; 8-bit ones: every step, since two steps could overflow int16);
  *   vnni: vpdpbusd adds four products into int32 in one instruction (AVX-VNNI): one
- *         instruction per row and step instead of two (Q4_1) or three (Q8_0);
+ *         instruction per row and step instead of two (4-bit) or three (8-bit);
  *   512:  AVX512-VNNI, both panels of a pair at once, up to 8 rows a tile (below);
- *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows run the 512 kernels). */
+ *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, and I8_F16, run the 512
+ *         kernels). */
 #define INIT(r) __m256 f##r = _mm256_setzero_ps();
 #define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
 #define IZERO(r) __m256i i##r = _mm256_setzero_si256();
-#define Q4_ROW_avx2(r) i##r = _mm256_add_epi16(i##r, _mm256_maddubs_epi16(w, A4(r)));
-#define Q4_ISUM_avx2(r) _mm256_madd_epi16(i##r, ones)
-#define Q4_ROW_vnni(r) i##r = DPBUSD(i##r, w, A4(r));
-#define Q4_ISUM_vnni(r) i##r
-#define Q4_FINISH(r, ISA)                                                                      \
-    {                                                                                          \
-        const __m256 t = _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[(r) * nb + j])),    \
-                                       _mm256_cvtepi32_ps(Q4_ISUM_##ISA(r)));                  \
-        f##r = _mm256_add_ps(f##r, _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(        \
-                                                              s[(r) * nb + j]))));             \
-    }
-#define Q4_FINISH_avx2(r) Q4_FINISH(r, avx2)
-#define Q4_FINISH_vnni(r) Q4_FINISH(r, vnni)
-#define Q4_KERNEL(R, EACH, ISA, SUF, ATTR)                                                     \
-    ATTR static void q4_1_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
-                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
-                                       float* y, int64_t ldy) {                               \
+#define DX(r) _mm256_set1_ps(d[(r) * nb + j])
+#define SX(r) _mm256_set1_ps(s[(r) * nb + j])
+/* the fp32 finish of a block, every operation rounded as written (linear_q8.c's header) */
+#define FIN_AFFINE(r, ISUM)                                                                    \
+    f##r = _mm256_add_ps(f##r, _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(dw, DX(r)),          \
+                                                           _mm256_cvtepi32_ps(ISUM)),          \
+                                             _mm256_mul_ps(mw, SX(r))));
+#define FIN_SCALE(r)                                                                           \
+    f##r = _mm256_add_ps(f##r, _mm256_mul_ps(_mm256_mul_ps(dw, DX(r)), _mm256_cvtepi32_ps(i##r)));
+/* I8_F16: the first half's term t (k 0-15, scale dw0), then t + the second half's */
+#define HALF_LO(r) t##r = _mm256_mul_ps(_mm256_mul_ps(dw0, DX(r)), _mm256_cvtepi32_ps(i##r));  \
+    i##r = _mm256_setzero_si256();
+#define FIN_HALVES(r)                                                                          \
+    f##r = _mm256_add_ps(f##r, _mm256_add_ps(t##r, _mm256_mul_ps(_mm256_mul_ps(dw, DX(r)),    \
+                                                                 _mm256_cvtepi32_ps(i##r))));
+#define TDECL(r) __m256 t##r = _mm256_setzero_ps(); (void)t##r;
+
+/* 4-bit quants (Q4_1, Q4_F): per step, a chunk's nibbles of this panel x 4 bytes of a row */
+#define NIB_ROW_avx2(r) i##r = _mm256_add_epi16(i##r, _mm256_maddubs_epi16(w, A4(r)));
+#define NIB_ISUM_avx2(r) _mm256_madd_epi16(i##r, ones)
+#define NIB_ROW_vnni(r) i##r = DPBUSD(i##r, w, A4(r));
+#define NIB_ISUM_vnni(r) i##r
+#define NIB_FIN_avx2(r) FIN_AFFINE(r, NIB_ISUM_avx2(r))
+#define NIB_FIN_vnni(r) FIN_AFFINE(r, NIB_ISUM_vnni(r))
+#define NIB_KERNEL(NAME, BYTES, QOFF, LD, LM, R, EACH, ISA, SUF, ATTR)                         \
+    ATTR static void NAME##_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,     \
+                                         int64_t K, int64_t nb, const uint8_t* b, int P,      \
+                                         float* y, int64_t ldy) {                             \
         const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                 \
         (void)ones;                                                                            \
         EACH(INIT)                                                                             \
-        for (int64_t j = 0; j < nb; j++, b += SD_Q4_1_PAIR_BYTES) {                            \
+        for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
             if (P == 0)                                                                        \
-                for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                               \
-                    _mm_prefetch((const char*)b + AHEAD * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);\
+                for (int o = 0; o < BYTES; o += 64)                                            \
+                    _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);             \
             EACH(IZERO)                                                                        \
             /* 8 steps of <= 2 * 15 * 127 per int16 lane (avx2): <= 30480, no overflow */      \
             for (int c = 0; c < 8; c++) {                                                      \
-                const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 64 + 32 * c));     \
+                const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + QOFF + 32 * c));   \
                 const __m256i w = _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low);  \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
-                EACH(Q4_ROW_##ISA)                                                             \
+                EACH(NIB_ROW_##ISA)                                                            \
             }                                                                                  \
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * P)));  \
-            const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 32 + 16 * P))); \
-            EACH(Q4_FINISH_##ISA)                                                              \
+            const __m256 dw = LD(b, P), mw = LM(b, P);                                         \
+            EACH(NIB_FIN_##ISA)                                                                \
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
 
-/* Q8_0: signed x signed, as |w| (unsigned) x sign(x, w) (signed) */
-#define Q8_ROW_avx2(r)                                                                        \
+/* 8-bit quants (Q8_0, I8_F16: signed, as |w| (unsigned) x sign(x, w) (signed); Q5_F: 0..31,
+ * unsigned as they are), per step a chunk of this panel's 8 rows x 4 bytes of a row */
+#define S8_ROW_avx2(r)                                                                        \
     i##r = _mm256_add_epi32(                                                                   \
         i##r, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(A4(r), w)), ones));
-#define Q8_ROW_vnni(r) i##r = DPBUSD(i##r, u, _mm256_sign_epi8(A4(r), w));
-#define Q8_FINISH(r)                                                                          \
-    f##r = _mm256_add_ps(f##r, _mm256_mul_ps(_mm256_mul_ps(dw, _mm256_set1_ps(d[(r) * nb + j])), \
-                                             _mm256_cvtepi32_ps(i##r)));
-#define Q8_KERNEL(R, EACH, ISA, SUF, ATTR)                                                     \
-    ATTR static void q8_0_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
-                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
-                                       float* y, int64_t ldy) {                               \
+#define S8_ROW_vnni(r) i##r = DPBUSD(i##r, u, _mm256_sign_epi8(A4(r), w));
+#define U8_ROW_avx2(r)                                                                        \
+    i##r = _mm256_add_epi32(i##r, _mm256_madd_epi16(_mm256_maddubs_epi16(w, A4(r)), ones));
+#define U8_ROW_vnni(r) i##r = DPBUSD(i##r, w, A4(r));
+#define NOTHING(r)
+#define AFFINE_I(r) FIN_AFFINE(r, i##r)
+/* ROW: S8 / U8; LO: what happens after the first half of the steps (I8_F16: HALF_LO, with the
+ * scale LD0); FIN: the block's fp32 finish, with the scales LD (dw) and LM (mw) */
+#define BYTE_KERNEL(NAME, BYTES, QOFF, LD0, LD, LM, ROW, LO, FIN, R, EACH, ISA, SUF, ATTR)     \
+    ATTR static void NAME##_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,     \
+                                         int64_t K, int64_t nb, const uint8_t* b, int P,      \
+                                         float* y, int64_t ldy) {                             \
         (void)s;                                                                               \
         const __m256i ones = _mm256_set1_epi16(1);                                             \
         (void)ones;                                                                            \
         EACH(INIT)                                                                             \
-        for (int64_t j = 0; j < nb; j++, b += SD_Q8_0_PAIR_BYTES) {                            \
+        for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
             if (P == 0)                                                                        \
-                for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                               \
-                    _mm_prefetch((const char*)b + AHEAD * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);\
+                for (int o = 0; o < BYTES; o += 64)                                            \
+                    _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);             \
             EACH(IZERO)                                                                        \
+            EACH(TDECL)                                                                        \
+            const __m256 dw0 = LD0(b, P);                                                      \
+            (void)dw0;                                                                         \
             for (int c = 0; c < 8; c++) {                                                      \
-                const __m256i w = _mm256_loadu_si256((const __m256i*)(b + 32 + 64 * c + 32 * P)); \
+                if (c == 4) { EACH(LO) }                                                       \
+                const __m256i w = _mm256_loadu_si256((const __m256i*)(b + QOFF + 64 * c + 32 * P)); \
                 const __m256i u = _mm256_abs_epi8(w);                                          \
+                (void)u;                                                                       \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
-                EACH(Q8_ROW_##ISA)                                                             \
+                EACH(ROW##_ROW_##ISA)                                                          \
             }                                                                                  \
-            const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 16 * P)));  \
-            EACH(Q8_FINISH)                                                                    \
+            const __m256 dw = LD(b, P), mw = LM(b, P);                                         \
+            (void)mw;                                                                          \
+            EACH(FIN)                                                                          \
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
@@ -169,22 +205,48 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
 typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_t,
                       const uint8_t*, int, float*, int64_t);
 
-/* both formats at 1..TILE rows for one instruction set, and their table [format][rows - 1] */
+/* every format at 1..TILE rows for one instruction set */
 #define KERNELS(ISA, SUF, ATTR)                                                                \
-    Q4_KERNEL(1, EACH1, ISA, SUF, ATTR) Q4_KERNEL(2, EACH2, ISA, SUF, ATTR)                    \
-    Q4_KERNEL(3, EACH3, ISA, SUF, ATTR) Q4_KERNEL(4, EACH4, ISA, SUF, ATTR)                    \
-    Q8_KERNEL(1, EACH1, ISA, SUF, ATTR) Q8_KERNEL(2, EACH2, ISA, SUF, ATTR)                    \
-    Q8_KERNEL(3, EACH3, ISA, SUF, ATTR) Q8_KERNEL(4, EACH4, ISA, SUF, ATTR)                    \
-    static const q8_fn TABLE##SUF[2][TILE] = {                                                 \
-        {q4_1_q8_r1##SUF, q4_1_q8_r2##SUF, q4_1_q8_r3##SUF, q4_1_q8_r4##SUF},                  \
-        {q8_0_q8_r1##SUF, q8_0_q8_r2##SUF, q8_0_q8_r3##SUF, q8_0_q8_r4##SUF}};
+    NIB_KERNEL(q4_1, SD_Q4_1_PAIR_BYTES, 64, F16_D, F16_M, 1, EACH1, ISA, SUF, ATTR)           \
+    NIB_KERNEL(q4_1, SD_Q4_1_PAIR_BYTES, 64, F16_D, F16_M, 2, EACH2, ISA, SUF, ATTR)           \
+    NIB_KERNEL(q4_1, SD_Q4_1_PAIR_BYTES, 64, F16_D, F16_M, 3, EACH3, ISA, SUF, ATTR)           \
+    NIB_KERNEL(q4_1, SD_Q4_1_PAIR_BYTES, 64, F16_D, F16_M, 4, EACH4, ISA, SUF, ATTR)           \
+    NIB_KERNEL(q4_f, SD_Q4_F_PAIR_BYTES, 128, F32_D, F32_M, 1, EACH1, ISA, SUF, ATTR)          \
+    NIB_KERNEL(q4_f, SD_Q4_F_PAIR_BYTES, 128, F32_D, F32_M, 2, EACH2, ISA, SUF, ATTR)          \
+    NIB_KERNEL(q4_f, SD_Q4_F_PAIR_BYTES, 128, F32_D, F32_M, 3, EACH3, ISA, SUF, ATTR)          \
+    NIB_KERNEL(q4_f, SD_Q4_F_PAIR_BYTES, 128, F32_D, F32_M, 4, EACH4, ISA, SUF, ATTR)          \
+    Q8_0_K(1, EACH1, ISA, SUF, ATTR) Q8_0_K(2, EACH2, ISA, SUF, ATTR)                          \
+    Q8_0_K(3, EACH3, ISA, SUF, ATTR) Q8_0_K(4, EACH4, ISA, SUF, ATTR)                          \
+    Q5_F_K(1, EACH1, ISA, SUF, ATTR) Q5_F_K(2, EACH2, ISA, SUF, ATTR)                          \
+    Q5_F_K(3, EACH3, ISA, SUF, ATTR) Q5_F_K(4, EACH4, ISA, SUF, ATTR)                          \
+    I8_F16_K(1, EACH1, ISA, SUF, ATTR) I8_F16_K(2, EACH2, ISA, SUF, ATTR)                      \
+    I8_F16_K(3, EACH3, ISA, SUF, ATTR) I8_F16_K(4, EACH4, ISA, SUF, ATTR)
+#define Q8_0_K(R, EACH, ISA, SUF, ATTR)                                                        \
+    BYTE_KERNEL(q8_0, SD_Q8_0_PAIR_BYTES, 32, NO_SCALE, F16_D, NO_SCALE, S8, NOTHING,          \
+                FIN_SCALE, R, EACH, ISA, SUF, ATTR)
+#define Q5_F_K(R, EACH, ISA, SUF, ATTR)                                                        \
+    BYTE_KERNEL(q5_f, SD_Q5_F_PAIR_BYTES, 128, NO_SCALE, F32_D, F32_M, U8, NOTHING,            \
+                AFFINE_I, R, EACH, ISA, SUF, ATTR)
+#define I8_F16_K(R, EACH, ISA, SUF, ATTR)                                                      \
+    BYTE_KERNEL(i8_f16, SD_I8_F16_PAIR_BYTES, 128, F32_D, F32_M, NO_SCALE, S8, HALF_LO,        \
+                FIN_HALVES, R, EACH, ISA, SUF, ATTR)
+#define TABLE_ROWS(NAME, SUF) {NAME##_q8_r1##SUF, NAME##_q8_r2##SUF, NAME##_q8_r3##SUF,        \
+                               NAME##_q8_r4##SUF}
+/* [format][rows - 1], by format code */
+#define TABLE_OF(SUF)                                                                          \
+    static const q8_fn TABLE##SUF[SD_NUM_FORMATS][TILE] = {                                    \
+        [SD_Q4_1_Q8] = TABLE_ROWS(q4_1, SUF), [SD_Q8_0_Q8] = TABLE_ROWS(q8_0, SUF),            \
+        [SD_Q4_F_Q8] = TABLE_ROWS(q4_f, SUF), [SD_Q5_F_Q8] = TABLE_ROWS(q5_f, SUF),            \
+        [SD_I8_F16_Q8] = TABLE_ROWS(i8_f16, SUF)};
 
 KERNELS(avx2, _avx2, AVX2)
+TABLE_OF(_avx2)
 /* AVX-VNNI needs gcc >= 11 or clang >= 12; an older compiler builds the others only */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define SD_HAVE_AVXVNNI 1
 #define DPBUSD _mm256_dpbusd_avx_epi32
 KERNELS(vnni, _avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))))
+TABLE_OF(_avxvnni)
 #undef DPBUSD
 #else
 #define SD_HAVE_AVXVNNI 0
@@ -194,79 +256,103 @@ KERNELS(vnni, _avxvnni, __attribute__((target("avx2,fma,f16c,avxvnni"))))
 /* AVX512-VNNI: both panels of a pair in one 512-bit register (16 output rows x 4 k: panel 0's
  * rows in the low half, panel 1's in the high half), so one vpdpbusd serves 16 columns and y
  * gets 16 adjacent columns (panels 2p and 2p + 1) per row; every element's fp32 operations are
- * those of the 256-bit kernels, in the same order. Q8_0 has no 512-bit vpsignb: the rows come
- * as unsigned bytes q + 128 (q ^ 0x80, made once per call) and each block subtracts 128 * sum(w)
- * (one vpdpbusd of ones x w per step, shared by the rows): sum (q + 128) w - 128 sum w = isum,
- * exact (|sum (q + 128) w| <= 32 * 255 * 128). One instruction per row and step, as for Q4_1.
+ * those of the 256-bit kernels, in the same order. Signed 8-bit weights (Q8_0, I8_F16) have no
+ * 512-bit vpsignb: the rows come as unsigned bytes q + 128 (q ^ 0x80, made once per call) and
+ * each block (I8_F16: half-block) subtracts 128 * sum(w) (one vpdpbusd of ones x w per step,
+ * shared by the rows): sum (q + 128) w - 128 sum w = isum, exact (|sum (q + 128) w| <= 32 *
+ * 255 * 128). One instruction per row and step, as for the unsigned weights (4-bit, Q5_F).
  * Tiles of up to 8 rows: 8 int32 + 8 fp32 accumulators of the 32 zmm, and each weight load
  * serves 8 rows (2026-12-03, Sapphire Rapids: an 8-row head call 1.17 -> 0.74 ms). */
 #define INIT16(r) __m512 f##r = _mm512_setzero_ps();
 #define STORE16(r) _mm512_storeu_ps(y + (r) * ldy, f##r);
 #define IZERO16(r) __m512i i##r = _mm512_setzero_si512();
+#define TDECL16(r) __m512 t##r = _mm512_setzero_ps(); (void)t##r;
 #define A16(r) _mm512_set1_epi32(*(const int32_t*)(q + (r) * K + k))
-#define Q4_ROW16(r) i##r = _mm512_dpbusd_epi32(i##r, w, A16(r));
-#define Q4_FINISH16(r)                                                                         \
-    {                                                                                          \
-        const __m512 t = _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d[(r) * nb + j])),    \
-                                       _mm512_cvtepi32_ps(i##r));                              \
-        f##r = _mm512_add_ps(f##r, _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(        \
-                                                              s[(r) * nb + j]))));             \
-    }
-#define Q8_ROW16(r) i##r = _mm512_dpbusd_epi32(i##r, A16(r), w);
-#define Q8_FIX16(r) i##r = _mm512_sub_epi32(i##r, ws);
-#define Q8_FINISH16(r)                                                                        \
-    f##r = _mm512_add_ps(f##r, _mm512_mul_ps(_mm512_mul_ps(dw, _mm512_set1_ps(d[(r) * nb + j])), \
-                                             _mm512_cvtepi32_ps(i##r)));
+#define DX16(r) _mm512_set1_ps(d[(r) * nb + j])
+#define SX16(r) _mm512_set1_ps(s[(r) * nb + j])
+#define H16_D(b) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b)))
+#define H16_M(b) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((b) + 32)))
+#define G32_D(b) _mm512_loadu_ps((const float*)(b))
+#define G32_M(b) _mm512_loadu_ps((const float*)(b) + 16)
+#define NO_SCALE16(b) _mm512_setzero_ps()
+#define U_ROW16(r) i##r = _mm512_dpbusd_epi32(i##r, w, A16(r));
+#define S_ROW16(r) i##r = _mm512_dpbusd_epi32(i##r, A16(r), w);
+#define FIX16(r) i##r = _mm512_sub_epi32(i##r, ws);
+#define AFFINE16(r)                                                                            \
+    f##r = _mm512_add_ps(f##r, _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(dw, DX16(r)),        \
+                                                           _mm512_cvtepi32_ps(i##r)),          \
+                                             _mm512_mul_ps(mw, SX16(r))));
+#define SCALE16(r)                                                                             \
+    f##r = _mm512_add_ps(f##r, _mm512_mul_ps(_mm512_mul_ps(dw, DX16(r)), _mm512_cvtepi32_ps(i##r)));
+#define HALF_LO16(r) t##r = _mm512_mul_ps(_mm512_mul_ps(dw0, DX16(r)), _mm512_cvtepi32_ps(i##r)); \
+    i##r = _mm512_setzero_si512();
+#define HALVES16(r)                                                                            \
+    f##r = _mm512_add_ps(f##r, _mm512_add_ps(t##r, _mm512_mul_ps(_mm512_mul_ps(dw, DX16(r)),  \
+                                                                 _mm512_cvtepi32_ps(i##r))));
 #define AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-#define Q4_KERNEL16(R, EACH)                                                                   \
-    AVX512 static void q4_1_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
-                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
-                                          int64_t ldy) {                                       \
+/* 4-bit quants (Q4_1, Q4_F): chunk c's bytes, low nibbles (panel 0) then high ones (panel 1) */
+#define NIB_KERNEL16(NAME, BYTES, QOFF, LD, LM, R, EACH)                                       \
+    AVX512 static void NAME##_q8_r##R##_512(const int8_t* q, const float* d, const float* s,  \
+                                            int64_t K, int64_t nb, const uint8_t* b,          \
+                                            float* y, int64_t ldy) {                          \
         const __m512i low = _mm512_set1_epi8(15);                                              \
         EACH(INIT16)                                                                           \
-        for (int64_t j = 0; j < nb; j++, b += SD_Q4_1_PAIR_BYTES) {                            \
-            for (int o = 0; o < SD_Q4_1_PAIR_BYTES; o += 64)                                   \
-                _mm_prefetch((const char*)b + AHEAD * SD_Q4_1_PAIR_BYTES + o, _MM_HINT_T0);    \
+        for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
+            for (int o = 0; o < BYTES; o += 64)                                                \
+                _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);                 \
             EACH(IZERO16)                                                                      \
             for (int c = 0; c < 8; c++) {                                                      \
-                const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 64 + 32 * c));     \
+                const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + QOFF + 32 * c));   \
                 const __m512i w = _mm512_and_si512(                                            \
                     _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), \
                     low);                                                                      \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
-                EACH(Q4_ROW16)                                                                 \
+                EACH(U_ROW16)                                                                  \
             }                                                                                  \
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));          \
-            const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(b + 32)));   \
-            EACH(Q4_FINISH16)                                                                  \
+            const __m512 dw = LD(b), mw = LM(b);                                               \
+            EACH(AFFINE16)                                                                     \
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
-#define Q8_KERNEL16(R, EACH)                                                                   \
-    AVX512 static void q8_0_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
-                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
-                                          int64_t ldy) {                                       \
+/* 8-bit quants: chunk c's 64 bytes (both panels). SIGNED: the rows are q + 128 and each
+ * (half-)block subtracts 128 * sum(w); LO / LD0: I8_F16's first half (as in BYTE_KERNEL) */
+#define BYTE_KERNEL16(NAME, BYTES, QOFF, SIGNED, LD0, LD, LM, ROW, LO, FIN, R, EACH)          \
+    AVX512 static void NAME##_q8_r##R##_512(const int8_t* q, const float* d, const float* s,  \
+                                            int64_t K, int64_t nb, const uint8_t* b,          \
+                                            float* y, int64_t ldy) {                          \
         (void)s;                                                                               \
         const __m512i ones = _mm512_set1_epi8(1);                                              \
         EACH(INIT16)                                                                           \
-        for (int64_t j = 0; j < nb; j++, b += SD_Q8_0_PAIR_BYTES) {                            \
-            for (int o = 0; o < SD_Q8_0_PAIR_BYTES; o += 64)                                   \
-                _mm_prefetch((const char*)b + AHEAD * SD_Q8_0_PAIR_BYTES + o, _MM_HINT_T0);    \
+        for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
+            for (int o = 0; o < BYTES; o += 64)                                                \
+                _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);                 \
             EACH(IZERO16)                                                                      \
+            EACH(TDECL16)                                                                      \
+            const __m512 dw0 = LD0(b);                                                         \
+            (void)dw0;                                                                         \
             __m512i ws = _mm512_setzero_si512();                                               \
             for (int c = 0; c < 8; c++) {                                                      \
-                const __m512i w = _mm512_loadu_si512((const void*)(b + 32 + 64 * c));          \
-                ws = _mm512_dpbusd_epi32(ws, ones, w);                                         \
+                if (c == 4) { LO(EACH) }                                                       \
+                const __m512i w = _mm512_loadu_si512((const void*)(b + QOFF + 64 * c));        \
+                if (SIGNED) ws = _mm512_dpbusd_epi32(ws, ones, w);                             \
                 const int64_t k = j * SD_QBLOCK + 4 * c;                                       \
-                EACH(Q8_ROW16)                                                                 \
+                EACH(ROW)                                                                      \
             }                                                                                  \
-            ws = _mm512_slli_epi32(ws, 7);                                                     \
-            EACH(Q8_FIX16)                                                                     \
-            const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));          \
-            EACH(Q8_FINISH16)                                                                  \
+            if (SIGNED) {                                                                      \
+                ws = _mm512_slli_epi32(ws, 7);                                                 \
+                EACH(FIX16)                                                                    \
+            }                                                                                  \
+            const __m512 dw = LD(b), mw = LM(b);                                               \
+            (void)mw;                                                                          \
+            EACH(FIN)                                                                          \
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
+#define NO_LO(EACH)
+/* I8_F16 after its first half: fix the sums, their term t, and start the second half */
+#define I8_LO(EACH)                                                                            \
+    ws = _mm512_slli_epi32(ws, 7);                                                             \
+    EACH(FIX16) EACH(HALF_LO16) ws = _mm512_setzero_si512();
 typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, int64_t,
                            const uint8_t*, float*, int64_t);
 #define EACH5(F) EACH4(F) F(4)
@@ -274,33 +360,56 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
 #define EACH7(F) EACH6(F) F(6)
 #define EACH8(F) EACH7(F) F(7)
 #define TILE512 8 /* rows per tile of the 512 kernels: 2 * 8 accumulators of the 32 zmm */
-Q4_KERNEL16(1, EACH1) Q4_KERNEL16(2, EACH2) Q4_KERNEL16(3, EACH3) Q4_KERNEL16(4, EACH4)
-Q4_KERNEL16(5, EACH5) Q4_KERNEL16(6, EACH6) Q4_KERNEL16(7, EACH7) Q4_KERNEL16(8, EACH8)
-Q8_KERNEL16(1, EACH1) Q8_KERNEL16(2, EACH2) Q8_KERNEL16(3, EACH3) Q8_KERNEL16(4, EACH4)
-Q8_KERNEL16(5, EACH5) Q8_KERNEL16(6, EACH6) Q8_KERNEL16(7, EACH7) Q8_KERNEL16(8, EACH8)
-static const q8_pair_fn TABLE_512[2][TILE512] = {
-    {q4_1_q8_r1_512, q4_1_q8_r2_512, q4_1_q8_r3_512, q4_1_q8_r4_512, q4_1_q8_r5_512,
-     q4_1_q8_r6_512, q4_1_q8_r7_512, q4_1_q8_r8_512},
-    {q8_0_q8_r1_512, q8_0_q8_r2_512, q8_0_q8_r3_512, q8_0_q8_r4_512, q8_0_q8_r5_512,
-     q8_0_q8_r6_512, q8_0_q8_r7_512, q8_0_q8_r8_512}};
+#define FORMAT16(R, EACH)                                                                      \
+    NIB_KERNEL16(q4_1, SD_Q4_1_PAIR_BYTES, 64, H16_D, H16_M, R, EACH)                          \
+    NIB_KERNEL16(q4_f, SD_Q4_F_PAIR_BYTES, 128, G32_D, G32_M, R, EACH)                         \
+    BYTE_KERNEL16(q8_0, SD_Q8_0_PAIR_BYTES, 32, 1, NO_SCALE16, H16_D, NO_SCALE16, S_ROW16,     \
+                  NO_LO, SCALE16, R, EACH)                                                     \
+    BYTE_KERNEL16(q5_f, SD_Q5_F_PAIR_BYTES, 128, 0, NO_SCALE16, G32_D, G32_M, U_ROW16, NO_LO,  \
+                  AFFINE16, R, EACH)                                                           \
+    BYTE_KERNEL16(i8_f16, SD_I8_F16_PAIR_BYTES, 128, 1, G32_D, G32_M, NO_SCALE16, S_ROW16,     \
+                  I8_LO, HALVES16, R, EACH)
+FORMAT16(1, EACH1) FORMAT16(2, EACH2) FORMAT16(3, EACH3) FORMAT16(4, EACH4)
+FORMAT16(5, EACH5) FORMAT16(6, EACH6) FORMAT16(7, EACH7) FORMAT16(8, EACH8)
+#define ROWS8(NAME) {NAME##_q8_r1_512, NAME##_q8_r2_512, NAME##_q8_r3_512, NAME##_q8_r4_512,     \
+                     NAME##_q8_r5_512, NAME##_q8_r6_512, NAME##_q8_r7_512, NAME##_q8_r8_512}
+static const q8_pair_fn TABLE_512[SD_NUM_FORMATS][TILE512] = {
+    [SD_Q4_1_Q8] = ROWS8(q4_1), [SD_Q8_0_Q8] = ROWS8(q8_0), [SD_Q4_F_Q8] = ROWS8(q4_f),
+    [SD_Q5_F_Q8] = ROWS8(q5_f), [SD_I8_F16_Q8] = ROWS8(i8_f16)};
+
+/* what the drivers need to know of a format: its pair block's bytes, where its quants start,
+ * whether they are 4-bit (nibbles) / signed, its scales fp32 (else fp16), its block finish
+ * affine (an m term), and whether AMX runs it (I8_F16's half-block scales: the 512 kernels) */
+typedef struct {
+    int64_t bytes, qoff;
+    int nibbles, signed_w, f32, affine, amx;
+} q8_format;
+static const q8_format Q8_FORMATS[SD_NUM_FORMATS] = {
+    [SD_Q4_1_Q8] = {SD_Q4_1_PAIR_BYTES, 64, 1, 0, 0, 1, 1},
+    [SD_Q8_0_Q8] = {SD_Q8_0_PAIR_BYTES, 32, 0, 1, 0, 0, 1},
+    [SD_Q4_F_Q8] = {SD_Q4_F_PAIR_BYTES, 128, 1, 0, 1, 1, 1},
+    [SD_Q5_F_Q8] = {SD_Q5_F_PAIR_BYTES, 128, 0, 0, 1, 1, 1},
+    [SD_I8_F16_Q8] = {SD_I8_F16_PAIR_BYTES, 128, 0, 1, 1, 0, 0}};
 
 /* AMX-INT8 (Sapphire Rapids and later): a block's integer sums for up to 16 rows and both
  * panels of a pair in one tile multiply. A = the rows' quants of the block [M rows][32 bytes]
  * (row stride K), B = the block's weights in the VNNI layout [8][64 bytes] (row c: outputs
- * 0..15 x k 4c..4c+3; for Q8_0 that is the pair's layout as stored, at 32 + 64c; Q4_1's nibbles
- * are unpacked to bytes once per block, for all rows), C [M][16] int32 = isum, exact like every
- * other kernel's: TDPBSSD (signed x signed) for Q8_0, TDPBSUD (signed x unsigned) for Q4_1.
- * The tiles' sums of a run of AMX_CHUNK blocks go to memory; then each row's fp32 finish runs
- * over those blocks in ascending order with exactly the 512 kernel's operations (Q8_FINISH16 /
- * Q4_FINISH16), the row's 16 sums kept in memory between runs (f starts at +0.0 in both). */
+ * 0..15 x k 4c..4c+3; for the 8-bit formats that is the pair's layout as stored, at
+ * qoff + 64c; 4-bit quants are unpacked to bytes once per block, for all rows), C [M][16]
+ * int32 = isum, exact like every other kernel's: TDPBSSD (signed x signed) for signed weights,
+ * TDPBSUD (signed x unsigned) for unsigned ones. The tiles' sums of a run of AMX_CHUNK blocks
+ * go to memory; then each row's fp32 finish runs over those blocks in ascending order with
+ * exactly the 512 kernel's operations (AFFINE16 / SCALE16), the row's 16 sums kept in memory
+ * between runs (f starts at +0.0 in both). I8_F16 (two scales a block) does not run here. */
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
 #define SD_HAVE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
 #define AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,amx-tile,amx-int8")))
 #define AMX_CHUNK 8 /* blocks whose sums are stored before the rows' fp32 finish */
-/* fewer rows than this run the 512 kernels (measured: where AMX starts to win) [Q4_1, Q8_0] */
-static const int64_t AMX_MIN_ROWS[2] = {16, 16};
+/* fewer rows than this run the 512 kernels (measured for Q4_1 and Q8_0: where AMX starts to
+ * win) */
+#define AMX_MIN_ROWS 16
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -333,12 +442,13 @@ AMX static void amx_release(void) { _tile_release(); }
 
 /* R rows (R <= M, the configured tile rows; the A tile reads M rows from q, rows past R are
  * padding whose sums are never used) over all nb blocks of one pair -> 16 columns per row */
-AMX static void q8_amx(int q4, const int8_t* q, const float* d, const float* s, int64_t K,
+AMX static void q8_amx(const q8_format* fm, const int8_t* q, const float* d, const float* s, int64_t K,
                        int64_t nb, const uint8_t* b, float* y, int64_t ldy, int R, int first) {
     int32_t isum[AMX_CHUNK][16][16] __attribute__((aligned(64)));
-    uint8_t wb[AMX_CHUNK][8][64] __attribute__((aligned(64))); /* Q4_1: weights as bytes */
+    uint8_t wb[AMX_CHUNK][8][64] __attribute__((aligned(64))); /* 4-bit: weights as bytes */
     float f[16][16] __attribute__((aligned(64)));
-    const int64_t bytes = q4 ? SD_Q4_1_PAIR_BYTES : SD_Q8_0_PAIR_BYTES;
+    const int64_t bytes = fm->bytes, qoff = fm->qoff;
+    const int q4 = fm->nibbles;
     const __m512i low = _mm512_set1_epi8(15);
     for (int r = 0; r < R; r++) _mm512_store_ps(f[r], _mm512_setzero_ps());
     for (int64_t j0 = 0; j0 < nb; j0 += AMX_CHUNK) {
@@ -351,17 +461,17 @@ AMX static void q8_amx(int q4, const int8_t* q, const float* d, const float* s, 
             for (int jj = 0; jj < n; jj++)
                 for (int c = 0; c < 8; c++) {
                     const __m256i raw =
-                        _mm256_loadu_si256((const __m256i*)(run + jj * bytes + 64 + 32 * c));
+                        _mm256_loadu_si256((const __m256i*)(run + jj * bytes + qoff + 32 * c));
                     _mm512_store_si512((void*)wb[jj][c], _mm512_and_si512(_mm512_inserti64x4(
                         _mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1), low));
                 }
         /* four sums in flight (tiles 0..3), A and B alternating (4, 5 and 6, 7) */
         const int8_t* a = q + j0 * SD_QBLOCK;
         for (int jj = 0; jj < n; jj++, a += SD_QBLOCK) {
-            const void* bw = q4 ? (const void*)wb[jj] : (const void*)(run + jj * bytes + 32);
+            const void* bw = q4 ? (const void*)wb[jj] : (const void*)(run + jj * bytes + qoff);
 #define AMX_CASE(i, A, B)                                                                      \
     case i:                                                                                    \
-        if (q4) {                                                                              \
+        if (!fm->signed_w) {                                                                   \
             AMX_BLOCK(i, A, B, _tile_dpbsud, a, bw, isum[jj])                                  \
         } else {                                                                               \
             AMX_BLOCK(i, A, B, _tile_dpbssd, a, bw, isum[jj])                                  \
@@ -375,16 +485,15 @@ AMX static void q8_amx(int q4, const int8_t* q, const float* d, const float* s, 
         __m512 dw[AMX_CHUNK], mw[AMX_CHUNK];
         for (int jj = 0; jj < n; jj++) {
             const uint8_t* blk = b + (j0 + jj) * bytes;
-            dw[jj] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)blk));
-            mw[jj] = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(blk + 32)))
-                        : _mm512_setzero_ps();
+            dw[jj] = fm->f32 ? G32_D(blk) : H16_D(blk);
+            mw[jj] = !fm->affine ? _mm512_setzero_ps() : fm->f32 ? G32_M(blk) : H16_M(blk);
         }
         for (int r = 0; r < R; r++) {
             const float* dr = d + r * nb + j0;
             const float* sr = s + r * nb + j0;
             __m512 acc = _mm512_load_ps(f[r]);
-            /* Q4_FINISH16 / Q8_FINISH16 for row r and block j0 + jj */
-            if (q4)
+            /* AFFINE16 / SCALE16 for row r and block j0 + jj */
+            if (fm->affine)
                 for (int jj = 0; jj < n; jj++) {
                     const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(isum[jj][r]));
                     const __m512 t =
@@ -418,9 +527,6 @@ static int amx_usable(void) {
 #else
 #define SD_HAVE_AMX 0
 #endif
-
-/* [SD_Q8_AVX2 / SD_Q8_AVXVNNI] -> that instruction set's table (AVX512-VNNI: TABLE_512) */
-static const q8_fn (*const TABLES[])[TILE] = {TABLE_avx2, TABLE_avxvnni};
 
 static int pick_q8_isa(void) {
     /* the best this CPU has, at most the one the environment names */
@@ -465,17 +571,18 @@ static row_tiles split_rows(int64_t T, int64_t most) {
     return (row_tiles){tiles, tiles ? T / tiles : 0, tiles ? T % tiles : 0};
 }
 
-/* y[T, ldy] = x[T, K] @ W.T for the formats SD_Q4_1_Q8 / SD_Q8_0_Q8, as a work-sharing loop
- * (see sd_linear_for). Every thread rounds all rows itself (T * K work beside the T * K * out
- * of the products), into its own buffer, then the team splits the panel pairs. */
+/* y[T, ldy] = x[T, K] @ W.T for the formats SD_*_Q8, as a work-sharing loop (see
+ * sd_linear_for). Every thread rounds all rows itself (T * K work beside the T * K * out of the
+ * products), into its own buffer, then the team splits the panel pairs. */
 void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                       int64_t ldy) {
     const int64_t nb = K / SD_QBLOCK, pairs = w->panels / 2;
-    const int q8 = w->fmt == SD_Q8_0_Q8;
+    const q8_format* fm = &Q8_FORMATS[w->fmt];
     const int isa = sd_q8_isa();
-    const int64_t bytes = q8 ? SD_Q8_0_PAIR_BYTES : SD_Q4_1_PAIR_BYTES;
+    const int64_t bytes = fm->bytes;
     /* AMX reads whole tiles of rows: one zero row of padding past the last */
-    /* q [T + 1][K], d and s [T][nb], then (AVX512, Q8_0) the rows as unsigned bytes [T][K] */
+    /* q [T + 1][K], d and s [T][nb], then (AVX512, signed weights) the rows as unsigned bytes
+     * [T][K] */
     int8_t* q = malloc((size_t)((T + 1) * K + 2 * T * nb * (int64_t)sizeof(float) + T * K) + 64);
     if (!q) {
         fprintf(stderr, "specdec: sd_linear_q8_for: out of memory for %lld rows\n", (long long)T);
@@ -486,7 +593,7 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
     memset(q + T * K, 0, (size_t)K);
     for (int64_t t = 0; t < T; t++) quantize_row(x + t * K, K, q + t * K, d + t * nb, s + t * nb);
 #if SD_HAVE_AMX
-    if (isa == SD_Q8_AMX && T >= AMX_MIN_ROWS[q8]) {
+    if (isa == SD_Q8_AMX && fm->amx && T >= AMX_MIN_ROWS) {
         /* row tiles of at most 16, as even as possible; every tile M rows (the largest) */
         const row_tiles rt = split_rows(T, 16);
         amx_configure((int)(rt.base + (rt.extra > 0)));
@@ -495,7 +602,7 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
             const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
             for (int64_t i = 0, t = 0; i < rt.tiles; i++) {
                 const int64_t r = rt.base + (i < rt.extra);
-                q8_amx(!q8, q + t * K, d + t * nb, s + t * nb, K, nb, pair,
+                q8_amx(fm, q + t * K, d + t * nb, s + t * nb, K, nb, pair,
                        y + t * ldy + 2 * p * PW, ldy, (int)r, i == 0);
                 t += r;
             }
@@ -506,10 +613,10 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
     }
 #endif
     if (isa >= SD_Q8_AVX512VNNI) {
-        /* Q8_0: the rows as unsigned bytes q + 128 (= q ^ 0x80), for vpdpbusd against the
-         * signed weights; the kernel subtracts 128 * sum(w) of the block: the same isum */
+        /* signed weights: the rows as unsigned bytes q + 128 (= q ^ 0x80), for vpdpbusd
+         * against them; the kernel subtracts 128 * sum(w) of the block: the same isum */
         const int8_t* a = q;
-        if (q8) {
+        if (fm->signed_w) {
             uint8_t* u = (uint8_t*)s + T * nb * (int64_t)sizeof(float);
             for (int64_t i = 0; i < T * K; i++) u[i] = (uint8_t)q[i] ^ 0x80;
             a = (const int8_t*)u;
@@ -520,8 +627,8 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
             const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
             for (int64_t i = 0, t = 0; i < rt.tiles; i++) {
                 const int64_t r = rt.base + (i < rt.extra);
-                TABLE_512[q8][r - 1](a + t * K, d + t * nb, s + t * nb, K, nb, pair,
-                                     y + t * ldy + 2 * p * PW, ldy);
+                TABLE_512[w->fmt][r - 1](a + t * K, d + t * nb, s + t * nb, K, nb, pair,
+                                         y + t * ldy + 2 * p * PW, ldy);
                 t += r;
             }
         }
@@ -530,14 +637,15 @@ void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, 
     }
     /* row tiles of at most TILE, as even as possible */
     const row_tiles rt = split_rows(T, TILE);
+    const q8_fn* table = (isa == SD_Q8_AVXVNNI ? TABLE_avxvnni : TABLE_avx2)[w->fmt];
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
         const uint8_t* pair = (const uint8_t*)w->data + p * nb * bytes;
         for (int64_t i = 0, t = 0; i < rt.tiles; i++) {
             const int64_t r = rt.base + (i < rt.extra);
             for (int panel = 0; panel < 2; panel++)
-                TABLES[isa][q8][r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair, panel,
-                                       y + t * ldy + (2 * p + panel) * PW, ldy);
+                table[r - 1](q + t * K, d + t * nb, s + t * nb, K, nb, pair, panel,
+                             y + t * ldy + (2 * p + panel) * PW, ldy);
             t += r;
         }
     }

@@ -1,6 +1,8 @@
-"""A GGUF's own Q4_1 / Q8_0 blocks through the compiled kernels (specdec/models/gguf_weights.py).
+"""A GGUF's own blocks through the compiled kernels (specdec/models/gguf_weights.py).
 
-Random blocks: dequantization bitwise gguf-py's; a linear layer over the prepared blocks
+Random blocks of every type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): dequantization
+bitwise gguf-py's, directly and from the kernel format each is repacked into; a linear layer
+over the prepared blocks
 bitwise the same layer over the fp32 panels of the dequantized weight, for any set of rows (so
 it is row-invariant as they are). The real file (SmolLM2's Q4_1 layers and Q8_0 embedding):
 every matrix is checked bitwise at load, streams ~96 MB instead of ~540 MB, and the engine on
@@ -22,41 +24,60 @@ from specdec.models import native
 
 KERNELS = native.load()
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="compiled kernels not built")
-KINDS = ["Q4_1", "Q8_0"]
+KINDS = list(gb.BLOCK_BYTES)  # every GGUF type the kernels take
+# byte offsets of each type's fp16 scales in its block (gguf-py's layouts), made finite below
+FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(kind: str, out: int, inp: int, seed: int = 0) -> gb.Blocks:
-    """``out`` rows of random blocks: small fp16 scales, any quants."""
+    """``out`` rows of random blocks: small finite fp16 scales, any other bytes (quants, and a
+    K-quant's packed sub-block scales)."""
     g = np.random.default_rng(seed)
-    nb = inp // gb.BLOCK
-    scale = [(0.01 * g.standard_normal((out, nb, 1))).astype(np.float16).view(np.uint8)
-             for _ in range(2 if kind == "Q4_1" else 1)]
-    q = g.integers(0, 256, (out, nb, 16 if kind == "Q4_1" else 32), dtype=np.uint8)
-    rows = np.concatenate([*scale, q], axis=-1).reshape(out, -1)
-    return gb.Blocks(kind, torch.from_numpy(rows.copy()), inp)
+    blk = g.integers(0, 256, (out, inp // gb.BLOCK_WIDTH[kind], gb.BLOCK_BYTES[kind]),
+                     dtype=np.uint8)
+    for at in FP16_AT[kind]:
+        scale = (0.01 * g.standard_normal((out, blk.shape[1], 1))).astype(np.float16)
+        blk[..., at:at + 2] = scale.view(np.uint8)
+    return gb.Blocks(kind, torch.from_numpy(blk.reshape(out, -1)), inp)
+
+
+def inputs(kind: str, blocks: int) -> int:
+    """in_features of ``blocks`` blocks of 32; for a K-quant (whole blocks of 256) 1 + blocks
+    // 3 of those (the tests stay fast)."""
+    width = gb.BLOCK_WIDTH[kind]
+    return blocks * width if width == gb.BLOCK else (1 + blocks // 3) * width
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("out, inp", [(40, 96), (16, 32), (203, 160), (7, 64)])
-def test_dequantize_is_bitwise_gguf_py(kind, out, inp):
+@pytest.mark.parametrize("out, blocks", [(40, 3), (16, 1), (203, 5), (7, 2)])
+def test_dequantize_is_bitwise_gguf_py(kind, out, blocks):
+    """The weights as gguf-py dequantizes them, and as the kernels compute them from their
+    format (gguf_blocks.repack: every claim of exactness in its docstring), bitwise."""
     from gguf import GGMLQuantizationType, quants
 
+    inp = inputs(kind, blocks)
     b = random_blocks(kind, out, inp)
     ref = quants.dequantize(b.rows.numpy(), getattr(GGMLQuantizationType, kind))
-    assert torch.equal(gb.dequantize(b), torch.from_numpy(ref.reshape(out, inp)))
+    ref = torch.from_numpy(ref.reshape(out, inp))
+    assert torch.equal(gb.dequantize(b), ref)
+    assert torch.equal(gb.repack(b).weights(), ref)
+    assert torch.equal(gb.dequantize(b).view(torch.int32), ref.view(torch.int32))  # -0.0 too
 
 
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("out, inp", [(40, 96), (203, 160), (7, 64)])
-def test_linear_over_blocks_is_bitwise_the_fp32_one(kind, out, inp):
+@pytest.mark.parametrize("out, blocks", [(40, 3), (203, 5), (7, 2)])
+def test_linear_over_blocks_is_bitwise_the_fp32_one(kind, out, blocks):
+    inp = inputs(kind, blocks)
     b = random_blocks(kind, out, inp, seed=out)
     panels = gb.prepare(b)
-    assert panels.nbytes < 0.3 * out * inp * 4 + 2 * 16 * 64 * inp // 32  # a quarter of fp32
+    assert panels.fmt == gb.FORMATS[gb.KERNEL_FORMAT[kind]]
+    assert panels.nbytes < 0.45 * out * inp * 4 + 2 * 16 * 128 * inp // 32  # <= 1.25 B/weight
     fp32 = KERNELS.prepare(gb.dequantize(b))
-    for t in (1, 2, 5, 8, 13, 33):
+    for t in (1, 2, 3, 5, 8, 13, 33):
         x = torch.randn(t, inp)
-        assert torch.equal(KERNELS.linear(x, panels), KERNELS.linear(x, fp32))
+        assert torch.equal(KERNELS.linear(x, panels), KERNELS.linear(x, fp32)), t
 
 
 @needs_kernels
@@ -67,8 +88,10 @@ def test_rows_over_blocks_do_not_depend_on_the_call(rows, kind, q8):
     """For fp32 rows and for int8 rows (activations="q8": specdec.models.q8_activations)."""
     from specdec.models import q8_activations
 
-    panels = (q8_activations.prepare if q8 else gb.prepare)(random_blocks(kind, 50, 192, seed=1))
-    x = torch.randn(24, 192, generator=torch.Generator().manual_seed(2))
+    inp = inputs(kind, 1 if gb.BLOCK_WIDTH[kind] > 32 else 6)
+    blocks = random_blocks(kind, 50, inp, seed=1)
+    panels = (q8_activations.prepare if q8 else gb.prepare)(blocks)
+    x = torch.randn(24, inp, generator=torch.Generator().manual_seed(2))
     full = KERNELS.linear(x, panels)
     assert torch.equal(KERNELS.linear(x[rows].contiguous(), panels), full[rows])
 

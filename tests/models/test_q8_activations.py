@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gguf_weights import KERNELS, KINDS, needs_kernels, random_blocks
+from test_gguf_weights import KERNELS, KINDS, inputs, needs_kernels, random_blocks
 
 from specdec import LLM, SamplingParams
 from specdec.models import gguf_blocks as gb
@@ -35,19 +35,26 @@ def test_rows_round_to_int8_within_half_a_step():
     assert torch.equal(s, d * q.float().sum(-1))
 
 
+# (out, blocks of 32): (24, 19) runs past the AMX kernel's runs of 8 blocks to a partial one
+SHAPES = [(40, 3), (16, 1), (203, 5), (7, 2), (24, 19)]
+
+
 @needs_kernels
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("out, inp", [(40, 96), (16, 32), (203, 160), (7, 64), (24, 608)])
-def test_kernel_is_bitwise_the_reference(kind, out, inp):
-    """(24, 608): 19 blocks, past the AMX kernel's runs of 8 blocks and a partial last run."""
+@pytest.mark.parametrize("out, blocks", SHAPES)
+def test_kernel_is_bitwise_the_reference(kind, out, blocks):
+    """Every GGUF type in its kernel format (gguf_blocks.repack); K-quants at 256 to 1792
+    inputs (test_gguf_weights.inputs)."""
+    inp = inputs(kind, blocks)
     b = random_blocks(kind, out, inp, seed=out)
     panels = qa.prepare(b)
+    assert panels.fmt == qa.FORMATS[gb.KERNEL_FORMAT[kind]]
     assert panels.nbytes == gb.prepare(b).nbytes  # the same bytes, laid out for int8 rows
     fp32 = gb.dequantize(b)
     for t in (1, 2, 3, 4, 5, 8, 13, 16, 17, 40):
         x = torch.randn(t, inp, generator=torch.Generator().manual_seed(1000 * out + t))
         y = KERNELS.linear(x, panels)
-        assert torch.equal(y, qa.reference_linear(x, b))
+        assert torch.equal(y, qa.reference_linear(x, b)), t
         exact = x.double() @ fp32.double().T
         assert ((y.double() - exact).norm() / exact.norm()) < 0.02
 
@@ -71,7 +78,8 @@ def test_smollm2_q8_speculation_is_plain_decoding(smollm2_dir):
     kw = dict(model=str(smollm2_dir), max_model_len=256, activations="q8")
     plain = LLM(**kw)
     assert (plain.engine.weights, plain.engine.activations) == ("native", "q8")
-    assert {p.fmt for p in plain.engine.kernels._panels.values()} == set(qa.FORMATS.values())
+    assert {p.fmt for p in plain.engine.kernels._panels.values()} == {qa.FORMATS["Q4_1"],
+                                                                      qa.FORMATS["Q8_0"]}
     assert (smollm2_dir / gw.CACHE_NAMES["q8"]).exists()
     prompts = ["Write a haiku about the sea.", "def fibonacci(n):"]
     sp = [SamplingParams(temperature=0, max_tokens=24)] * 2 + [
@@ -108,9 +116,9 @@ def test_every_narrower_isa_is_bitwise_the_reference(isa):
     code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
             "import test_q8_activations as t\n"
             "print(t.KERNELS.q8_isa)\n"
-            "for kind in t.KINDS:\n"
-            "    for out, inp in [(40, 96), (203, 160), (7, 64), (24, 608)]:\n"
-            "        t.test_kernel_is_bitwise_the_reference(kind, out, inp)\n")
+            "for kind in ['Q4_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K']:  # a type per kernel format\n"
+            "    for out, blocks in [(203, 5), (24, 19)]:\n"
+            "        t.test_kernel_is_bitwise_the_reference(kind, out, blocks)\n")
     env = {**os.environ, "SPECDEC_NATIVE_ISA": isa}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=300)
