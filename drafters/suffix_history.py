@@ -3,7 +3,8 @@
 Every finished request (prompt + output) is one document in the corpus of its salt (None is a
 salt of its own): a request drafts only from its own salt's corpus, so tenants never see each
 other's text. All salts together keep at most ``max_tokens`` tokens: above that the least
-recently used documents go (used = added, or among the latest occurrences a draft came from).
+recently used documents go (used = added, or among the latest 32 occurrences a draft came
+from).
 A removed document is blanked at once and its memory is given back when blanks outnumber the
 salt's live tokens (compaction), so memory stays within a small multiple of the bound
 (``memory_bytes``: about 12 bytes per kept token, at most twice that before a compaction).
@@ -21,8 +22,6 @@ from specdec.drafters.suffix_corpus import TokenCorpus
 from specdec.drafters.suffix_speculate import Draft, SpeculateParams, speculate
 
 logger = logging.getLogger("specdec")
-
-TOUCHED = 32  # a draft marks the documents of its latest this many occurrences as used
 
 
 @dataclass
@@ -53,9 +52,10 @@ class _Namespace:
 class SuffixHistory:
     """Documents per salt, at most ``max_tokens`` tokens in all, least recently used first out."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, speculate=speculate) -> None:
         assert max_tokens >= 1
         self.max_tokens = max_tokens
+        self.speculate = speculate  # suffix_speculate.speculate or its compiled twin
         self.spaces: dict[str | None, _Namespace] = {}
         self.docs: OrderedDict[int, _Doc] = OrderedDict()  # least recently used first
         self.by_request: dict[str, int] = {}  # request id -> its document
@@ -106,9 +106,9 @@ class SuffixHistory:
         ns = self.spaces.get(salt)
         if ns is None:
             return None
-        draft = speculate(ns.corpus, pattern, ns.corpus.n, max_nodes, max_depth, params)
-        if draft is not None:
-            for doc_id in ns.doc_ids_at(draft.ends[-TOUCHED:]):
+        draft = self.speculate(ns.corpus, pattern, ns.corpus.n, max_nodes, max_depth, params)
+        if draft is not None:  # its latest occurrences' documents (suffix_speculate.TOUCHED)
+            for doc_id in ns.doc_ids_at(draft.ends):
                 if doc_id in self.docs:
                     self.docs.move_to_end(doc_id)
         return draft
