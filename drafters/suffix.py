@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, TokenView, VerifiedBatch
 from specdec.drafters import suffix_native, suffix_speculate
+from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, TokenView, VerifiedBatch
 from specdec.drafters.suffix_corpus import TokenCorpus
 from specdec.drafters.suffix_history import SuffixHistory
 from specdec.drafters.suffix_speculate import SpeculateParams
@@ -147,7 +147,7 @@ def _speculate_fn(native):
     if native is False:
         return suffix_speculate.speculate
     if suffix_native.load() is not None:
-        return suffix_native.speculate
+        return suffix_native.Speculate()
     if native:
         raise ValueError("suffix drafter_args.native is true but specdec's compiled kernels "
                          "have no suffix speculation (installed with SPECDEC_NO_NATIVE=1, or "

@@ -12,6 +12,7 @@ salt's live tokens (compaction), so memory stays within a small multiple of the 
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -40,13 +41,16 @@ class _Namespace:
     ids: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     tokens: int = 0  # live tokens
-    _starts: np.ndarray | None = None  # [len(starts)] int64 cache of `starts`
 
     def doc_ids_at(self, positions: np.ndarray) -> list[int]:
-        if self._starts is None or len(self._starts) != len(self.starts):
-            self._starts = np.asarray(self.starts, dtype=np.int64)
-        at = np.unique(np.searchsorted(self._starts, positions, "right") - 1)
-        return [self.ids[i] for i in at.tolist()]
+        """The documents holding ``positions`` (increasing), each once."""
+        out, last = [], -1
+        for p in positions.tolist():  # at most TOUCHED: bisect beats numpy's call overhead
+            i = bisect.bisect_right(self.starts, p) - 1
+            if i != last:
+                out.append(self.ids[i])
+                last = i
+        return out
 
 
 class SuffixHistory:
@@ -142,4 +146,4 @@ class SuffixHistory:
                                                  for i in live])
         for i, start in zip(live, starts):
             self.docs[i].start = start
-        ns.ids, ns.starts, ns._starts = live, starts, None
+        ns.ids, ns.starts = live, starts

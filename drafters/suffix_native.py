@@ -53,31 +53,41 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def speculate(corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: int,
-              max_depth: int, params: SpeculateParams) -> Draft | None:
-    """``suffix_speculate.speculate`` in one C call; needs ``load()``. ``pattern``: the context's
-    last tokens, contiguous int32 (e.g. a slice of a corpus' ``buf``)."""
-    if not len(pattern) or max_nodes <= 0:
-        return None
-    assert pattern.dtype == np.int32 and pattern.flags.c_contiguous
-    tokens = np.empty(max_nodes, dtype=np.int64)
-    parents = np.empty(max_nodes, dtype=np.int64)
-    probs = np.empty(max_nodes, dtype=np.float64)
-    ends = np.empty(TOUCHED, dtype=np.int64)
-    meta = np.empty(2, dtype=np.int64)  # match length, occurrences in `ends`
-    score = np.empty(1, dtype=np.float64)
-    n = load().sd_suffix_speculate(
-        corpus.buf.ctypes.data, corpus.n, corpus.order.ctypes.data, corpus.keys.ctypes.data,
-        len(corpus.keys), corpus.n_sorted, corpus.dead, pattern.ctypes.data, len(pattern),
-        before, max_nodes, max_depth, params.max_spec_factor, params.max_spec_offset,
-        params.min_token_prob, params.max_candidates, params.tree, tokens.ctypes.data,
-        parents.ctypes.data, probs.ctypes.data, ends.ctypes.data, meta.ctypes.data,
-        score.ctypes.data)
-    if n < 0:
-        raise MemoryError("suffix drafter: the compiled speculation could not allocate its "
-                          f"scratch ({len(corpus.keys)} indexed tokens, max_candidates "
-                          f"{params.max_candidates})")
-    if n == 0:
-        return None
-    return Draft(tokens[:n], parents[:n], probs[:n], float(score[0]), int(meta[0]),
-                 ends[:int(meta[1])])
+class Speculate:
+    """``suffix_speculate.speculate`` in one C call (needs ``load()``), with the output scratch
+    of one drafter; ``pattern``: the context's last tokens, contiguous int32 (e.g. a slice of a
+    corpus' ``buf``)."""
+
+    def __init__(self) -> None:
+        self.fn = load().sd_suffix_speculate
+        self._grow(64)
+
+    def _grow(self, max_nodes: int) -> None:
+        self.ints = np.empty(2 * max_nodes + TOUCHED + 2, dtype=np.int64)  # tokens, parents,
+        self.floats = np.empty(max_nodes + 1, dtype=np.float64)  # ends, meta; probs, score
+        self.capacity, self.iptr, self.fptr = max_nodes, self.ints.ctypes.data, \
+            self.floats.ctypes.data
+
+    def __call__(self, corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: int,
+                 max_depth: int, params: SpeculateParams) -> Draft | None:
+        if not len(pattern) or max_nodes <= 0:
+            return None
+        assert pattern.dtype == np.int32 and pattern.flags.c_contiguous
+        if max_nodes > self.capacity:
+            self._grow(max_nodes)
+        cap, ints, iptr = self.capacity, self.ints, self.iptr
+        buf, order, keys = corpus.addresses()
+        n = self.fn(buf, corpus.n, order, keys, len(corpus.keys), corpus.n_sorted, corpus.dead,
+                    pattern.ctypes.data, len(pattern), before, max_nodes, max_depth,
+                    params.max_spec_factor, params.max_spec_offset, params.min_token_prob,
+                    params.max_candidates, params.tree, iptr, iptr + 8 * cap, self.fptr,
+                    iptr + 16 * cap, iptr + 8 * (2 * cap + TOUCHED), self.fptr + 8 * cap)
+        if n < 0:
+            raise MemoryError("suffix drafter: the compiled speculation could not allocate "
+                              f"its scratch ({corpus.n} tokens, max_candidates "
+                              f"{params.max_candidates})")
+        if n == 0:
+            return None
+        meta = ints[2 * cap + TOUCHED:].tolist()  # match length, occurrences in ends
+        return Draft(ints[:n].copy(), ints[cap:cap + n].copy(), self.floats[:n].copy(),
+                     float(self.floats[cap]), meta[0], ints[2 * cap:2 * cap + meta[1]].copy())

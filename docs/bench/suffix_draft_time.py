@@ -11,8 +11,8 @@ oracle), run on the same steps interleaved; every step's drafts must be identica
     .venv/bin/python docs/bench/suffix_draft_time.py [--requests 200] [--budget 16]
         [--data gsm8k_train.jsonl] [--profile] [--json OUT]
 
-Reported: median and mean microseconds per ``propose`` call (one request) for each path, their
-ratio, tau (tokens per step under the replay: a proxy of acceptance, not the target's), the
+Reported: median and mean microseconds per ``propose`` call (one request) for each path, in
+the thread's CPU time (so that a job sharing the machine does not count), their ratio, tau (tokens per step under the replay: a proxy of acceptance, not the target's), the
 draft size and the history size. ``--profile`` prints cProfile's top functions for the Python
 path instead. Times only compare within one run on one machine: say which CPU.
 """
@@ -66,6 +66,12 @@ def accepted(tree, truth: list[int]) -> int:
     return best
 
 
+def _same(a, b) -> bool:
+    probs = [None if t.path_probs is None else t.path_probs.tolist() for t in (a, b)]
+    return (a.tokens.tolist(), a.parents.tolist(), probs[0]) == (
+        b.tokens.tolist(), b.parents.tolist(), probs[1])
+
+
 def replay(stream, drafters: dict[str, SuffixDrafter], budget: int) -> dict:
     times = {name: [] for name in drafters}
     steps = emitted = nodes = mismatches = 0
@@ -78,13 +84,12 @@ def replay(stream, drafters: dict[str, SuffixDrafter], budget: int) -> dict:
             for name, d in drafters.items():
                 req = DraftRequest(f"r{r}", TokenView(tokens), DraftBudget(budget), params,
                                    None, states[name])
-                start = time.perf_counter()
+                start = time.thread_time()
                 (trees[name],) = d.propose([req])
-                times[name].append(time.perf_counter() - start)
+                times[name].append(time.thread_time() - start)
             first, *rest = trees.values()
             for t in rest:
-                mismatches += (t.tokens.tolist(), t.parents.tolist()) != (
-                    first.tokens.tolist(), first.parents.tolist())
+                mismatches += not _same(t, first)
             take = accepted(first, answer[done:]) + 1
             tokens += answer[done:done + take]
             done += take
