@@ -181,21 +181,17 @@ static int count_trie(const Corpus *c, int64_t *idx, int64_t k, int64_t depth, d
     return 0;
 }
 
-static const double *g_prob;
-
-static int cmp_best(const void *a, const void *b) { /* probability down, then index up */
-    int64_t i = *(const int64_t *)a, j = *(const int64_t *)b;
-    if (g_prob[i] != g_prob[j]) return g_prob[i] > g_prob[j] ? -1 : 1;
-    return i < j ? -1 : (i > j);
-}
-
-/* _best_nodes (tree) or _best_path into keep (increasing); returns how many. */
 static int64_t choose(const Trie *t, int64_t budget, int tree, int64_t *keep) {
-    if (tree) {
-        for (int64_t i = 0; i < t->n; i++) keep[i] = i;
-        g_prob = t->prob;
-        qsort(keep, (size_t)t->n, sizeof *keep, cmp_best);
-        int64_t m = t->n < budget ? t->n : budget;
+    if (tree) { /* the `budget` most probable, the earlier of equals first (no shared state:
+                   ctypes lets threads call in at once) */
+        int64_t m = 0;
+        for (int64_t i = 0; i < t->n; i++) {
+            double p = t->prob[i];
+            if (m == budget && !(p > t->prob[keep[m - 1]])) continue;
+            int64_t at = m < budget ? m++ : m - 1; /* full: the least probable goes */
+            while (at > 0 && t->prob[keep[at - 1]] < p) keep[at] = keep[at - 1], at--;
+            keep[at] = i;
+        }
         qsort(keep, (size_t)m, sizeof *keep, cmp_i64);
         return m;
     }
