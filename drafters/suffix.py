@@ -22,6 +22,9 @@ Options (``drafter_args``), defaults as vLLM's ``suffix_decoding_*`` where it ha
 - ``max_history_tokens`` (1,000,000, all salts together; about 12 MB): the history's bound.
 - ``max_candidates`` (4096): the latest occurrences of the last token looked at per corpus.
 - ``tree`` (True): a tree of the most probable nodes; False: the single most frequent path.
+- ``native`` (None): draft with the compiled speculation (specdec/native/suffix.c) when it is
+  built (None), always (True: an error when it is not), or never (False: numpy, the oracle).
+  Both give identical drafts.
 
 What it holds is in ``stats()`` (and ``memory_bytes``); the log says when the history first
 fills. A request id that starts again (preemption) takes its unfinished text out of the
@@ -36,10 +39,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.drafters import suffix_native, suffix_speculate
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, TokenView, VerifiedBatch
 from specdec.drafters.suffix_corpus import TokenCorpus
 from specdec.drafters.suffix_history import SuffixHistory
-from specdec.drafters.suffix_speculate import SpeculateParams, speculate
+from specdec.drafters.suffix_speculate import SpeculateParams
 from specdec.tree import DraftTree
 
 logger = logging.getLogger("specdec")
@@ -69,7 +73,7 @@ class SuffixDrafter(BaseDrafter):
     def __init__(self, target: TargetInfo, max_depth: int = 24, max_spec_factor: float = 1.0,
                  max_spec_offset: float = 0.0, min_token_prob: float = 0.1,
                  max_history_tokens: int = 1_000_000, max_candidates: int = 4096,
-                 tree: bool = True) -> None:
+                 tree: bool = True, native: bool | None = None) -> None:
         _check_int("max_depth", max_depth, 1)
         _check_int("max_history_tokens", max_history_tokens, 1)
         _check_int("max_candidates", max_candidates, 1)
@@ -78,11 +82,12 @@ class SuffixDrafter(BaseDrafter):
         _check_float("min_token_prob", min_token_prob, 0.0, 1.0)
         if not isinstance(tree, bool):
             raise ValueError(f"suffix drafter_args.tree must be a bool, got {tree!r}")
+        self.speculate = _speculate_fn(native)
         self.target = target
         self.max_depth = max_depth
         self.params = SpeculateParams(float(max_spec_factor), float(max_spec_offset),
                                       float(min_token_prob), max_candidates, tree)
-        self.history = SuffixHistory(max_history_tokens)
+        self.history = SuffixHistory(max_history_tokens, self.speculate)
         logger.info("suffix drafter: history of at most %d tokens per engine (all cache salts; "
                     "about %.0f MB)", max_history_tokens, 12 * max_history_tokens / 2**20)
 
@@ -115,9 +120,9 @@ class SuffixDrafter(BaseDrafter):
         state.view, state.salt = request.token_ids, request.params.cache_salt
         _extend(state, request.token_ids)
         corpus, budget = state.corpus, request.budget
-        pattern = corpus.buf[max(0, corpus.n - self.max_depth) : corpus.n].astype(np.int64)
+        pattern = corpus.buf[max(0, corpus.n - self.max_depth) : corpus.n]  # a view: read now
         depth = min(self.max_depth, budget.depth_limit)
-        own = speculate(corpus, pattern, corpus.n - 1, budget.max_nodes, depth, self.params)
+        own = self.speculate(corpus, pattern, corpus.n - 1, budget.max_nodes, depth, self.params)
         shared = self.history.draft(state.salt, pattern, budget.max_nodes, depth, self.params)
         best = own if shared is None or (own is not None and own.score >= shared.score) \
             else shared
@@ -133,6 +138,21 @@ def _extend(state: SuffixState, tokens: TokenView) -> None:
     assert len(tokens) >= n, "token lists only grow; a new request needs init_state"
     if len(tokens) > n:
         state.corpus.append(tokens[n:])
+
+
+def _speculate_fn(native):
+    """suffix_native.speculate or suffix_speculate.speculate, as ``native`` asks."""
+    if native is not None and not isinstance(native, bool):
+        raise ValueError(f"suffix drafter_args.native must be a bool or None, got {native!r}")
+    if native is False:
+        return suffix_speculate.speculate
+    if suffix_native.load() is not None:
+        return suffix_native.Speculate()
+    if native:
+        raise ValueError("suffix drafter_args.native is true but specdec's compiled kernels "
+                         "have no suffix speculation (installed with SPECDEC_NO_NATIVE=1, or "
+                         "built before it: pip install -e .); use native=false or leave it unset")
+    return suffix_speculate.speculate
 
 
 def _check_int(name: str, value, low: int) -> None:

@@ -34,10 +34,19 @@ class TokenCorpus:
         self.keys = np.empty(0, dtype=np.int32)  # [m] int32 = buf[order] when sorted
         self.n_sorted = 0  # positions < n_sorted are in `order`
         self.dead = 0  # blanked tokens (removed documents) still in buf
+        self._addresses: tuple[int, int, int] | None = None  # of buf, order, keys (addresses())
 
     @property
     def nbytes(self) -> int:
         return self.buf.nbytes + self.order.nbytes + self.keys.nbytes
+
+    def addresses(self) -> tuple[int, int, int]:
+        """The data addresses of ``buf``, ``order`` and ``keys`` (for the compiled speculation,
+        drafters/suffix_native.py), kept until one of them is replaced."""
+        if self._addresses is None:
+            self._addresses = (self.buf.ctypes.data, self.order.ctypes.data,
+                               self.keys.ctypes.data)
+        return self._addresses
 
     def append(self, tokens) -> None:
         """Append token ids (a list or an int array) to the last document."""
@@ -45,7 +54,7 @@ class TokenCorpus:
         if self.n + k > self.buf.size:
             grown = np.empty(max(2 * self.buf.size, self.n + k), dtype=np.int32)
             grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
+            self.buf, self._addresses = grown, None
         self.buf[self.n : self.n + k] = tokens
         self.n += k
         if self.n - self.n_sorted > max(MIN_TAIL, self.n_sorted // 4):
@@ -114,3 +123,4 @@ class TokenCorpus:
         keys = self.buf[order]
         first = int(np.searchsorted(keys, 0, "left"))  # separators and blanks sort first
         self.order, self.keys, self.n_sorted = order[first:], keys[first:], self.n
+        self._addresses = None

@@ -3,7 +3,8 @@
 Every finished request (prompt + output) is one document in the corpus of its salt (None is a
 salt of its own): a request drafts only from its own salt's corpus, so tenants never see each
 other's text. All salts together keep at most ``max_tokens`` tokens: above that the least
-recently used documents go (used = added, or among the latest occurrences a draft came from).
+recently used documents go (used = added, or among the latest 32 occurrences a draft came
+from).
 A removed document is blanked at once and its memory is given back when blanks outnumber the
 salt's live tokens (compaction), so memory stays within a small multiple of the bound
 (``memory_bytes``: about 12 bytes per kept token, at most twice that before a compaction).
@@ -11,6 +12,7 @@ salt's live tokens (compaction), so memory stays within a small multiple of the 
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -21,8 +23,6 @@ from specdec.drafters.suffix_corpus import TokenCorpus
 from specdec.drafters.suffix_speculate import Draft, SpeculateParams, speculate
 
 logger = logging.getLogger("specdec")
-
-TOUCHED = 32  # a draft marks the documents of its latest this many occurrences as used
 
 
 @dataclass
@@ -41,21 +41,25 @@ class _Namespace:
     ids: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     tokens: int = 0  # live tokens
-    _starts: np.ndarray | None = None  # [len(starts)] int64 cache of `starts`
 
     def doc_ids_at(self, positions: np.ndarray) -> list[int]:
-        if self._starts is None or len(self._starts) != len(self.starts):
-            self._starts = np.asarray(self.starts, dtype=np.int64)
-        at = np.unique(np.searchsorted(self._starts, positions, "right") - 1)
-        return [self.ids[i] for i in at.tolist()]
+        """The documents holding ``positions`` (increasing), each once."""
+        out, last = [], -1
+        for p in positions.tolist():  # at most TOUCHED: bisect beats numpy's call overhead
+            i = bisect.bisect_right(self.starts, p) - 1
+            if i != last:
+                out.append(self.ids[i])
+                last = i
+        return out
 
 
 class SuffixHistory:
     """Documents per salt, at most ``max_tokens`` tokens in all, least recently used first out."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, speculate=speculate) -> None:
         assert max_tokens >= 1
         self.max_tokens = max_tokens
+        self.speculate = speculate  # suffix_speculate.speculate or its compiled twin
         self.spaces: dict[str | None, _Namespace] = {}
         self.docs: OrderedDict[int, _Doc] = OrderedDict()  # least recently used first
         self.by_request: dict[str, int] = {}  # request id -> its document
@@ -106,9 +110,9 @@ class SuffixHistory:
         ns = self.spaces.get(salt)
         if ns is None:
             return None
-        draft = speculate(ns.corpus, pattern, ns.corpus.n, max_nodes, max_depth, params)
-        if draft is not None:
-            for doc_id in ns.doc_ids_at(draft.ends[-TOUCHED:]):
+        draft = self.speculate(ns.corpus, pattern, ns.corpus.n, max_nodes, max_depth, params)
+        if draft is not None:  # its latest occurrences' documents (suffix_speculate.TOUCHED)
+            for doc_id in ns.doc_ids_at(draft.ends):
                 if doc_id in self.docs:
                     self.docs.move_to_end(doc_id)
         return draft
@@ -142,4 +146,4 @@ class SuffixHistory:
                                                  for i in live])
         for i, start in zip(live, starts):
             self.docs[i].start = start
-        ns.ids, ns.starts, ns._starts = live, starts, None
+        ns.ids, ns.starts = live, starts

@@ -17,8 +17,11 @@ Tree mode keeps the ``budget`` most probable nodes with p >= ``min_token_prob`` 
 heap expansion: p never grows along a path, so the set is closed under parents); path mode
 follows the most frequent child. Budget = min(max_nodes, floor(m * max_spec_factor +
 max_spec_offset)), so a longer match may draft more (the paper's adaptive MAX_SPEC = alpha * p).
-Score = sum of the drafted nodes' p (the expected number accepted if the corpus is the model);
-the best-scoring m wins, ties to the longer match.
+Score = sum of the drafted nodes' p (the expected number accepted if the corpus is the model),
+added left to right in draft order; the best-scoring m wins, ties to the longer match.
+
+This module is the oracle of the compiled hot path (specdec/native/suffix.c, through
+``suffix_native``), which follows it step by step: both give identical drafts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from specdec.drafters.suffix_corpus import TokenCorpus
 
 _STRIDE = 1 << 32  # trie keys: (parent node + 1) * _STRIDE + token
 _TIE = 1e-9  # scores this close are equal (sums of products, rounded): the longer match wins
+TOUCHED = 32  # a draft reports the latest this many occurrences it came from (Draft.ends)
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ class Draft:
     probs: np.ndarray  # [n] float64: the corpus probability of the path to node i
     score: float  # probs.sum()
     match_len: int
-    ends: np.ndarray  # [k] int64: corpus positions of the occurrences it was drafted from
+    ends: np.ndarray  # [<= TOUCHED] int64: the latest corpus positions it was drafted from
 
 
 def speculate(corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: int,
@@ -73,7 +77,7 @@ def speculate(corpus: TokenCorpus, pattern: np.ndarray, before: int, max_nodes: 
         rows = ends[lengths >= m]
         got = _draft(corpus.continuations(rows, min(max_depth, budget)), budget, params)
         if got is not None and (best is None or got[3] > best.score + _TIE):
-            best = Draft(*got, match_len=m, ends=rows)
+            best = Draft(*got, match_len=m, ends=rows[-TOUCHED:])
     return best
 
 
@@ -93,7 +97,8 @@ def _draft(conts: np.ndarray, budget: int, params: SpeculateParams):
     remap = np.full(len(tokens) + 1, -1, dtype=np.int64)  # slot 0: the root
     remap[keep + 1] = np.arange(len(keep))
     picked = probs[keep]
-    return tokens[keep], remap[parents[keep] + 1], picked, float(picked.sum())
+    # left to right, as the C path adds (numpy's pairwise sum rounds otherwise past 8 terms)
+    return tokens[keep], remap[parents[keep] + 1], picked, float(sum(picked.tolist()))
 
 
 def count_trie(conts: np.ndarray, min_prob: float):

@@ -32,6 +32,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.data import load_questions
+from specdec.metrics import StepBudget
 
 EVAL = Path("../shared/data/eval")
 DATASETS = {"gsm8k": ("gsm8k_test.jsonl", "{}"),
@@ -43,6 +44,12 @@ def chats(name: str, n: int | None) -> list[list[dict]]:
     file, template = DATASETS[name]
     return [[{"role": "user", "content": template.format(q.turns[0])}]
             for q in load_questions(EVAL / file, None)[:n]]
+
+
+def budgets(llm: LLM) -> dict[str, StepBudget]:
+    """Copies of the engine's step budgets by step kind (plain, speculative, prefill)."""
+    return {k: StepBudget(b.steps, b.rows, b.draft_nodes, dict(b.seconds))
+            for k, b in llm.engine.totals.budget.items()}
 
 
 def decode_draft(llm: LLM) -> tuple[int, float]:
@@ -58,21 +65,33 @@ def decode_draft(llm: LLM) -> tuple[int, float]:
 
 def run_one(llm: LLM, chat, params) -> dict:
     steps0, draft0 = decode_draft(llm)
+    before = budgets(llm)
     start = time.perf_counter()
     (out,) = llm.generate([chat], params)
     seconds = time.perf_counter() - start
     steps, draft = decode_draft(llm)
+    budget = {k: b.minus(before.get(k, StepBudget())) for k, b in budgets(llm).items()}
     return {"tokens": out.token_ids, "seconds": seconds, "steps": steps - steps0,
-            "draft_seconds": draft - draft0}
+            "draft_seconds": draft - draft0, "budget": budget}
 
 
 def summarize(rows: list[dict]) -> dict:
     tokens = sum(len(r["tokens"]) for r in rows)
     seconds = sum(r["seconds"] for r in rows)
     steps = sum(r["steps"] for r in rows)
+    kinds: dict[str, StepBudget] = {}
+    for r in rows:
+        for k, b in r["budget"].items():
+            total = kinds.setdefault(k, StepBudget())
+            total.steps, total.rows = total.steps + b.steps, total.rows + b.rows
+            total.draft_nodes += b.draft_nodes
+            for part, v in b.seconds.items():
+                total.seconds[part] += v
     return {"requests": len(rows), "tokens": tokens, "tokens_per_s": tokens / seconds,
             "tau": sum(len(r["tokens"]) - 1 for r in rows) / max(steps, 1),
-            "draft_ms_per_step": 1000 * sum(r["draft_seconds"] for r in rows) / max(steps, 1)}
+            "draft_ms_per_step": 1000 * sum(r["draft_seconds"] for r in rows) / max(steps, 1),
+            "seconds": seconds,
+            "by_step_kind": {k: b.per_step_ms() for k, b in kinds.items() if b.steps}}
 
 
 def stream(name: str, activations: str, drafters: list[str], args) -> dict:
