@@ -129,7 +129,8 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
     from specdec.models.gguf_model import check_architecture
 
     gguf_file = Path(gguf_file)
-    check_architecture(open_gguf(gguf_file))
+    f = open_gguf(gguf_file)
+    check_architecture(f)
     kwargs = dict(gguf_file=gguf_file.name)
     try:
         with _gguf_parsed_once():
@@ -137,6 +138,9 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
     except Exception as e:
         raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
+    head_dim = f.metadata.get(f"{f.architecture}.attention.key_length")
+    if isinstance(head_dim, int):  # transformers leaves qwen3's at its class default (128)
+        config.head_dim = head_dim
     try:
         model_config_from_hf(config)
     except ValueError as e:
