@@ -73,7 +73,7 @@ def load_model(folder: Path, dtype: torch.dtype, device, max_positions: int,
     if gguf is None:
         load_weights(model, read_safetensors(folder))
     else:
-        f = open_gguf(gguf)
+        f = open_gguf(gguf.resolve())  # errors name the user's file, not the link to it
         check_architecture(f)
         check_tensors(f, cfg)
         put_weights(model, f, blocks)
