@@ -140,12 +140,14 @@ class BlockWeight(torch.Tensor):
             return args[0].rows_of(args[1])
         if func is aten.index_select.default and args[1] == 0:
             return args[0].rows_of(args[2])
-        if any(a.alias_info is not None and a.alias_info.is_write
-               for a in func._schema.arguments):
-            names = [a.tensor_name for a in (*args, *kwargs.values()) if isinstance(a, BlockWeight)]
-            raise TypeError(f"{func} would write into {', '.join(names)}, a GGUF file's blocks "
+        written = [a for i, a in enumerate(func._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write
+                   and isinstance(args[i] if i < len(args) else kwargs.get(a.name), BlockWeight)]
+        if written:
+            w = args[0] if isinstance(args[0], BlockWeight) else kwargs[written[0].name]
+            raise TypeError(f"{func} would write into {w.tensor_name}, a GGUF file's blocks "
                             "(read-only); load the model with its weights dequantized "
-                            "(loader.materialize) to change them")
+                            "(gguf_model.materialize) to change them")
 
         def values(a):
             if not isinstance(a, BlockWeight):
