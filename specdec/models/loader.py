@@ -87,6 +87,12 @@ def gguf_source(folder: Path) -> Path | None:
     return gguf if gguf.exists() and not _safetensors_files(folder) else None
 
 
+def hf_weights_kwargs(folder: Path) -> dict:
+    """What ``AutoModelForCausalLM.from_pretrained(folder, **kwargs)`` needs to read the
+    folder's weights (a GGUF's folder holds no safetensors: transformers dequantizes the file)."""
+    return {} if gguf_source(folder) is None else {"gguf_file": GGUF_NAME}
+
+
 def _safetensors_files(folder: Path) -> list[Path]:
     return sorted(f for f in Path(folder).glob("*.safetensors")
                   if not f.name.startswith(DERIVED_PREFIX))
