@@ -93,7 +93,7 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
 
 # per activations mode: the prepared panels, beside model.gguf in specdec's cache (or, for a
 # folder elsewhere, in specdec's cache under panels/: never written beside a user's file).
-# Preparing costs more than reading them back (SmolLM2, a 2-core EPYC under load: 26 s in
+# Preparing costs more than reading them back (SmolLM2 on a loaded 2-core Xeon: 26 s in
 # float, 1.9 s in q8, against 0.01 s to map the cached file).
 CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
 LAYOUT = 1  # of the prepare functions' output: a cache of another layout is made again

@@ -51,7 +51,7 @@ def test_a_gguf_start_keeps_no_fp32_copy(tmp_path, monkeypatch):
     native = _start(path, "native")
     fp32 = native["matrices"]
     assert native["weights"] == "native" and fp32 > 3.5 * size
-    # measured (2-core EPYC): +76 MB, peak +110 MB for 143 MB of fp32 matrices and 37 MB of
-    # blocks; a dequantized start holds +430 MB
+    # measured (2-core Xeon): +76 MB, peak +110 MB for 143 MB of fp32 matrices and 37 MB
+    # of blocks; a dequantized start holds +430 MB
     assert native["grew"] < 0.65 * fp32, native
     assert native["peak"] < 0.9 * fp32, native

@@ -155,7 +155,7 @@ def test_smollm2_a_gguf_draft_model_runs_on_its_blocks_too(smollm2_engines, smol
 @needs_kernels
 def test_smollm2_panels_are_cached_beside_the_file(smollm2_engines, smollm2_dir, monkeypatch):
     """Preparing the panels in torch takes seconds (Q4_1 in float: ~26 s on a loaded 2-core
-    EPYC); they are cached beside the alias's file in specdec's cache, for this very file: a
+    Xeon); they are cached beside the alias's file in specdec's cache, for this very file: a
     changed file is prepared again."""
     import os
 
