@@ -3,8 +3,9 @@
 Random blocks: dequantization bitwise gguf-py's; a linear layer over the prepared blocks
 bitwise the same layer over the fp32 panels of the dequantized weight, for any set of rows (so
 it is row-invariant as they are). The real file (SmolLM2's Q4_1 layers and Q8_0 embedding):
-every matrix is checked bitwise at load, streams ~96 MB instead of ~540 MB, and the engine on
-native weights gives the tokens of the engine on dequantized ones, plain and speculative.
+its matrices are the file's blocks (a draft model's fp32 ones are checked bitwise against
+them), stream ~96 MB instead of ~540 MB, and the engine on native weights gives the tokens of
+the engine on dequantized ones, plain and speculative.
 """
 
 from __future__ import annotations
