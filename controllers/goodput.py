@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import zlib
 
 from specdec.controllers.acceptance import ConfidenceCalibration, DepthAcceptance
 from specdec.controllers.base import (
@@ -51,12 +50,10 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
+from specdec.controllers.exploration import ExplorationClock
 from specdec.engine.costs import StepCosts
 
 GAIN_FLOOR = 0.01  # chain nodes less likely than this to be accepted are not planned
-# an exploration that leaves a request still not worth drafting doubles its interval, up to
-# this many times the base (a drafter that does not pay costs ~1/8 of the exploring it did)
-MAX_BACKOFF = 8
 # keep_drafting keeps an idle request's drafter state while its exploration is due this soon
 # (the engine asks again every 32 idle steps: specdec.engine.draft_stage.IDLE_CHECK)
 EXPLORE_HORIZON = 32
@@ -96,12 +93,8 @@ class GoodputController:
     prune: run the second phase; costs: a ``StepCosts`` to use instead of profiling (tests);
     prior: the acceptance assumed at depth 1 before anything was verified; explore_every: a
     request kept at budget 0 drafts one level every explore_every x batch-size steps, so its
-    estimate can recover (0: never); each exploration after which it is still not worth
-    drafting doubles its interval, up to MAX_BACKOFF times, and drafting resets it. A new
-    request starts from the backoff explorations have reached across requests (a chat's
-    requests are short: each starting again at the base interval, explorations never backed
-    off, and an exploration's catch-up is the largest cost of a drafter kept off); a request
-    that drafts anywhere resets that too.
+    estimate can recover (0: never), with a backoff while that does not pay
+    (``controllers/exploration.py``).
     """
 
     name = "goodput"
@@ -121,12 +114,7 @@ class GoodputController:
             raise ValueError(f"controller_args.prior must be in (0, 1), got {prior!r}")
         self.budget, self.width, self.prune_trees = budget, width, bool(prune)
         self.explore_every = explore_every
-        self._idle: dict[str, int] = {}  # steps since a request last drafted
-        self._backoff: dict[str, int] = {}  # a request's exploration interval multiplier
-        self._carried = 1  # the backoff a new request starts from (explorations across requests)
-        self._batch = 1  # requests in the last budgets call (explorations are per batch)
-        self._exploring: set[str] = set()  # requests explored in the last budgets call
-        self._explore_drafted: set[str] = set()  # of which drafted (observe)
+        self.exploration = ExplorationClock(explore_every)
         self._observed = 0  # steps whose drafts observe() learned from
         self._last_plan = None  # (requests and batch shape, _observed, uses, arm): drafted none
         self.max_depth = min(max_depth or budget, budget)
@@ -178,35 +166,11 @@ class GoodputController:
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
         depths, arm = self._plans(requests, batch)
         arms = [arm] * len(requests)
-        # explore: a request kept at 0 drafts one level now and then, so that its estimate is
-        # not frozen; about one request in ``explore_every`` steps across the batch (a large
-        # batch explores each request less often), staggered by request so that requests that
-        # started together do not all explore in the same step. With several arms (a composed
-        # drafter's members) the explorations take them in turn
-        interval = self.explore_every * max(1, len(requests))
-        self._batch = len(requests)
-        explored_before, self._exploring = self._exploring, set()
-        # only an exploration that drafted says something (a request without drafter state,
-        # specdec.engine.draft_stage, gets no draft: that one backs nothing off)
-        drafted_before, self._explore_drafted = self._explore_drafted, set()
-        for i, r in enumerate(requests):
-            rid = r.request_id
-            if rid not in self._idle:
-                self._idle[rid] = -(zlib.crc32(rid.encode()) % max(interval, 1))
-            backoff = self._backoff.get(rid, self._carried)
-            if depths[i] > 0:
-                backoff = self._carried = 1
-            elif rid in explored_before and rid in drafted_before:  # it did not make it pay
-                backoff = min(2 * backoff, MAX_BACKOFF)
-                self._carried = max(self._carried, backoff)
-            self._backoff[rid] = backoff
-            idle = self._idle[rid] + 1 if depths[i] == 0 else 0
-            if self.explore_every and idle >= interval * backoff:
-                depths[i], idle = 1, 0
-                arms[i] = self.arms[self._explored % len(self.arms)]
-                self._explored += 1
-                self._exploring.add(rid)
-            self._idle[rid] = idle
+        # explore: a request kept at 0 drafts one level now and then; with several arms (a
+        # composed drafter's members) the explorations take them in turn
+        for i in self.exploration.step([r.request_id for r in requests], depths):
+            arms[i] = self.arms[self._explored % len(self.arms)]
+            self._explored += 1
         out = [NO_DRAFT if k == 0 else DraftBudget(min(self.budget, k * self.width), k, a)
                for k, a in zip(depths, arms)]
         self._asked_arm = {r.request_id: a for r, a in zip(requests, arms)}
@@ -256,17 +220,8 @@ class GoodputController:
         lone = BatchComposition(1, 0, 0, 0, max(self.budget, 1))
         if any(max(self._plan([request], lone, arm)[1]) > 0 for arm in self.arms):
             return True
-        return recompute_tokens == 0 and self._explores_within(request.request_id,
-                                                               EXPLORE_HORIZON)
-
-    def _explores_within(self, request_id: str, steps: int) -> bool:
-        """Whether ``budgets`` would explore this request in the next ``steps`` steps (at the
-        batch size it last saw)."""
-        if not self.explore_every:
-            return False
-        interval = self.explore_every * max(1, self._batch)
-        idle = self._idle.get(request_id, -(zlib.crc32(request_id.encode()) % interval))
-        return interval * self._backoff.get(request_id, self._carried) - idle <= steps
+        return recompute_tokens == 0 and self.exploration.due_within(request.request_id,
+                                                                     EXPLORE_HORIZON)
 
     def _gains(self, request_id: str, arm) -> list[float]:
         """Chain gains by depth, cut after the first below GAIN_FLOOR: a node accepted less
@@ -401,8 +356,8 @@ class GoodputController:
         if any(o.num_proposed for o in report.outcomes):
             self._observed += 1  # what the plan reads of acceptance changed
         for o in report.outcomes:
-            if o.num_proposed and o.request_id in self._exploring:
-                self._explore_drafted.add(o.request_id)
+            if o.num_proposed:
+                self.exploration.drafted(o.request_id)
             if o.num_proposed:
                 # what asking for this depth yielded, pruning included: a depth counts as tried
                 # when it was drafted, not only when it was verified (otherwise the estimate
@@ -424,9 +379,7 @@ class GoodputController:
         """The request ended: its own acceptance counts and exploration clock go (the
         drafter-wide estimates, the confidence calibration and the cost model stay), so a request
         reusing the id starts from the drafter's history. Not called on preemption."""
-        self._idle.pop(request_id, None)
-        self._backoff.pop(request_id, None)
-        self._exploring.discard(request_id)
+        self.exploration.forget(request_id)
         for d in self.depths.values():
             d.forget(request_id)
 

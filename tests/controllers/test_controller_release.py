@@ -44,10 +44,10 @@ def test_goodput_release_forgets_the_request_not_the_drafter():
     c.budgets(views, BatchComposition(2, 0, 0, 0, 64))
     drafter_wide = c.depth.rate("never seen", 1)
     assert c.depth.rate("r0", 1) < drafter_wide - 0.2, "r0 has estimates of its own"
-    assert "r0" in c._idle
+    assert "r0" in c.exploration.idle
     c.release("r0")
     assert c.depth.rate("r0", 1) == drafter_wide, "a reused id starts from the drafter's history"
-    assert "r0" not in c._idle and "r0" not in c.depth.requests
+    assert "r0" not in c.exploration.idle and "r0" not in c.depth.requests
     assert c.depth.rate("r1", 1) > drafter_wide, "other requests keep theirs"
     c.release("never seen")  # an id the controller never saw: nothing to drop
 
@@ -185,5 +185,5 @@ def test_goodput_in_the_engine_forgets_a_request_that_ended(tiny_llama):
             seen |= "x" in controller.depth.requests
         eng.pop_finished("x")
         assert seen, "the request had estimates of its own while it ran"
-        assert "x" not in controller.depth.requests and "x" not in controller._idle
+        assert "x" not in controller.depth.requests and "x" not in controller.exploration.idle
     assert sum(controller.depth.trials) > 0, "the drafter-wide history stays"

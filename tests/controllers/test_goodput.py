@@ -17,7 +17,8 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
-from specdec.controllers.goodput import MAX_BACKOFF, GoodputController, _Line
+from specdec.controllers.exploration import MAX_BACKOFF
+from specdec.controllers.goodput import GoodputController, _Line
 from specdec.engine.costs import StepCosts
 from specdec.tree import DraftTree
 
@@ -87,10 +88,10 @@ def test_an_exploration_that_drafted_nothing_backs_nothing_off():
     c = GoodputController(costs=linear_costs(0.0, 1.0), prior=0.3, explore_every=4)
     for _ in range(200):
         _drafted_step(c, 1, drafted=False)
-    assert c._backoff["r0"] == 1 and c._carried == 1
+    assert c.exploration.backoff["r0"] == 1 and c.exploration.carried == 1
     for _ in range(200):
         _drafted_step(c, 1)
-    assert c._backoff["r0"] == MAX_BACKOFF
+    assert c.exploration.backoff["r0"] == MAX_BACKOFF
 
 
 def test_drafting_resets_the_exploration_backoff():
@@ -99,12 +100,12 @@ def test_drafting_resets_the_exploration_backoff():
         c.budgets(views(1), batch(1))
         c.observe(_report([RequestOutcome("r0", DraftBudget(1), 1, 0, False,
                                           DraftTree.chain([1], None), ())]))
-    assert c._backoff["r0"] == MAX_BACKOFF
+    assert c.exploration.backoff["r0"] == MAX_BACKOFF
     chain = DraftTree.chain([1, 2], None)
     for _ in range(100):  # now its drafts are accepted: it drafts, at the base interval again
         c.observe(_report([RequestOutcome("r0", DraftBudget(2), 2, 2, False, chain, (0, 1))]))
     assert c.budgets(views(1), batch(1))[0].max_nodes > 0
-    assert c._backoff["r0"] == 1
+    assert c.exploration.backoff["r0"] == 1
 
 
 def _explorations(c, rid: str, steps: int) -> list[int]:
@@ -128,13 +129,13 @@ def test_new_requests_start_from_the_backoff_explorations_reached():
     c.release("a")
     second = _explorations(c, "b", 200)
     assert len(first) >= 4 and len(second) < len(first) / 2, (first, second)
-    assert c._backoff["b"] == MAX_BACKOFF
+    assert c.exploration.backoff["b"] == MAX_BACKOFF
     c.release("b")
     chain = DraftTree.chain([1, 2], None)
     for _ in range(100):  # a request whose drafts are accepted drafts: the carry is reset
         c.observe(_report([RequestOutcome("c", DraftBudget(2), 2, 2, False, chain, (0, 1))]))
     assert c.budgets(views(1), batch(1))[0].max_nodes > 0
-    assert c._carried == 1
+    assert c.exploration.carried == 1
 
 
 def test_keep_drafting_keeps_an_idle_request_only_while_its_exploration_is_near():
