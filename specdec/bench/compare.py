@@ -75,7 +75,10 @@ class HFSystem:
                  eos_ids: tuple[int, ...], pld: bool) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype))
+        from specdec.models.loader import hf_weights_kwargs
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=resolve_dtype(dtype),
+                                                          **hf_weights_kwargs(folder))
         self.model.to(device).eval()
         self.device = device
         # the engine's stop set (config.json's eos), not generation_config.json's, so that both

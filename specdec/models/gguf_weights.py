@@ -1,82 +1,60 @@
-"""A GGUF file's own quantized weights (Q4_1, Q8_0), prepared for the compiled kernels.
+"""A GGUF file's own quantized weights, prepared for the compiled kernels.
 
-The engine's fp32 weights of a GGUF model are what transformers dequantizes from it (gguf-py:
-``(d * q) + m`` for Q4_1, ``q * d`` for Q8_0, float32, two roundings). Streaming them costs
-5.6x the bytes the file holds (SmolLM2-135M: 540 MB of fp32 against 96 MB of blocks), and a
-one-row decode step is bound by that stream. Here the blocks are read as they are, put in the
-model's matrix order (q and k rows un-permuted as transformers does, q|k|v and gate|up
-concatenated, as ``LlamaDecoder`` fuses them), and laid out for ``sd_linear`` (panel pairs of 16
-output rows, block by block; specdec/native/linear.c), which dequantizes in registers exactly
-as gguf-py does. So a matmul over them uses bitwise the weights of the fp32 model, and its rows
-are bitwise those of the fp32 panels (same fma chain per element): ``weights="native"`` and
-``"dequantized"`` give the same tokens, the native ones streaming a sixth of the bytes.
+A model loaded from a GGUF (specdec.models.gguf_model) keeps its matrices as the file's blocks
+(``BlockWeight``: dequantized on demand, bitwise gguf-py's, so bitwise the fp32 weights
+transformers makes of the file). Here they are laid out matrix by matrix for ``sd_linear``
+(panel pairs of 16 output rows, block by block; specdec/native/linear.c, which dequantizes in
+registers exactly as gguf-py does), for float or int8 activations: ``weights="native"`` and
+``"dequantized"`` give the same tokens in float, the native ones streaming the file's bytes
+(SmolLM2-135M: ~96 MB against 540 MB of fp32).
 
-    blocks = read_matrices(gguf_path, cfg)        # {"layers.0.qkv": Blocks, ..., "head": ...}
-    panels = gguf_blocks.prepare(blocks["layers.0.qkv"])      # -> native.Panels (fmt Q4_1)
-    gguf_blocks.dequantize(blocks["head"])                    # [out, in] float32, bitwise gguf-py's
+A model with fp32 weights of its own beside a GGUF (an HF folder that also holds
+``model.gguf``) gets the file's blocks only where they dequantize bitwise to its weights.
+
+    panels = native_panels(model, folder / "model.gguf", "auto", torch.float32, cpu,
+                           "invariant", "float")     # [(weight, Panels)], [] to fall back
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from specdec.models import native, q8_activations
+from specdec.models.block_weight import BlockWeight
 from specdec.models.gguf_blocks import BLOCK_BYTES, Blocks, dequantize
 from specdec.models.native import Panels
 
 logger = logging.getLogger("specdec")
 
 
-def _unpermute(n_head: int, out: int) -> torch.Tensor:
-    """Row order transformers gives llama's q / k after GGUF's rope permutation (its
-    ``_reverse_permute_weights``): new row r is file row index[r]."""
-    return torch.arange(out).reshape(n_head, out // n_head // 2, 2).transpose(1, 2).reshape(-1)
-
-
-def _cat(parts: list[Blocks]) -> Blocks:
-    kinds = {p.kind for p in parts}
-    if len(kinds) != 1:
-        raise ValueError(f"fused matrices need one block type, got {sorted(kinds)}")
-    return Blocks(parts[0].kind, torch.cat([p.rows for p in parts]), parts[0].in_features)
-
-
 def read_matrices(path: Path, cfg) -> dict[str, Blocks]:
-    """Every matrix ``LlamaDecoder.matrices()`` multiplies by, as the file's blocks:
-    ``layers.{i}.{qkv,o,gate_up,down}`` and ``head`` (the LM head, or the tied embedding).
-    Raises ValueError naming a tensor whose type the kernels do not take."""
-    from gguf import GGUFReader
+    """Every matrix ``LlamaDecoder.named_matrices()`` multiplies by, as the file's blocks:
+    ``layers.{i}.{qkv,o,gate_up,down}`` and ``head`` (the LM head, or the tied embedding), in
+    the decoder's row order. Raises ValueError naming the file and a tensor whose type the
+    kernels do not take."""
+    from specdec.models.gguf_file import open_gguf
+    from specdec.models.gguf_model import check_architecture, gguf_matrices
 
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    f = open_gguf(path)
+    check_architecture(f)
+    mats = gguf_matrices(f, cfg)
+    mats.pop("embed")
+    return {name: _native_blocks(BlockWeight(parts, name, f)) for name, parts in mats.items()}
 
-    def get(name: str, permute_heads: int | None = None) -> Blocks:
-        t = tensors.get(name)
-        if t is None:
-            raise ValueError(f"{path}: no tensor {name!r}")
-        kind = t.tensor_type.name
+
+def _native_blocks(w: BlockWeight) -> Blocks:
+    """``w``'s blocks as one matrix; ValueError naming it unless the kernels take their type."""
+    for kind in w.kinds:
         if kind not in BLOCK_BYTES:
-            raise ValueError(f"{path}: {name} is {kind}; native weights take "
-                             f"{', '.join(BLOCK_BYTES)} (use weights='dequantized')")
-        rows = torch.from_numpy(np.array(t.data))  # a copy: the reader maps the file read-only
-        if permute_heads is not None:
-            rows = rows[_unpermute(permute_heads, rows.shape[0])]
-        return Blocks(kind, rows, int(t.shape[0]))
-
-    out = {}
-    for i in range(cfg.num_layers):
-        p = f"blk.{i}."
-        out[f"layers.{i}.qkv"] = _cat([get(p + "attn_q.weight", cfg.num_heads),
-                                       get(p + "attn_k.weight", cfg.num_kv_heads),
-                                       get(p + "attn_v.weight")])
-        out[f"layers.{i}.o"] = get(p + "attn_output.weight")
-        out[f"layers.{i}.gate_up"] = _cat([get(p + "ffn_gate.weight"), get(p + "ffn_up.weight")])
-        out[f"layers.{i}.down"] = get(p + "ffn_down.weight")
-    out["head"] = get("token_embd.weight" if cfg.tie_word_embeddings else "output.weight")
-    return out
+            raise ValueError(f"{w.file.path if w.file else 'the file'}: {w.tensor_name} is "
+                             f"{kind}; native weights take {', '.join(BLOCK_BYTES)} (use "
+                             "weights='dequantized')")
+    return w.blocks()
 
 
 def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torch.device,
@@ -84,8 +62,8 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
                   ) -> list[tuple[torch.Tensor, Panels]]:
     """What ``weights=mode`` ("auto" | "native" | "dequantized") gives ``model`` (loaded from
     the folder holding ``gguf``): [] for its dequantized weights, else (weight, panels) for
-    every matrix it multiplies by, each checked bitwise against the weight at load, laid out
-    for ``activations`` ("float" | "q8": specdec.models.q8_activations). "native", and "q8"
+    every matrix it multiplies by (its ``BlockWeight``s' blocks, or the file's checked
+    bitwise against its fp32 weights), laid out for ``activations`` ("float" | "q8": specdec.models.q8_activations). "native", and "q8"
     (which exists only over the blocks) unless not ``strict`` (a draft model: it may compute
     otherwise), raise ValueError saying why they cannot run; "auto" logs why and returns []."""
     if mode == "dequantized":
@@ -113,24 +91,40 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
     return out
 
 
-# beside model.gguf, per activations mode: the checked, prepared panels
+# per activations mode: the prepared panels, beside model.gguf in specdec's cache (or, for a
+# folder elsewhere, in specdec's cache under panels/: never written beside a user's file).
+# Preparing costs more than reading them back (SmolLM2 on a loaded 2-core Xeon: 26 s in
+# float, 1.9 s in q8, against 0.01 s to map the cached file).
 CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
 LAYOUT = 1  # of the prepare functions' output: a cache of another layout is made again
 
 
+def panel_cache(gguf: Path, activations: str) -> Path:
+    """Where the panels of ``gguf`` for ``activations`` are cached."""
+    from specdec.models.aliases import cache_dir
+
+    root = cache_dir().resolve()
+    folder = gguf.parent.resolve()
+    if not folder.is_relative_to(root):
+        digest = hashlib.blake2b(str(gguf.resolve()).encode(), digest_size=8).hexdigest()
+        folder = root / "panels" / digest
+    return folder / CACHE_NAMES[activations]
+
+
 def _cached_panels(model, gguf: Path, activations: str = "float"
                    ) -> list[tuple[torch.Tensor, Panels]]:
-    """The checked panels of every matrix, from the cache beside the file when it was made from
-    this very file (size, mtime) and layout, else read (gguf-py parses the whole file: ~6 s for
-    SmolLM2's tokenizer fields), checked bitwise, prepared and cached (atomically; a folder
-    that cannot be written is only logged)."""
+    """The panels of every matrix, from the cache (``panel_cache``) when it was made from this
+    very file (size, mtime) and layout, else prepared (from the model's ``BlockWeight``s, or
+    from the file's blocks checked bitwise against its fp32 weights) and cached (atomically;
+    a folder that cannot be written is only logged). The file's pages the preparation read
+    are then dropped from memory (the panels hold the values)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     params = model.named_matrices()
     stat = gguf.stat()
     key = f"{LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}"
-    cache = gguf.parent / CACHE_NAMES[activations]
+    cache = panel_cache(gguf, activations)
     if cache.exists():
         with safe_open(str(cache), "pt") as f:
             meta = f.metadata() or {}
@@ -138,11 +132,18 @@ def _cached_panels(model, gguf: Path, activations: str = "float"
             tensors = load_file(cache)
             return [(params[n], Panels(tensors[n], *map(int, meta[n].split(":"))))
                     for n in params]
-    out = _checked_panels(params, read_matrices(gguf, model.cfg), activations)
+    if all(isinstance(w, BlockWeight) for w in params.values()):
+        make = q8_activations.preparer(activations)
+        out = [(w, make(_native_blocks(w))) for w in params.values()]
+        for f in {id(w.file): w.file for w in params.values() if w.file is not None}.values():
+            f.release_pages()
+    else:
+        out = _checked_panels(params, read_matrices(gguf, model.cfg), activations)
     meta = {"key": key, **{n: f"{p.out_features}:{p.in_features}:{p.fmt}:{p.panels}"
                            for n, (_, p) in zip(params, out)}}
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
         save_file({n: p.data for n, (_, p) in zip(params, out)}, tmp, metadata=meta)
         os.replace(tmp, cache)
     except OSError as e:

@@ -7,13 +7,18 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from specdec.models.aliases import ALIASES, alias_folder, gguf_folder
+from specdec.models.aliases import ALIASES, GGUF_NAME, alias_folder, gguf_folder
 from specdec.models.config import ModelConfig, model_config_from_hf
+from specdec.models.gguf_file import open_gguf
+from specdec.models.gguf_model import check_architecture, check_tensors, put_weights
 from specdec.models.llama import LlamaDecoder
+
+DERIVED_PREFIX = "native_panels"  # files specdec writes beside a GGUF (gguf_weights.py)
 
 
 def resolve_model_path(model: str) -> Path:
-    """An HF folder (config.json + *.safetensors + tokenizer) for `model`.
+    """The model's folder: config.json, the tokenizer, and the weights (*.safetensors, or a
+    GGUF file as ``model.gguf``: see `specdec.models.aliases`).
 
     `model` is an alias (see `specdec.models.aliases.ALIASES`), a local HF folder, a local .gguf
     file, or a hub id (only when online).
@@ -54,20 +59,49 @@ def load_hf_config(folder: Path):
         raise ValueError(f"could not read {folder / 'config.json'}: {e}") from e
 
 
-def load_model(folder: Path, dtype: torch.dtype, device, max_positions: int):
-    """(LlamaDecoder with weights, ModelConfig, HF config) from an HF folder (kept as
-    ``model.source_folder``: a converted GGUF's blocks sit there, see gguf_weights.py)."""
+def load_model(folder: Path, dtype: torch.dtype, device, max_positions: int,
+               blocks: bool = False):
+    """(LlamaDecoder with weights, ModelConfig, HF config) from a model folder (kept as
+    ``model.source_folder``). Weights from its *.safetensors, else from its ``model.gguf``
+    (checked before any is used: specdec.models.gguf_model): with ``blocks`` and float32 on a
+    CPU its matrices stay the file's blocks (``BlockWeight``: no fp32 copy; the engine runs
+    them through the kernels), otherwise they are dequantized once into ``dtype`` (logged)."""
     hf_config = load_hf_config(folder)
     cfg = model_config_from_hf(hf_config)
     model = LlamaDecoder(cfg, hf_config, max_positions, dtype, device)
-    load_weights(model, read_safetensors(folder))
+    gguf = gguf_source(folder)
+    if gguf is None:
+        load_weights(model, read_safetensors(folder))
+    else:
+        f = open_gguf(gguf.resolve())  # errors name the user's file, not the link to it
+        check_architecture(f)
+        check_tensors(f, cfg)
+        put_weights(model, f, blocks)
     model.source_folder = Path(folder)
     return model, cfg, hf_config
 
 
+def gguf_source(folder: Path) -> Path | None:
+    """The folder's ``model.gguf`` when it holds no other weights (a GGUF's folder), else None."""
+    gguf = Path(folder) / GGUF_NAME
+    return gguf if gguf.exists() and not _safetensors_files(folder) else None
+
+
+def hf_weights_kwargs(folder: Path) -> dict:
+    """What ``AutoModelForCausalLM.from_pretrained(folder, **kwargs)`` needs to read the
+    folder's weights (a GGUF's folder holds no safetensors: transformers dequantizes the file)."""
+    return {} if gguf_source(folder) is None else {"gguf_file": GGUF_NAME}
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    return sorted(f for f in Path(folder).glob("*.safetensors")
+                  if not f.name.startswith(DERIVED_PREFIX))
+
+
 def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors file in the folder; ValueError names a bad file."""
-    files = sorted(Path(folder).glob("*.safetensors"))
+    """Every tensor of every *.safetensors weights file in the folder (not the panels specdec
+    caches there); ValueError names a bad file."""
+    files = _safetensors_files(folder)
     if not files:
         raise ValueError(f"no *.safetensors weights file in {folder}")
     tensors = {}

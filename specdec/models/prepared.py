@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.models.block_weight import BlockWeight
 from specdec.models.native import ABI, FORMATS, Kernels, Panels
 
 
@@ -44,12 +45,14 @@ class PreparedLinears:
 
     @staticmethod
     def _key(weight: torch.Tensor) -> tuple:
+        if isinstance(weight, BlockWeight):  # no storage of its own; read-only
+            return "blocks", weight.key
         return weight.data_ptr(), tuple(weight.shape), weight.dtype, weight._version
 
     def adopt(self, weight: torch.Tensor, panels: Panels) -> None:
         """Compute ``weight`` with ``panels`` made elsewhere (a GGUF's own blocks, whose values
-        are bitwise ``weight``'s: specdec.models.gguf_weights); a weight changed in place later
-        is prepared again from its new values."""
+        are bitwise ``weight``'s, or are ``weight``, a ``BlockWeight``: specdec.models.
+        gguf_weights); a weight changed in place later is prepared again from its new values."""
         if (panels.out_features, panels.in_features) != tuple(weight.shape):
             raise ValueError(f"panels of {panels.out_features}x{panels.in_features} for a "
                              f"weight of {tuple(weight.shape)}")

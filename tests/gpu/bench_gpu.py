@@ -146,7 +146,10 @@ def hf_generate(folder: Path, tokens: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(DEVICE).eval()
+    from specdec.models.loader import hf_weights_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **hf_weights_kwargs(folder))
+    model = model.to(DEVICE).eval()
     ids = torch.tensor(_prompts(1, _vocab(folder), seed=1), device=DEVICE)
     kw = dict(do_sample=False, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
     with torch.inference_mode():

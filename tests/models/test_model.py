@@ -15,7 +15,7 @@ from specdec.attention.metadata import build_metadata
 from specdec.attention.torch_backend import TorchAttentionBackend
 from specdec.kv.cache import KVCache
 from specdec.models.llama import rms_norm
-from specdec.models.loader import load_model
+from specdec.models.loader import hf_weights_kwargs, load_model
 from specdec.models.tokenizer import load_tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -28,7 +28,8 @@ DECODE_STEPS = 4
 
 def _load_both(folder, dtype, max_positions=128):
     model, cfg, _ = load_model(folder, dtype, "cpu", max_positions)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                              **hf_weights_kwargs(folder)).eval()
     return model, cfg, hf
 
 

@@ -1,0 +1,183 @@
+"""A ``LlamaDecoder``'s weights straight from a GGUF file: its matrices as ``BlockWeight``s (the
+file's blocks, no fp32 copy) or, where asked, dequantized once.
+
+llama.cpp's tensor names map onto the decoder's fused parameters (q|k|v and gate|up are one
+matrix each; for ``general.architecture`` "llama" the q and k rows are put back in the order
+transformers gives them, undoing the rope permutation of llama.cpp's converter; qwen2 / qwen3
+files are stored unpermuted). Before any weight is used every tensor is checked: present, of
+the shape the metadata give (config.json was made from them), of finite fp16 scales.
+
+    f = open_gguf(path)
+    check_tensors(f, cfg)                       # ValueError naming the file and the tensor
+    matrices = gguf_matrices(f, cfg)            # {"layers.0.qkv": [Part, Part, Part], ...}
+    put_weights(model, f, blocks=True)          # BlockWeights (float32 on the CPU) or dtype
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from specdec.models.block_weight import BlockWeight, Part, dequantize
+from specdec.models.config import ModelConfig
+from specdec.models.gguf_blocks import Blocks
+from specdec.models.gguf_file import GGUFFile, check_finite
+
+logger = logging.getLogger("specdec")
+
+# general.architecture -> the model_type LlamaDecoder runs (transformers' reading of the
+# metadata; a "llama" file named Mistral is a mistral)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+PERMUTED_QK = ("llama",)  # architectures whose converter permutes q / k rows for rope
+
+
+def check_architecture(f: GGUFFile) -> None:
+    if f.architecture not in ARCHITECTURES:
+        raise ValueError(f"{f.path}: general.architecture {f.architecture!r} is not supported; "
+                         f"LlamaDecoder runs {', '.join(map(repr, ARCHITECTURES))}")
+
+
+def _unpermute(n_head: int, out: int) -> torch.Tensor:
+    """Row order transformers gives llama's q / k after GGUF's rope permutation (its
+    ``_reverse_permute_weights``): new row r is file row index[r]."""
+    return torch.arange(out).reshape(n_head, out // n_head // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, by its GGUF name, with the shape (torch order) the
+    config gives it."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    out = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        out["output.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
+                    p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
+                    p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
+                    p + "ffn_gate.weight": (inter, h), p + "ffn_up.weight": (inter, h),
+                    p + "ffn_down.weight": (h, inter)})
+        if cfg.attention_bias:
+            out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,),
+                        p + "attn_v.bias": (kv,)})
+        if cfg.qk_norm:
+            out.update({p + "attn_q_norm.weight": (cfg.head_dim,),
+                        p + "attn_k_norm.weight": (cfg.head_dim,)})
+    return out
+
+
+def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
+    """ValueError naming the file and tensor unless every tensor the decoder reads is there, of
+    the shape the metadata give, with finite scales, and the file has no further layers."""
+    a = f.architecture
+    meta = ", ".join(f"{k.removeprefix(a + '.')} {f.metadata[k]}" for k in (
+        f"{a}.block_count", f"{a}.embedding_length", f"{a}.feed_forward_length",
+        f"{a}.attention.head_count", f"{a}.attention.head_count_kv",
+        f"{a}.attention.key_length") if k in f.metadata)
+    where = f"{f.path}: the metadata ({meta}; vocabulary {cfg.vocab_size})"
+    for name, shape in expected_shapes(cfg).items():
+        t = f.tensors.get(name)
+        if t is None:
+            raise ValueError(f"{where} need tensor {name!r}, which the file lacks")
+        if tuple(t.shape) != shape and not (len(shape) == 1 and t.shape == (1, *shape)):
+            raise ValueError(f"{where} give tensor {name} the shape {list(shape)}; the file "
+                             f"stores {list(t.shape)}")
+        check_finite(f, name, dequantize)
+    extra = f"blk.{cfg.num_layers}.attn_q.weight"
+    if extra in f.tensors:
+        raise ValueError(f"{where} say {cfg.num_layers} layers; the file has tensor {extra}")
+
+
+def _part(f: GGUFFile, name: str, permute_heads: int | None = None) -> Part:
+    t = f.tensors[name]
+    blocks = Blocks(t.kind, f.rows(name), t.shape[-1])
+    order = None if permute_heads is None else _unpermute(permute_heads, t.shape[0])
+    return Part(blocks, order, name)
+
+
+def gguf_matrices(f: GGUFFile, cfg: ModelConfig) -> dict[str, list[Part]]:
+    """Every matrix ``LlamaDecoder.named_matrices()`` multiplies by, plus ``embed`` (the token
+    embedding, which is also ``head`` when tied), as parts of the file's tensors."""
+    perm = f.architecture in PERMUTED_QK
+    out = {"embed": [_part(f, "token_embd.weight")]}
+    out["head"] = out["embed"] if cfg.tie_word_embeddings else [_part(f, "output.weight")]
+    for i in range(cfg.num_layers):
+        p = f"blk.{i}."
+        out[f"layers.{i}.qkv"] = [
+            _part(f, p + "attn_q.weight", cfg.num_heads if perm else None),
+            _part(f, p + "attn_k.weight", cfg.num_kv_heads if perm else None),
+            _part(f, p + "attn_v.weight")]
+        out[f"layers.{i}.o"] = [_part(f, p + "attn_output.weight")]
+        out[f"layers.{i}.gate_up"] = [_part(f, p + "ffn_gate.weight"), _part(f, p + "ffn_up.weight")]
+        out[f"layers.{i}.down"] = [_part(f, p + "ffn_down.weight")]
+    return out
+
+
+def _vector(f: GGUFFile, name: str, permute_heads: int | None = None) -> torch.Tensor:
+    t = f.tensors[name]
+    values = dequantize(t.kind, f.rows(name), t.shape[-1]).reshape(-1)
+    return values if permute_heads is None else values[_unpermute(permute_heads, values.numel())]
+
+
+def put_weights(model, f: GGUFFile, blocks: bool) -> None:
+    """Give ``model`` (a LlamaDecoder made for ``f``'s config, checked by ``check_tensors``)
+    the file's weights: norms and biases as plain tensors; matrices as ``BlockWeight``s when
+    ``blocks`` and the model computes in float32 on the CPU, else dequantized once into its
+    dtype (logged)."""
+    cfg = model.cfg
+    dtype, device = model.final_norm.dtype, model.final_norm.device
+    lean = blocks and dtype == torch.float32 and device.type == "cpu"
+    mats = gguf_matrices(f, cfg)
+    weights = {}
+    for name, parts in mats.items():
+        if name == "head" and cfg.tie_word_embeddings:
+            continue
+        w = BlockWeight(parts, f"{name} ({'|'.join(p.name for p in parts)})", f)
+        weights[name] = w if lean else w.dequantize().to(dtype=dtype, device=device)
+    if not lean:
+        logger.info("weights: %s dequantized into %s on %s (%.0f MB)", f.path,
+                    str(dtype).removeprefix("torch."), device.type,
+                    sum(w.numel() * w.element_size() for w in weights.values()) / 1e6)
+
+    def put(module, attr: str, value: torch.Tensor) -> None:
+        setattr(module, attr, nn.Parameter(value.to(device=device) if not isinstance(
+            value, BlockWeight) else value, requires_grad=False))
+
+    put(model, "embed", weights["embed"])
+    if not cfg.tie_word_embeddings:
+        put(model, "lm_head", weights["head"])
+    put(model, "final_norm", _vector(f, "output_norm.weight").to(dtype))
+    perm = f.architecture in PERMUTED_QK
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        for attr in ("qkv", "o", "gate_up", "down"):
+            put(layer, f"{attr}_weight", weights[f"layers.{i}.{attr}"])
+        put(layer, "input_norm", _vector(f, p + "attn_norm.weight").to(dtype))
+        put(layer, "post_attn_norm", _vector(f, p + "ffn_norm.weight").to(dtype))
+        if cfg.attention_bias:
+            heads = (cfg.num_heads, cfg.num_kv_heads, None) if perm else (None,) * 3
+            bias = [_vector(f, p + f"attn_{x}.bias", n) for x, n in zip("qkv", heads)]
+            put(layer, "qkv_bias", torch.cat(bias).to(dtype))
+        if cfg.qk_norm:
+            put(layer, "q_norm", _vector(f, p + "attn_q_norm.weight").to(dtype))
+            put(layer, "k_norm", _vector(f, p + "attn_k_norm.weight").to(dtype))
+    f.release_pages()  # what the checks and the vectors read; matrices are read when prepared
+
+
+def materialize(model) -> int:
+    """Replace every ``BlockWeight`` of ``model`` by its dequantized values (float32
+    parameters); returns how many. For a model whose matrices the kernels do not run from the
+    blocks (``weights="dequantized"``, another kernel choice, a type they do not take)."""
+    done = 0
+    for module in model.modules():
+        for attr, p in list(module.named_parameters(recurse=False)):
+            if isinstance(p, BlockWeight):
+                setattr(module, attr, nn.Parameter(p.dequantize(), requires_grad=False))
+                done += 1
+    if done:
+        logger.info("weights: %d matrices of %s dequantized into float32 (%.0f MB)", done,
+                    type(model).__name__,
+                    sum(w.numel() * 4 for w in model.matrices()) / 1e6)
+    return done
