@@ -21,7 +21,7 @@ from test_gguf_weights import needs_kernels, random_blocks
 from specdec import LLM, SamplingParams
 from specdec.models import gguf_blocks as gb
 from specdec.models import q8_activations as qa
-from specdec.models.gguf_weights import _unpermute
+from specdec.models.gguf_model import _unpermute
 
 HIDDEN, INTER, HEADS, KV_HEADS, VOCAB = 256, 512, 4, 2, 96
 # per layer: the GGUF type of (qkv, o, gate_up, down); and the LM head's
@@ -75,6 +75,7 @@ def make_mixed_model(folder: Path, seed: int = 0) -> Path:
         b = random_blocks(HEAD_KIND, VOCAB, HIDDEN, seed=n + 1)
         model.lm_head.weight.copy_(gb.dequantize(b))
         _write_matrix(writer, "output.weight", b)
+        writer.add_tensor("token_embd.weight", model.model.embed_tokens.weight.float().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
