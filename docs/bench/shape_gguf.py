@@ -428,7 +428,8 @@ def _write_folder_files(out: Path, source: Path, shape: Shape, changed: dict, ar
                   num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                   num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
                   max_position_embeddings=context, tie_word_embeddings=tied,
-                  _model_name_or_path=changed["general.name"], _name_or_path=str(out))
+                  _model_name_or_path=changed["general.name"], _name_or_path=str(out),
+                  dtype="float32")  # the folder's weights are fp32 (a lean GGUF folder has none)
     if "rope_parameters" in config:
         config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": rope_theta}
     if "rope_theta" in config:

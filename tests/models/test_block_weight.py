@@ -30,10 +30,8 @@ def test_dequantize_is_gguf_pys(kind):
     qtype = GGMLQuantizationType[kind]
     block, size = GGML_QUANT_SIZES[qtype]
     rng = np.random.default_rng(0)
-    if kind == "Q6_K":  # gguf-py does not quantize K-quants: random blocks, finite scales
-        rows = rng.integers(0, 256, (5, 2, size), dtype=np.uint8)
-        rows[..., 208:210] = np.full((5, 2, 1), 0.01, np.float16).view(np.uint8)
-        rows = rows.reshape(5, -1)
+    if kind.endswith("_K"):  # gguf-py does not quantize K-quants: random blocks, finite scales
+        rows = random_blocks(kind, 5, 2 * block).rows.numpy()
     else:
         rows = quants.quantize(rng.standard_normal((5, 2 * max(block, 32))).astype(np.float32),
                                qtype)
