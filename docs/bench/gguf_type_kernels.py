@@ -20,24 +20,21 @@ import time
 import numpy as np
 import torch
 
+from specdec.bench.random_blocks import random_blocks as blocks_of
 from specdec.models import gguf_blocks as gb
 from specdec.models import native
 from specdec.models import q8_activations as qa
 
 # one GGUF type per kernel format (Q4_0 runs Q4_1's, Q5_0 Q8_0's, Q5_1 Q5_K's)
 KINDS = ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-FP16_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-           "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_blocks(kind: str, out: int, inp: int) -> gb.Blocks:
-    g = np.random.default_rng(0)
-    blk = g.integers(0, 256, (out, inp // gb.BLOCK_WIDTH[kind], gb.BLOCK_BYTES[kind]),
-                     dtype=np.uint8)
-    for at in FP16_AT[kind]:
-        scale = (0.01 * g.standard_normal((out, blk.shape[1], 1))).astype(np.float16)
-        blk[..., at:at + 2] = scale.view(np.uint8)
-    return gb.Blocks(kind, torch.from_numpy(blk.reshape(out, -1)), inp)
+    """Random ``kind`` blocks of weights with std 0.02 (specdec.bench.random_blocks)."""
+    from gguf import GGMLQuantizationType
+
+    rows = blocks_of(np.random.default_rng(0), GGMLQuantizationType[kind], out, inp, 0.02)
+    return gb.Blocks(kind, torch.from_numpy(rows), inp)
 
 
 def main() -> None:
