@@ -16,6 +16,7 @@ of an older layout or one of a changed file is never served.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -111,10 +112,17 @@ def _publish(gguf: Path, folder: Path, tmp: Path, source: str, link: bool) -> No
     else:
         shutil.move(str(gguf), staging / GGUF_NAME)
     (staging / ".complete").write_text(f"{LAYOUT} {source}\n")
-    if folder.exists():
-        shutil.rmtree(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(staging), folder)
+    # processes making the same folder at once (two benches started together on an empty
+    # cache): one publishes, the others keep what it published; a folder being replaced (an
+    # older layout) is renamed away whole, never deleted under a reader's feet file by file
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if is_converted(folder, source):
+            return
+        if folder.exists() or folder.is_symlink():
+            os.rename(folder, tmp / "replaced")  # removed with tmp
+        os.rename(staging, folder)
 
 
 def write_metadata_files(gguf_file: Path, out: Path) -> None:

@@ -283,3 +283,28 @@ def test_intact_alias_cache_is_not_refetched(smollm2_dir, monkeypatch):
     _forbid_fetch(monkeypatch)
     assert alias_folder(name) == smollm2_dir
     assert resolve_model_path(name) == smollm2_dir
+
+
+def test_a_folder_published_meanwhile_is_kept_and_an_old_one_replaced_whole(tmp_path,
+                                                                             monkeypatch):
+    """Two processes making the same GGUF folder at once: the later one keeps what the first
+    published (it once deleted it under the first one's readers); an older layout is replaced."""
+    def fake_metadata(gguf, out):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(aliases, "write_metadata_files", fake_metadata)
+    folder = tmp_path / "cache" / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"old": 1}')
+    (folder / ".complete").write_text("fp32-0 src\n")  # an older layout
+    for i in range(2):
+        work = tmp_path / f"tmp{i}"
+        work.mkdir()
+        (work / "x.gguf").write_bytes(b"GGUF")
+        aliases._publish(work / "x.gguf", folder, work, "src", link=True)
+        if i == 0:
+            first = (folder / "config.json").stat().st_ino
+            assert aliases.is_converted(folder, "src")
+    assert (folder / "config.json").stat().st_ino == first  # the second kept the first's
+    assert (folder / "config.json").read_text() == "{}"
