@@ -7,7 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 SHIPPED: dict[str, dict[str, dict[str, str]]] = {
-    "eagle3": {"smollm2-135m-instruct": {"general": "eagle3-smollm2-135m-instruct-general",
+    "eagle3": {"smollm2-135m-instruct": {"all": "eagle3-smollm2-135m-instruct-all",
+                                         "general": "eagle3-smollm2-135m-instruct-general",
                                          "code": "eagle3-smollm2-135m-instruct-code"}},
     "mtp": {"smollm2-135m-instruct": {"general": "mtp-smollm2-135m-instruct-general"}},
     "block_diffusion": {

@@ -61,10 +61,12 @@ class Eagle3Drafter(BaseDrafter):
     replay_safe = False
 
     def __init__(self, target: TargetInfo, path: str | None = None, depth: int = 6,
-                 topk: int = 4, head: Eagle3Head | None = None, variant: str = "general") -> None:
+                 topk: int = 4, head: Eagle3Head | None = None, variant: str = "all") -> None:
         """``path``: an EAGLE-3 checkpoint folder; or ``head``: an Eagle3Head object (e.g. one
         being trained, evaluated without saving it); neither: the drafter shipped for the
-        target (``variant`` "general" or "code" for SmolLM2-135M-Instruct)."""
+        target (``variant`` for SmolLM2-135M-Instruct: "all", trained on all of the training
+        data, the best on unseen chat and code prompts; "general" or "code", its
+        predecessors)."""
         for arg, value, low in (("depth", depth, 1), ("topk", topk, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"eagle3 drafter_args.{arg} must be an int >= {low}, got {value!r}")
@@ -298,7 +300,7 @@ def _parent_of(levels: list[_Level], rows: list[tuple[int, int]], lc: tuple[int,
     return None if p < 0 else rows[p]
 
 
-def load_head(path: str | None, target: TargetInfo, variant: str = "general") -> Eagle3Head:
+def load_head(path: str | None, target: TargetInfo, variant: str = "all") -> Eagle3Head:
     """The head at ``path`` (EAGLE-3 format), or the one shipped for the target, checked
     against the target."""
     from specdec.drafters.catalog import checkpoint_folder
