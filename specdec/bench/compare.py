@@ -3,7 +3,8 @@
 Method (see DESIGN.md, performance method): every system runs in this one process on the same
 token ids with the same weights; the systems are interleaved batch by batch (baseline, then the
 plain engine if measured, then the engine, on the same prompts) after `--warmup` untimed prompts,
-and the whole pass is repeated `--repeats` times. Throughputs and speedups are medians over
+and the whole pass is repeated `--repeats` times, each pass (and the warm-up) under its own cache
+salt (`pass_salt`: a later pass never drafts or reads pages from an earlier one's). Throughputs and speedups are medians over
 repeats (a speedup is the median of the per-repeat ratios). Decoding is greedy everywhere.
 
 Systems:
@@ -27,7 +28,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -50,15 +51,28 @@ FAMILIES = (HF_BASELINES, LLAMA_CPP_BASELINES)  # an extra baseline is compared 
 PLD_NUM_TOKENS = 10
 
 
+def pass_salt(repeat: int | None, batch_size: int | None = None) -> str:
+    """The cache salt of a bench pass (``repeat``, at ``batch_size``; None: the warm-up). A pass never profits from
+    what a system kept of an earlier pass over the same prompts (prefix-cache pages, a suffix
+    drafter's history of responses: it would draft every answer it had seen, 3 x plain on a
+    second pass); what earlier prompts of the same pass leave serves later ones, as in
+    serving."""
+    if repeat is None:
+        return "bench-warmup"
+    return f"bench-pass-{repeat}" + ("" if batch_size is None else f"-batch-{batch_size}")
+
+
 class EngineSystem:
     def __init__(self, llm: LLM, max_new_tokens: int) -> None:
         self.llm = llm
         self.params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
 
-    def run(self, prompts: list[list[int]]) -> tuple[float, list[Out], list[float]]:
-        """(wall seconds, outputs, seconds attributed to each prompt by its share of e2e)."""
+    def run(self, prompts: list[list[int]], salt: str | None = None
+            ) -> tuple[float, list[Out], list[float]]:
+        """(wall seconds, outputs, seconds attributed to each prompt by its share of e2e), the
+        requests under cache salt ``salt`` (``pass_salt``)."""
         t0 = time.perf_counter()
-        outs = self.llm.generate(prompts, self.params)
+        outs = self.llm.generate(prompts, replace(self.params, cache_salt=salt))
         seconds = time.perf_counter() - t0
         bad = [o for o in outs if o.finish_reason == "error"]
         if bad:
@@ -97,8 +111,9 @@ class HFSystem:
                                     generation_config=self.config)
         return y[0, len(ids):].tolist()
 
-    def run(self, prompts: list[list[int]]) -> tuple[float, list[Out], list[float]]:
-        return one_by_one(self._one, prompts)
+    def run(self, prompts: list[list[int]], salt: str | None = None
+            ) -> tuple[float, list[Out], list[float]]:
+        return one_by_one(self._one, prompts)  # keeps nothing across calls: salt unused
 
 
 @dataclass
@@ -186,7 +201,7 @@ def _warmup(systems: dict, items: list[Item], args) -> None:
     picked = [items[i % len(items)] for i in range(args.warmup)]
     for system in systems.values():
         for batch in _batches(picked, args.batch_size):
-            system.run([it.prompt_ids for it in batch])
+            system.run([it.prompt_ids for it in batch], pass_salt(None))
 
 
 def _run_phase(systems: dict, tallies: dict, items: list[Item], args, bar) -> None:
@@ -194,7 +209,7 @@ def _run_phase(systems: dict, tallies: dict, items: list[Item], args, bar) -> No
         for batch in _batches(items, args.batch_size):
             prompts = [it.prompt_ids for it in batch]
             for name, system in systems.items():
-                tallies[name].add(r, batch, *system.run(prompts))
+                tallies[name].add(r, batch, *system.run(prompts, pass_salt(r)))
             bar.update(len(batch))
 
 

@@ -75,5 +75,5 @@ class LlamaCppSystem:
                 break
         return out
 
-    def run(self, prompts: list[list[int]]):
-        return one_by_one(self._one, prompts)
+    def run(self, prompts: list[list[int]], salt: str | None = None):
+        return one_by_one(self._one, prompts)  # reset=True per prompt: salt unused

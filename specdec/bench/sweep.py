@@ -5,7 +5,8 @@ Systems: the plain engine (always: the reference at every batch size), one specu
 per ``--controllers`` entry (``name[:budget]``) and drafter (``--drafter``, or each of
 ``--drafters a,b``: systems are then named ``drafter/controller``), and with
 ``--baseline hf|hf-pld`` HF ``generate`` at batch 1 (HF runs one prompt at a time). Each batch
-size runs every prompt through every system; ``--repeats`` passes, medians reported.
+size runs every prompt through every system; ``--repeats`` passes, medians reported, each pass
+(and the warm-up) under its own cache salt (``compare.pass_salt``).
 
 One ``runs`` entry per (system, batch size): tokens/s, speedups vs plain (same batch size) and
 vs HF (its batch-1 tokens/s), tau, acceptance by depth, TTFT / TPOT / ITL P50/P90/P99, goodput
@@ -27,6 +28,7 @@ from specdec.bench.compare import (
     EngineSystem,
     HFSystem,
     Tally,
+    pass_salt,
     percentiles,
     run_config,
     runtime_info,
@@ -172,7 +174,7 @@ def run_sweep(args) -> dict:
     items = first_turn_items(questions, tok)
     for s in systems:  # warm-up, untimed: one prompt per system
         if args.warmup:
-            s.runner.run([items[0].prompt_ids])
+            s.runner.run([items[0].prompt_ids], pass_salt(None))
     tallies: dict[tuple[str, int], Tally] = {}
     steps_before: dict[tuple[str, int], int] = {}
     recorded: dict[tuple[str, int], StepRecorder] = {}
@@ -192,7 +194,8 @@ def run_sweep(args) -> dict:
                     batch = items[start:start + bs]
                     prompts = [it.prompt_ids for it in batch]
                     for s in live:
-                        tallies[(s.name, bs)].add(r, batch, *s.runner.run(prompts))
+                        tallies[(s.name, bs)].add(r, batch, *s.runner.run(
+                            prompts, pass_salt(r, bs)))
                     bar.update(len(batch))
             for s in live:
                 drafting[(s.name, bs)] = _draft_figures(before[s.name], _engine_totals(s))

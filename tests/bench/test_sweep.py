@@ -76,3 +76,33 @@ def test_sweep_argument_errors(chat_model, dataset, capsys):
             "--controllers", "static:2"]
     assert main(argv) != 0
     assert "give --drafter" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_bench_never_serves_a_prompt_twice_under_one_salt(tmp_path, chat_model, dataset,
+                                                          monkeypatch, sweep):
+    """What a system keeps across requests (prefix pages, the suffix drafter's history of
+    responses) must not carry one pass's answers into the next pass over the same prompts: each
+    pass is its own cache salt, so no (system, salt) meets the same prompt twice."""
+    from specdec.engine.llm import LLM
+
+    seen: dict = {}
+    generate = LLM.generate
+
+    def recording(self, prompts, params=None, **kw):
+        for p in prompts:
+            key = (id(self), params.cache_salt, tuple(p))
+            assert key not in seen, f"prompt served twice under salt {params.cache_salt!r}"
+            seen[key] = True
+        return generate(self, prompts, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", recording)
+    argv = ["bench", "--dataset", dataset, "--model", chat_model, "--dtype", "float64",
+            "--num-prompts", "2", "--max-new-tokens", "4", "--repeats", "2", "--warmup", "1",
+            "--drafter", "suffix", "--baseline", "none", "--json", str(tmp_path / "r.json")]
+    if sweep:
+        argv += ["--controllers", "goodput", "--batch-sizes", "1,2"]
+    assert main(argv) == 0
+    salts = {salt for _, salt, _ in seen}
+    assert None not in salts and "bench-warmup" in salts
+    assert len(salts) == (1 + 2 * 2 if sweep else 1 + 2)
