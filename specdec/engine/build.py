@@ -197,20 +197,24 @@ def _prepare_weights(parts: EngineParts) -> None:
 
 def _native_weights(parts: EngineParts) -> list:
     """The GGUF panels ``EngineConfig.weights`` gives the target (specdec.models.
-    gguf_weights; without them its blocks, if any, are dequantized once) and, unless it says "dequantized", a draft model loaded from a GGUF too
-    (as "auto": where they can run)."""
+    gguf_weights) and, unless it says "dequantized", a draft model loaded from a GGUF too (as
+    "auto": where they can run). A model left without panels has its blocks, if any,
+    dequantized once (its matrices then run as fp32 or draft_weights' panels)."""
     c = parts.config
     adopted = native_panels(parts.model, parts.folder / GGUF_NAME, c.weights, parts.dtype,
                             parts.device, c.linear_kernels, c.activations)
     if not adopted:
         materialize(parts.model)  # its blocks, if any, cannot run here: fp32 matrices instead
-    if c.weights != "dequantized":
-        for runner in parts.drafter_runners:
-            m = runner.model
-            if m is not parts.model and getattr(m, "source_folder", None) is not None:
-                adopted += native_panels(m, m.source_folder / GGUF_NAME, "auto", parts.dtype,
-                                         parts.device, c.linear_kernels, c.activations,
-                                         strict=False)
+    for runner in parts.drafter_runners:
+        m = runner.model
+        if m is parts.model or getattr(m, "source_folder", None) is None:
+            continue
+        panels = [] if c.weights == "dequantized" else native_panels(
+            m, m.source_folder / GGUF_NAME, "auto", parts.dtype, parts.device,
+            c.linear_kernels, c.activations, strict=False)
+        if not panels:
+            materialize(m)
+        adopted += panels
     return adopted
 
 

@@ -134,7 +134,7 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
 
     from specdec.models.config import model_config_from_hf
     from specdec.models.gguf_file import open_gguf
-    from specdec.models.gguf_model import check_architecture
+    from specdec.models.gguf_model import check_architecture, config_overrides
 
     gguf_file = Path(gguf_file)
     f = open_gguf(gguf_file)
@@ -146,9 +146,8 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
             tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
     except Exception as e:
         raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
-    head_dim = f.metadata.get(f"{f.architecture}.attention.key_length")
-    if isinstance(head_dim, int):  # transformers leaves qwen3's at its class default (128)
-        config.head_dim = head_dim
+    for key, value in config_overrides(f).items():  # what transformers misreads or drops
+        setattr(config, key, value)
     try:
         model_config_from_hf(config)
     except ValueError as e:

@@ -23,7 +23,8 @@ from specdec.models.loader import load_model, resolve_model_path
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # qwen3: transformers' GGUF config keeps its class's head_dim (128); the oracle needs it so
 SHAPES = {"llama": TinyShape(), "qwen2": TinyShape(),
-          "qwen3": TinyShape(hidden=256, heads=2, kv_heads=1, intermediate=256)}
+          "qwen3": TinyShape(hidden=256, heads=2, kv_heads=1, intermediate=256),
+          "phi3": TinyShape()}
 
 
 @pytest.fixture
@@ -38,23 +39,61 @@ def _user_file(tmp_path: Path, **kw) -> Path:
 
 
 @pytest.mark.parametrize("arch, kind, tied", [("llama", "Q4_1", True), ("qwen2", "Q8_0", False),
-                                              ("qwen3", "Q4_1", False)])
+                                              ("qwen3", "Q4_1", False), ("phi3", "Q8_0", False),
+                                              ("phi3", "Q4_1", True)])
 def test_tiny_gguf_is_hf_on_the_same_file(arch, kind, tied, tmp_path, cache):
     """Matrices kept as blocks (no fp32 copy), dequantized on demand bitwise as transformers
-    does (q / k rows un-permuted for llama, not for qwen), logits HF's."""
+    does (q / k rows un-permuted for llama, not for qwen or phi3, whose file holds q|k|v and
+    gate|up fused), logits HF's."""
     from transformers import AutoModelForCausalLM
 
     path = _user_file(tmp_path, arch=arch, kind=kind, tied=tied, shape=SHAPES[arch])
     model, cfg, _ = load_model(resolve_model_path(str(path)), torch.float32, "cpu", 64,
                                blocks=True)
     assert cfg.model_type == arch and cfg.tie_word_embeddings == tied
+    assert cfg.sliding_window is None
     assert all(isinstance(w, BlockWeight) for w in [model.embed, *model.matrices()])
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()
+    assert hf.config.model_type == cfg.model_type
     sd = hf.state_dict()
-    qkv = torch.cat([sd[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+    fused = {"phi3": ("qkv_proj", "gate_up_proj")}.get(arch)
+    qkv = (sd[f"model.layers.1.self_attn.{fused[0]}.weight"] if fused else
+           torch.cat([sd[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"]))
+    gate_up = (sd[f"model.layers.1.mlp.{fused[1]}.weight"] if fused else
+               torch.cat([sd[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")]))
     assert torch.equal(model.layers[1].qkv_weight.dequantize(), qkv)
+    assert torch.equal(model.layers[1].gate_up_weight.dequantize(), gate_up)
     assert torch.equal(model.head_weight.dequantize(), sd["lm_head.weight"])
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.compute_logits(model.forward_dense(ids).hidden[0])
+        torch.testing.assert_close(ours, hf(ids).logits[0], atol=1e-5, rtol=0)
+
+
+def test_a_llama_file_named_mistral_is_a_mistral_inside_its_window(tmp_path, cache):
+    """transformers reads a "llama" file whose general.name is "mistral" as a Mistral, with
+    its class's sliding window (4096; llama.cpp applies none): the engine stays inside the
+    window, where Mistral is Llama. transformers cannot load such a file's weights (gguf-py
+    has no "mistral" architecture), so the oracle is HF's Mistral with the weights it reads
+    from the same file named otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, MistralForCausalLM
+
+    path = _user_file(tmp_path, kind="Q8_0", tied=False, model_name="mistral")
+    model, cfg, _ = load_model(resolve_model_path(str(path)), torch.float32, "cpu", 64,
+                               blocks=True)
+    assert cfg.model_type == "mistral" and cfg.sliding_window == 4096
+    llm = LLM(model=str(path), max_model_len=64, weights="dequantized")
+    assert llm.engine.max_model_len == 64
+    with pytest.raises(ValueError, match=r"max_model_len=5000 exceeds the model's limit 256"):
+        LLM(model=str(path), max_model_len=5000)
+    llama = write_tiny_gguf(tmp_path / "llama.gguf", kind="Q8_0", tied=False)
+    weights = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=llama.name,
+                                                   dtype=torch.float32).state_dict()
+    hf_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert hf_cfg.model_type == "mistral" and hf_cfg.sliding_window == 4096
+    hf = MistralForCausalLM(hf_cfg).eval()
+    hf.load_state_dict(weights)
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model.compute_logits(model.forward_dense(ids).hidden[0])
@@ -73,9 +112,11 @@ def test_float64_and_bfloat16_dequantize_once(tmp_path, cache):
 
 
 @needs_kernels
-@pytest.mark.parametrize("activations", ["float", "q8"])
-def test_engine_runs_the_blocks_and_gives_the_dequantized_tokens(activations, tmp_path, cache):
-    path = _user_file(tmp_path, kind="Q4_1")
+@pytest.mark.parametrize("arch, activations", [("llama", "float"), ("llama", "q8"),
+                                               ("phi3", "float"), ("phi3", "q8")])
+def test_engine_runs_the_blocks_and_gives_the_dequantized_tokens(arch, activations, tmp_path,
+                                                                 cache):
+    path = _user_file(tmp_path, arch=arch, kind="Q4_1")
     kw = dict(model=str(path), max_model_len=64, activations=activations)
     nat = LLM(weights="native", **kw)
     assert nat.engine.weights == "native"
@@ -153,8 +194,60 @@ def _load(path: Path):
 def test_unsupported_architecture(tmp_path, cache):
     path = _user_file(tmp_path, arch="gpt2")
     with pytest.raises(ValueError, match=re.escape(str(path)) + r".*general\.architecture "
-                       r"'gpt2' is not supported; LlamaDecoder runs 'llama', 'qwen2', 'qwen3'"):
+                       r"'gpt2' is not supported; LlamaDecoder runs 'llama', 'qwen2', 'qwen3', "
+                       r"'phi3'"):
         resolve_model_path(str(path))
+
+
+def _with_tensor(path: Path, name: str, value) -> None:
+    """Rewrite the GGUF at ``path`` with one more F32 tensor (gguf-py's reader and writer)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(path) + ".new", r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())),
+                     raw_dtype=t.tensor_type)
+    w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    Path(str(path) + ".new").replace(path)
+
+
+@pytest.mark.parametrize("what", ["longrope", "partial rotary"])
+def test_phi3_rope_the_decoder_does_not_run(what, tmp_path, cache):
+    """Phi-3 128k / Phi-3.5 (LongRoPE factors as tensors) and Phi-4-mini (partial rotary in
+    rope.dimension_count): transformers would drop either silently; refused from the header."""
+    import numpy as np
+
+    if what == "longrope":
+        path = _user_file(tmp_path, arch="phi3")
+        _with_tensor(path, "rope_factors_long.weight", np.ones(8, np.float32))
+        expect = r"tensor rope_factors_long\.weight holds LongRoPE factors .* plain RoPE only"
+    else:
+        path = _user_file(tmp_path, arch="phi3", metadata={"phi3.rope.dimension_count": 12})
+        expect = (r"phi3\.rope\.dimension_count 12 rotates part of each head \(16\); "
+                  r"LlamaDecoder rotates whole heads only")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + expect):
+        resolve_model_path(str(path))
+
+
+def test_phi3_sliding_window_keeps_the_engine_inside_it(tmp_path, cache):
+    """transformers drops phi3's sliding window (llama.cpp does not apply it): config.json
+    keeps it, so a sequence stays where windowed and full attention agree."""
+    path = _user_file(tmp_path, arch="phi3", metadata={"phi3.attention.sliding_window": 48})
+    model, cfg, _ = _load(path)
+    assert cfg.sliding_window == 48
+    with pytest.raises(ValueError, match=r"max_model_len=64 exceeds the model's limit 48"):
+        LLM(model=str(path), max_model_len=64)
+    assert LLM(model=str(path), weights="dequantized").engine.max_model_len == 48
 
 
 @pytest.mark.parametrize("cut", ["header", "data"])
