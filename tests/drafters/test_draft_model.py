@@ -191,8 +191,8 @@ def test_a_gguf_draft_model_keeps_no_fp32_copy(weights, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     write = gguf_helpers.write_tiny_gguf
     target = write(tmp_path / "target.gguf", kind="Q4_1", std=0.3)
-    draft = write(tmp_path / "draft.gguf", kind="Q8_0", arch="qwen2", tied=False, seed=1,
-                  std=0.3)
+    # the same random values in Q8_0: a different model, whose drafts are mostly accepted
+    draft = write(tmp_path / "draft.gguf", kind="Q8_0", std=0.3)
     kw = dict(model=str(target), max_model_len=64, weights=weights)
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = ["hello", "abc!", "xyz"]
@@ -201,9 +201,9 @@ def test_a_gguf_draft_model_keeps_no_fp32_copy(weights, tmp_path, monkeypatch):
                controller="static", controller_args={"budget": 3}, **kw)
     out = spec.generate(prompts, sp)
     assert [o.token_ids for o in out] == plain
-    assert sum(o.metrics.draft_tokens_proposed for o in out) > 0
+    assert sum(sum(o.metrics.accepted_by_depth) for o in out) > 0
     model = spec.engine.drafting.drafter.runner.model
-    assert model.cfg.model_type == "qwen2"
+    assert model is not spec.engine.model
     lean = weights == "auto" and native.load() is not None
     assert all(isinstance(w, BlockWeight) == lean for w in [model.embed, *model.matrices()])
     if lean:  # every matrix runs from panels made of its blocks, none prepared from fp32

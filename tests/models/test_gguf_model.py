@@ -211,8 +211,7 @@ def _with_tensor(path: Path, name: str, value) -> None:
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, field.contents(), field.types[0], sub)
     for t in r.tensors:
-        w.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())),
-                     raw_dtype=t.tensor_type)
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # uint8 blocks or float32
     w.add_tensor(name, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
