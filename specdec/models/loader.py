@@ -156,9 +156,38 @@ def _getter(tensors: dict[str, torch.Tensor], cfg: ModelConfig):
             return tensors[name]
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             return tensors["model.embed_tokens.weight"]
+        part = _fused_part(tensors, name, cfg)
+        if part is not None:
+            return part
         raise ValueError(f"weights are missing tensor {name!r}")
 
     return get
+
+
+# a projection a checkpoint stores fused (phi3: qkv_proj, gate_up_proj): its name -> the fused
+# tensor's name and the part's index
+FUSED_PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
+               "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+               "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+               "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+
+
+def _fused_part(tensors: dict[str, torch.Tensor], name: str, cfg: ModelConfig
+                ) -> torch.Tensor | None:
+    """``name``'s rows of the fused tensor the checkpoint holds instead (q|k|v, gate|up), or
+    None; a fused tensor of the wrong size is reported by its own name."""
+    prefix, _, rest = name.rpartition(".layers.")
+    layer, _, tail = rest.partition(".")
+    fused, index = FUSED_PARTS.get(tail.removesuffix(".weight"), (None, 0))
+    full = f"{prefix}.layers.{layer}.{fused}.weight"
+    if fused is None or full not in tensors:
+        return None
+    sizes = ([cfg.q_size, cfg.kv_size, cfg.kv_size] if fused.endswith("qkv_proj")
+             else [cfg.intermediate_size] * 2)
+    if tensors[full].shape[0] != sum(sizes):
+        raise ValueError(f"tensor {full}: {tensors[full].shape[0]} rows, expected {sum(sizes)} "
+                         f"({' + '.join(map(str, sizes))})")
+    return tensors[full].split(sizes)[index]
 
 
 def _checked(get, name: str, shape: tuple[int, ...]) -> torch.Tensor:
