@@ -99,15 +99,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     fused = cfg.model_type in FUSED
     for i in range(cfg.num_layers):
         p = f"blk.{i}."
-        out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
-                    p + "attn_output.weight": (h, q), p + "ffn_down.weight": (h, inter)})
+        out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,)})
         if fused:
-            out.update({p + "attn_qkv.weight": (q + 2 * kv, h),
+            out.update({p + "attn_qkv.weight": (q + 2 * kv, h), p + "attn_output.weight": (h, q),
                         p + "ffn_up.weight": (2 * inter, h)})
         else:
             out.update({p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
-                        p + "attn_v.weight": (kv, h), p + "ffn_gate.weight": (inter, h),
-                        p + "ffn_up.weight": (inter, h)})
+                        p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
+                        p + "ffn_gate.weight": (inter, h), p + "ffn_up.weight": (inter, h)})
+        out[p + "ffn_down.weight"] = (h, inter)
         if cfg.attention_bias:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,),
                         p + "attn_v.bias": (kv,)})

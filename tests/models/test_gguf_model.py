@@ -83,8 +83,12 @@ def test_a_llama_file_named_mistral_is_a_mistral_inside_its_window(tmp_path, cac
     model, cfg, _ = load_model(resolve_model_path(str(path)), torch.float32, "cpu", 64,
                                blocks=True)
     assert cfg.model_type == "mistral" and cfg.sliding_window == 4096
-    llm = LLM(model=str(path), max_model_len=64, weights="dequantized")
-    assert llm.engine.max_model_len == 64
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    plain = LLM(model=str(path), max_model_len=64)
+    spec = LLM(model=str(path), max_model_len=64, drafter="ngram", controller="static",
+               controller_args={"budget": 3})
+    got = [o.token_ids for o in plain.generate(["hello", "abab"], sp)]
+    assert [o.token_ids for o in spec.generate(["hello", "abab"], sp)] == got
     with pytest.raises(ValueError, match=r"max_model_len=5000 exceeds the model's limit 256"):
         LLM(model=str(path), max_model_len=5000)
     llama = write_tiny_gguf(tmp_path / "llama.gguf", kind="Q8_0", tied=False)
@@ -287,11 +291,14 @@ def test_corrupt_block(tmp_path, cache, kind, at, value):
     ("llama.feed_forward_length", 96, "blk.0.ffn_gate.weight"),
     ("llama.embedding_length", 48, "token_embd.weight"),
     ("llama.attention.head_count_kv", 4, "blk.0.attn_k.weight"),
+    ("phi3.feed_forward_length", 96, "blk.0.ffn_up.weight"),
+    ("phi3.attention.head_count_kv", 4, "blk.0.attn_qkv.weight"),
 ])
 def test_metadata_that_contradicts_the_tensors(tmp_path, cache, key, value, tensor):
-    path = _user_file(tmp_path, metadata={key: value})
+    arch = key.split(".")[0]
+    path = _user_file(tmp_path, arch=arch, metadata={key: value})
     with pytest.raises(ValueError, match=re.escape(str(path.name)) + r": the metadata \(.*"
-                       + re.escape(f"{key.removeprefix('llama.')} {value}") + r".*\) give tensor "
+                       + re.escape(f"{key.removeprefix(arch + '.')} {value}") + r".*\) give tensor "
                        + re.escape(tensor) + r" the shape \[.*\]; the file stores \["):
         _load(path)
 
