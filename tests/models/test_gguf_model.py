@@ -104,6 +104,56 @@ def test_a_llama_file_named_mistral_is_a_mistral_inside_its_window(tmp_path, cac
         torch.testing.assert_close(ours, hf(ids).logits[0], atol=1e-5, rtol=0)
 
 
+def _llama3_file(tmp_path: Path, factors=None) -> Path:
+    """A tiny llama file with Llama 3.1's rope scaling as llama.cpp's converter stores it
+    (rope_freqs.weight), over rope theta 500000: every regime (unscaled, smoothed, divided by
+    the factor) among its 8 frequencies."""
+    from specdec.models.gguf_model import LLAMA3, rope_factors
+
+    path = _user_file(tmp_path, tied=False, metadata={"llama.rope.freq_base": 500000.0})
+    if factors is None:
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+        factors = rope_factors(inv_freq, 8.0, *LLAMA3.values())
+        assert {1.0, 8.0} < set(factors.tolist())
+    _with_tensor(path, "rope_freqs.weight", factors.numpy())
+    return path
+
+
+def test_llama3_rope_scaling_is_read_from_its_factors(tmp_path, cache):
+    """transformers ignores rope_freqs.weight (its reading of such a file has plain RoPE);
+    config.json gets the llama3 rope parameters that give these very divisors, and the model
+    is transformers' Llama with them, on the weights transformers reads from the file."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    path = _llama3_file(tmp_path)
+    folder = resolve_model_path(str(path))
+    rope = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    assert rope == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+    model, cfg, _ = load_model(folder, torch.float32, "cpu", 64, blocks=True)
+    plain = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    hf = LlamaForCausalLM(AutoConfig.from_pretrained(folder)).eval()
+    hf.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.compute_logits(model.forward_dense(ids).hidden[0])
+        torch.testing.assert_close(ours, hf(ids).logits[0], atol=1e-5, rtol=0)
+        assert (ours - plain(ids).logits[0]).abs().max() > 1e-3  # the scaling matters here
+
+
+def test_rope_factors_that_are_not_llama3s_are_refused(tmp_path, cache):
+    import numpy as np
+
+    path = _llama3_file(tmp_path, torch.from_numpy(np.linspace(1, 4, 8, dtype=np.float32)))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": tensor rope_freqs\.weight "
+                       r"\(8 rope frequency divisors\): not Llama 3's rope scaling"):
+        resolve_model_path(str(path))
+
+
 def test_float64_and_bfloat16_dequantize_once(tmp_path, cache):
     path = _user_file(tmp_path)
     folder = resolve_model_path(str(path))
