@@ -246,7 +246,7 @@ def _propose(d: SuffixDrafter, state, tokens, salt=None, budget=8):
 
 
 def test_repeated_calls_are_harmless():
-    d = SuffixDrafter(None)
+    d = SuffixDrafter(None, max_spec_offset=0.0)
     d.history.add(None, "old", [7, 1, 2, 3, 9, 9])
     tokens = [4, 1, 2, 3, 5, 1, 2]
     state = d.init_state("r", tokens)
