@@ -145,7 +145,7 @@ def _cached_panels(model, gguf: Path, activations: str = "float"
     very file (size, mtime) and layout, else prepared (from the model's ``BlockWeight``s, or
     from the file's blocks checked bitwise against its fp32 weights) and cached (atomically;
     a folder that cannot be written is only logged). The file's pages the preparation read
-    are then dropped from memory (the panels hold the values)."""
+    are dropped from memory matrix by matrix (the panels hold the values)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -164,9 +164,11 @@ def _cached_panels(model, gguf: Path, activations: str = "float"
                 logger.info("weights: native panels in %s unreadable (%s: %s), made again",
                             cache, type(e).__name__, e)
     if all(isinstance(w, BlockWeight) for w in params.values()):
-        out = [(w, prepare_runs(native_runs(w), activations)) for w in params.values()]
-        for f in {id(w.file): w.file for w in params.values() if w.file is not None}.values():
-            f.release_pages()
+        out = []
+        for w in params.values():  # matrix by matrix, the file's pages dropped after each:
+            out.append((w, prepare_runs(native_runs(w), activations)))  # peak = panels + one
+            if w.file is not None:  # matrix's pages, not panels + the whole file
+                w.file.release_pages()
     else:
         out = _checked_panels(params, read_matrices(gguf, model.cfg), activations)
     tensors, meta = {}, {"key": key}
