@@ -96,7 +96,8 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
 # Preparing costs more than reading them back (SmolLM2 on a loaded 2-core Xeon: 26 s in
 # float, 1.9 s in q8, against 0.01 s to map the cached file).
 CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
-LAYOUT = 1  # of the prepare functions' output: a cache of another layout is made again
+LAYOUT = 2  # of the prepare functions' output: a cache of another layout is made again
+# (2: Q4_K, Q6_K in their super-block formats)
 
 
 def panel_cache(gguf: Path, activations: str) -> Path:
