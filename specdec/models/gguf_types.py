@@ -149,7 +149,8 @@ TYPES = {
 def unpack(kind: str, rows: torch.Tensor, in_features: int) -> Unpacked:
     """rows [out, in / width * nbytes] uint8 of ``kind`` -> (scale, add, q) (module docstring).
     ValueError when ``kind`` is not one of TYPES or the shapes do not fit it."""
-    return TYPES[kind].unpack(blocks(kind, rows, in_features))
+    blk = blocks(kind, rows, in_features)
+    return TYPES[kind].unpack(blk)
 
 
 def blocks(kind: str, rows: torch.Tensor, in_features: int) -> torch.Tensor:
