@@ -7,6 +7,8 @@
  *   Q4_1, Q4_F, Q5_F (w = dw * qw + mw):  y += ((dw * d) * isum + mw * s)
  *   Q8_0 (w = dw * qw):                   y += (dw * d) * isum
  *   I8_F16 (dw0 for k 0-15, dw1 16-31):   y += ((dw0 * d) * isum0 + (dw1 * d) * isum1)
+ *   Q4_K, Q6_K (super-blocks of 256 k): per sub-block of 32, Q4_F's / I8_F16's, with dw, mw
+ *   made from the super-block's d, dmin and integer sc, m as gguf-py makes them (below)
  * isum = sum_k qw_k * q_k over the block (I8_F16: isum0, isum1 over its halves), every
  * product and sum rounded as written (no fma), isum exact in int32. A row's result
  * depends only on that row, whatever shares the call (the contract of kernels.h), and a
@@ -104,8 +106,8 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
  *   vnni: vpdpbusd adds four products into int32 in one instruction (AVX-VNNI): one
  *         instruction per row and step instead of two (4-bit) or three (8-bit);
  *   512:  AVX512-VNNI, both panels of a pair at once, up to 8 rows a tile (below);
- *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, and I8_F16, run the 512
- *         kernels). */
+ *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, I8_F16, Q4_K and Q6_K
+ *         run the 512 kernels). */
 #define INIT(r) __m256 f##r = _mm256_setzero_ps();
 #define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
 #define IZERO(r) __m256i i##r = _mm256_setzero_si256();
