@@ -204,8 +204,10 @@ GGUF_FORMAT(i8_f16, SD_I8_F16_PAIR_BYTES)
  *   Q4_K (2368 bytes): d[16] fp16, dmin[16] fp16, sc[8][16] uint8 (sub-block j's 16 rows at
  *        64 + 16j), m[8][16] uint8 (at 192 + 16j); per sub-block (256 bytes) Q4_F's quants.
  *   Q6_K (3360 bytes): d[16] fp16, sc[16][16] int8 (k 16g .. 16g + 15 at 32 + 16g); per
- *        sub-block (384 bytes) the low 4 bits of q as Q4_K's, then per k one uint32 of the
- *        high 2 bits (row i at bits 2i).
+ *        sub-block (384 bytes) the 512 quants q[k][row] (element e = 16k + row): 256 bytes
+ *        of low 4 bits (e in the low nibble of byte e % 256 if e < 256, else the high one), 128
+ *        of high 2 bits (byte e % 128, bits 2 (e / 128)); they are made int8 q - 32 a
+ *        sub-block at a time (q6_k_bytes), 32 at once, then read as I8_F16's quants.
  * A sub-block's scales are made in registers exactly as gguf-py makes them (float32:
  * D = fl(d * sc), M = fl(dmin * m), negated: the add -M), then the sub-block is dequantized as
  * Q4_F's / I8_F16's block: the same weights, bitwise. */
@@ -230,26 +232,39 @@ AVX2 static inline scales q6_k_scales(const uint8_t* h, int j) {
                 _mm256_mul_ps(d0, i8x8(sc + 16)), _mm256_mul_ps(d1, i8x8(sc + 24))};
     return s;
 }
-AVX2 static inline void q6_k_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
+/* Q6_K's quants of a sub-block -> q - 32 as int8 [32 k][16 rows] in `out` (I8_F16's quants),
+ * 32 bytes at a time: element e = 16k + row has its low 4 bits in byte e % 256 (low nibble for
+ * e < 256, else high), its high 2 bits in byte 256 + e % 128 at bits 2 (e / 128) */
+AVX2 static inline const uint8_t* q6_k_bytes(const uint8_t* qb, uint8_t* out) {
+    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int o = 0; o < 128; o += 32) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(qb + o));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(qb + 128 + o));
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(qb + 256 + o));
+        const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+        for (int p = 0; p < 4; p++) {
+            const __m256i hi =
+                _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * p)), three);
+            _mm256_storeu_si256((__m256i*)(out + o + 128 * p),
+                                _mm256_sub_epi8(_mm256_or_si256(lo[p], _mm256_slli_epi16(hi, 4)),
+                                                off));
+        }
+    }
+    return out;
+}
+/* the sub-block's quants as its step reads them: Q4_K's as stored, Q6_K's as int8 in `tmp` */
+static inline const uint8_t* q4_k_sub(const uint8_t* qb, uint8_t* tmp) {
+    (void)tmp;
+    return qb;
+}
+#define q6_k_sub q6_k_bytes
+AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m256* w0,
                                   __m256* w1) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i shifts2 = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256i low4 = _mm256_set1_epi32(15), low2 = _mm256_set1_epi32(3);
-    const __m256i off = _mm256_set1_epi32(32);
-    const int32_t* q = (const int32_t*)qb + 2 * kk;
-    const uint32_t hi = ((const uint32_t*)(qb + 256))[kk];
-    const __m256i h0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)hi), shifts2),
-                                        low2);
-    const __m256i h1 = _mm256_and_si256(
-        _mm256_srlv_epi32(_mm256_set1_epi32((int)(hi >> 16)), shifts2), low2);
-    const __m256i q0 = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[0]), shifts), low4),
-        _mm256_slli_epi32(h0, 4));
-    const __m256i q1 = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[1]), shifts), low4),
-        _mm256_slli_epi32(h1, 4));
-    *w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q0, off)), kk < 16 ? s->d0 : s->m0);
-    *w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q1, off)), kk < 16 ? s->d1 : s->m1);
+    *w0 = _mm256_mul_ps(i8x8(q + 16 * kk), kk < 16 ? s->d0 : s->m0);
+    *w1 = _mm256_mul_ps(i8x8(q + 16 * kk + 8), kk < 16 ? s->d1 : s->m1);
 }
 /* a super-block's lines prefetched over its 8 sub-blocks: sub-block j's share */
 #define PREFETCH_SHARE(p, BYTES, j)                                                            \
@@ -258,11 +273,12 @@ AVX2 static inline void q6_k_step(const uint8_t* qb, const scales* s, int kk, __
 /* nsb super-blocks of a pair unpacked to buf [256 * nsb][16], the ones after them prefetched */
 #define KUNPACK(KIND, BYTES, HEAD, SUB)                                                        \
     AVX2 static void unpack_##KIND(const uint8_t* b, int64_t nsb, float* buf) {               \
+        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
         for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
             for (int j = 0; j < 8; j++) {                                                      \
                 PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
                 const scales s = KIND##_scales(b, j);                                          \
-                const uint8_t* qb = b + HEAD + SUB * j;                                        \
+                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
                 for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
                     __m256 w0, w1;                                                             \
                     KIND##_step(qb, &s, kk, &w0, &w1);                                         \
@@ -276,12 +292,13 @@ AVX2 static inline void q6_k_step(const uint8_t* qb, const scales* s, int kk, __
 #define KDIRECT(KIND, BYTES, HEAD, SUB, R, EACH)                                               \
     AVX2 static void KIND##_r##R(const float* x, int64_t K, const uint8_t* b, int64_t nsb,    \
                                  float* y, int64_t ldy, int first) {                           \
+        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
         EACH(INIT)                                                                             \
         for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
             for (int j = 0; j < 8; j++) {                                                      \
                 PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
                 const scales s = KIND##_scales(b, j);                                          \
-                const uint8_t* qb = b + HEAD + SUB * j;                                        \
+                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
                 for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
                     __m256 v0, v1;                                                             \
                     KIND##_step(qb, &s, kk, &v0, &v1);                                         \
