@@ -11,10 +11,16 @@ every GGUF type is repacked into one whose arithmetic gives gguf-py's float32 we
     format  scales            quants             weight               from
     Q4_1    fp16 d, m         4-bit 0..15        fl(d * q) + m        Q4_1; Q4_0 (q + 8, m = -8d)
     Q8_0    fp16 d            int8               fl(d * q)            Q8_0; Q5_0 (q - 16)
-    Q4_F    f32 d, m          4-bit 0..15        fl(d * q) + m        Q4_K (d = D, m = -M);
-                                                                      Q4_0 where -8d overflows fp16
+    Q4_F    f32 d, m          4-bit 0..15        fl(d * q) + m        Q4_0 where -8d overflows fp16
+                                                                      (Q4_K's values: d = D, m = -M)
     Q5_F    f32 d, m          5-bit, one a byte  fl(d * q) + m        Q5_K; Q5_1
-    I8_F16  f32 d per 16      int8               fl(d * q)            Q6_K (q - 32)
+    I8_F16  f32 d per 16      int8               fl(d * q)            (Q6_K's values: q - 32)
+
+and two super-block formats (per 256 inputs; specdec.models.kquant_blocks), Q4_K and Q6_K as
+the file holds them (fp16 d, dmin per 256, integer sub-block scales), whose kernels make each
+sub-block's float32 scales as gguf-py does and then compute exactly as Q4_F / I8_F16 over those
+values (``repack`` gives them: the references), streaming 4.625 / 6.5625 bits a weight
+instead of 6 / 10.
 
 Why exact: fp16 d times a 4- or 5-bit q is exact in float32 (11 + 5 bits), so Q4_0's
 d * (q - 8) = d * q - 8d has no rounding either way; a K-quant's sub-block scale D = fl(d * sc)
@@ -28,16 +34,17 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.models import gguf_types
+from specdec.models import gguf_types, kquant_blocks
 from specdec.models.gguf_types import BLOCK, TYPES
 from specdec.models.native import PANEL, Panels
 
 BLOCK_BYTES = {kind: t.nbytes for kind, t in TYPES.items()}  # bytes of one block in the file
 BLOCK_WIDTH = {kind: t.width for kind, t in TYPES.items()}  # inputs of one block in the file
 # the kernel's format codes (kernels.h), float activations
-FORMATS = {"Q4_1": 3, "Q8_0": 4, "Q4_F": 7, "Q5_F": 8, "I8_F16": 9}
+FORMATS = {"Q4_1": 3, "Q8_0": 4, "Q4_F": 7, "Q5_F": 8, "I8_F16": 9, **kquant_blocks.FORMATS}
+# the format ``prepare`` lays each GGUF type out in
 KERNEL_FORMAT = {"Q4_0": "Q4_1", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "Q5_1": "Q5_F",
-                 "Q8_0": "Q8_0", "Q4_K": "Q4_F", "Q5_K": "Q5_F", "Q6_K": "I8_F16"}
+                 "Q8_0": "Q8_0", "Q4_K": "Q4_K", "Q5_K": "Q5_F", "Q6_K": "Q6_K"}
 NIBBLES = ("Q4_1", "Q4_F")  # the formats whose quants are 4-bit (two a byte)
 
 
@@ -78,10 +85,12 @@ def dequantize(b: Blocks) -> torch.Tensor:
 
 
 def repack(b: Blocks) -> Repacked:
-    """The blocks in their kernel format (``KERNEL_FORMAT``; Q4_0 whose -8d overflows fp16
-    somewhere: Q4_F). ValueError for a type or shape gguf_types does not take."""
+    """The blocks in their per-32 kernel format (``KERNEL_FORMAT``; Q4_0 whose -8d overflows
+    fp16 somewhere: Q4_F; a super-block format's values: ``kquant_blocks.PER_32``, what its
+    kernels compute bitwise). ValueError for a type or shape gguf_types does not take."""
     scale, add, q = gguf_types.unpack(b.kind, b.rows, b.in_features)
     fmt = KERNEL_FORMAT[b.kind]
+    fmt = kquant_blocks.PER_32.get(fmt, fmt)
     if b.kind == "Q4_0":
         add, q = -8.0 * scale[..., 0], q + 8  # exact in float32 (an exponent shift)
         if not add.half().isfinite().all():
@@ -117,7 +126,10 @@ def prepare(b: Blocks) -> Panels:
     """The float kernels' layout (linear.c): per pair of 8-row panels and block of 32 inputs,
     the 16 rows' scales (``scale_bytes``), then their quants k-major (4-bit formats: per k one
     uint32 per panel, row i at bits 4i; 8-bit ones: per k the 16 rows' bytes). Rows are padded
-    with zero blocks to a multiple of 16."""
+    with zero blocks to a multiple of 16. Q4_K, Q6_K: their super-block format
+    (kquant_blocks)."""
+    if KERNEL_FORMAT[b.kind] in kquant_blocks.FORMATS:
+        return kquant_blocks.prepare(b.kind, b.rows, b.in_features, "float")
     return prepare_repacked(repack(b), b.out_features, b.in_features)
 
 

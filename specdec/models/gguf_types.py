@@ -78,13 +78,19 @@ def _q8_0(blk):
         torch.int16)
 
 
-def _k_scales(blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: (D, -M) [out, n, 8] float32 of the 8 sub-blocks (gguf-py's get_scale_min:
-    12 bytes of 6-bit scales and mins after d and dmin)."""
+def k_scale_ints(blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K blocks [out, n, nbytes] -> (sc, m) [out, n, 8] int16 0..63 of the 8
+    sub-blocks (gguf-py's get_scale_min: 12 bytes of 6-bit scales and mins after d and dmin)."""
     s = blk[..., 4:16].to(torch.int16)
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = torch.cat([d & 63, (md & 15) | ((d >> 2) & 48)], dim=-1)
     mn = torch.cat([m & 63, (md >> 4) | ((m >> 2) & 48)], dim=-1)
+    return sc, mn
+
+
+def _k_scales(blk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: (D, -M) [out, n, 8] float32 of the 8 sub-blocks."""
+    sc, mn = k_scale_ints(blk)
     return _f16(blk, 0).unsqueeze(-1) * sc.float(), -(_f16(blk, 2).unsqueeze(-1) * mn.float())
 
 
@@ -111,12 +117,18 @@ def _q5_k(blk):
     return _by_32(d.unsqueeze(-1)), _by_32(m), _by_32(_k_low(blk[..., 48:176]) | high)
 
 
-def _q6_k(blk):
+def q6_k_quants(blk: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [out, n, 210] -> q [out, n, 8, 32] int16 0..63 (before gguf-py's - 32), per
+    sub-block of 32 (ql's nibbles, qh's 2-bit fields as gguf-py reads them)."""
     ql = blk[..., 0:128].reshape(*blk.shape[:-1], 2, 1, 64).to(torch.int16)
     ql = torch.cat([ql & 15, ql >> 4], dim=-2).reshape(*blk.shape[:-1], 8, 32)
     qh = blk[..., 128:192].reshape(*blk.shape[:-1], 2, 1, 32).to(torch.int16)
     qh = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.int16).unsqueeze(-1)) & 3
-    q = (ql | (qh.reshape(*blk.shape[:-1], 8, 32) << 4)) - 32
+    return ql | (qh.reshape(*blk.shape[:-1], 8, 32) << 4)
+
+
+def _q6_k(blk):
+    q = q6_k_quants(blk) - 32
     sc = blk[..., 192:208].contiguous().view(torch.int8).float()  # one per 16 weights
     d = (_f16(blk, 208).unsqueeze(-1) * sc).reshape(*blk.shape[:-1], 8, 2)
     return _by_32(d), None, _by_32(q)
@@ -137,6 +149,13 @@ TYPES = {
 def unpack(kind: str, rows: torch.Tensor, in_features: int) -> Unpacked:
     """rows [out, in / width * nbytes] uint8 of ``kind`` -> (scale, add, q) (module docstring).
     ValueError when ``kind`` is not one of TYPES or the shapes do not fit it."""
+    blk = blocks(kind, rows, in_features)
+    return TYPES[kind].unpack(blk)
+
+
+def blocks(kind: str, rows: torch.Tensor, in_features: int) -> torch.Tensor:
+    """rows [out, in / width * nbytes] uint8 of ``kind`` -> its blocks [out, in / width,
+    nbytes]. ValueError when ``kind`` is not one of TYPES or the shapes do not fit it."""
     t = TYPES.get(kind)
     if t is None:
         raise ValueError(f"GGUF type {kind} is not one of {', '.join(TYPES)}")
@@ -147,7 +166,7 @@ def unpack(kind: str, rows: torch.Tensor, in_features: int) -> Unpacked:
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != per_row:
         raise ValueError(f"{kind} rows of {in_features} inputs are [out, {per_row}] uint8, got "
                          f"{tuple(rows.shape)} {rows.dtype}")
-    return t.unpack(rows.reshape(rows.shape[0], -1, t.nbytes))
+    return rows.reshape(rows.shape[0], -1, t.nbytes)
 
 
 def apply(scale: torch.Tensor, add: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ alone, so speculation stays exactly plain decoding in this mode; the numbers are
 fp32 model's (each activation is off by at most 1/254 of its block's largest), in exchange for
 rows that cost a fraction of an fp32 row's FMAs.
 
-Every GGUF type runs in its kernel format (gguf_blocks.repack: Q4_1, Q8_0, Q4_F, Q5_F,
-I8_F16), the K-quants too, against the same activation blocks of 32 (llama.cpp quantizes a
+Every GGUF type runs in its kernel format (gguf_blocks.KERNEL_FORMAT: Q4_1, Q8_0, Q5_F, and
+the super-block formats Q4_K, Q6_K, which give bitwise what Q4_F / I8_F16 give over the same
+values), the K-quants too, against the same activation blocks of 32 (llama.cpp quantizes a
 K-quant's activations to Q8_K, 256 wide, to multiply its integer sub-block scales into the
 integer sums). Why 32: one rounding of a layer's input serves every matrix whatever its type (a
 Q4_K_M file mixes Q4_K, Q6_K and, where in_features % 256 != 0, Q5_0 / Q8_0), a scale per 32
@@ -32,21 +33,29 @@ from collections.abc import Callable
 
 import torch
 
-from specdec.models import gguf_blocks
+from specdec.models import gguf_blocks, kquant_blocks
 from specdec.models.gguf_blocks import BLOCK, NIBBLES, Blocks, Repacked, pair_rows, repack
 from specdec.models.native import PANEL, Panels
 
 # the kernel's format codes (kernels.h: SD_*_Q8), by kernel format (gguf_blocks.FORMATS)
-FORMATS = {"Q4_1": 5, "Q8_0": 6, "Q4_F": 10, "Q5_F": 11, "I8_F16": 12}
+FORMATS = {"Q4_1": 5, "Q8_0": 6, "Q4_F": 10, "Q5_F": 11, "I8_F16": 12,
+           **kquant_blocks.Q8_FORMATS}
 
 
 def prepare(b: Blocks) -> Panels:
     """The layout linear_q8.c reads: per pair of 8-row panels and block of 32 inputs, the 16
     rows' scales (gguf_blocks.scale_bytes), then chunks of 8 rows x 4 inputs (4-bit formats:
     chunk c, byte 4r + j = q[r][4c + j] | q[8 + r][4c + j] << 4; 8-bit ones: chunk (c, panel
-    p), byte 4r + j = q[8p + r][4c + j])."""
-    r = repack(b)
-    pairs, nb = -(-b.out_features // (2 * PANEL)), b.in_features // BLOCK
+    p), byte 4r + j = q[8p + r][4c + j]). Q4_K, Q6_K: their super-block format
+    (kquant_blocks)."""
+    if gguf_blocks.KERNEL_FORMAT[b.kind] in kquant_blocks.Q8_FORMATS:
+        return kquant_blocks.prepare(b.kind, b.rows, b.in_features, "q8")
+    return prepare_repacked(repack(b), b.out_features, b.in_features)
+
+
+def prepare_repacked(r: Repacked, out: int, inp: int) -> Panels:
+    """``prepare`` of blocks already repacked into a per-32 format (``out`` x ``inp``)."""
+    pairs, nb = -(-out // (2 * PANEL)), inp // BLOCK
     # [pairs, 16 rows, nb, 32 k] -> [pairs, nb, 2 panels, 8 rows, 8 chunks, 4 k]
     q = pair_rows(r.q).reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 2, 4, 5)
     if r.fmt in NIBBLES:
@@ -55,8 +64,7 @@ def prepare(b: Blocks) -> Panels:
         quants = q.permute(0, 1, 4, 2, 3, 5).contiguous().view(torch.uint8)  # [.., c, p, r, j]
     data = torch.cat([*gguf_blocks.scale_bytes(r), quants.contiguous().reshape(pairs, nb, -1)],
                      dim=-1).contiguous()
-    return Panels(data, b.out_features, in_features=b.in_features, fmt=FORMATS[r.fmt],
-                  panels=2 * pairs)
+    return Panels(data, out, in_features=inp, fmt=FORMATS[r.fmt], panels=2 * pairs)
 
 
 def preparer(activations: str) -> Callable[[Blocks], Panels]:

@@ -202,43 +202,166 @@ GGUF_FORMAT(q8_0, SD_Q8_0_PAIR_BYTES)
 GGUF_FORMAT(q4_f, SD_Q4_F_PAIR_BYTES)
 GGUF_FORMAT(q5_f, SD_Q5_F_PAIR_BYTES)
 GGUF_FORMAT(i8_f16, SD_I8_F16_PAIR_BYTES)
+
+/* The super-block formats (SD_Q4_K, SD_Q6_K: kernels.h), per super-block of a pair (16 rows x
+ * 256 k): the header, then sub-block j's quants (32 k) at HEAD + j * SUB:
+ *   Q4_K (2368 bytes): d[16] fp16, dmin[16] fp16, sc[8][16] uint8 (sub-block j's 16 rows at
+ *        64 + 16j), m[8][16] uint8 (at 192 + 16j); per sub-block (256 bytes) Q4_F's quants.
+ *   Q6_K (3360 bytes): d[16] fp16, sc[16][16] int8 (k 16g .. 16g + 15 at 32 + 16g); per
+ *        sub-block (384 bytes) the 512 quants q[k][row] (element e = 16k + row): 256 bytes
+ *        of low 4 bits (e in the low nibble of byte e % 256 if e < 256, else the high one), 128
+ *        of high 2 bits (byte e % 128, bits 2 (e / 128)); they are made int8 q - 32 a
+ *        sub-block at a time (q6_k_bytes), 32 at once, then read as I8_F16's quants.
+ * A sub-block's scales are made in registers exactly as gguf-py makes them (float32:
+ * D = fl(d * sc), M = fl(dmin * m), negated: the add -M), then the sub-block is dequantized as
+ * Q4_F's / I8_F16's block: the same weights, bitwise. */
+AVX2 static inline scales q4_k_scales(const uint8_t* h, int j) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const uint8_t* sc = h + 64 + 16 * j;
+    const uint8_t* m = h + 192 + 16 * j;
+    scales s = {_mm256_mul_ps(f16x8(h), u8x8(sc)), _mm256_mul_ps(f16x8(h + 16), u8x8(sc + 8)),
+                _mm256_xor_ps(_mm256_mul_ps(f16x8(h + 32), u8x8(m)), sign),
+                _mm256_xor_ps(_mm256_mul_ps(f16x8(h + 48), u8x8(m + 8)), sign)};
+    return s;
+}
+AVX2 static inline void q4_k_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    nibble_step(qb, s, kk, w0, w1);
+}
+/* Q6_K: d (of k 0-15) and m (of k 16-31) as I8_F16's */
+AVX2 static inline scales q6_k_scales(const uint8_t* h, int j) {
+    const uint8_t* sc = h + 32 + 32 * j;
+    const __m256 d0 = f16x8(h), d1 = f16x8(h + 16);
+    scales s = {_mm256_mul_ps(d0, i8x8(sc)), _mm256_mul_ps(d1, i8x8(sc + 8)),
+                _mm256_mul_ps(d0, i8x8(sc + 16)), _mm256_mul_ps(d1, i8x8(sc + 24))};
+    return s;
+}
+/* Q6_K's quants of a sub-block -> q - 32 as int8 [32 k][16 rows] in `out` (I8_F16's quants),
+ * 32 bytes at a time: element e = 16k + row has its low 4 bits in byte e % 256 (low nibble for
+ * e < 256, else high), its high 2 bits in byte 256 + e % 128 at bits 2 (e / 128) */
+AVX2 static inline const uint8_t* q6_k_bytes(const uint8_t* qb, uint8_t* out) {
+    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m256i off = _mm256_set1_epi8(32);
+    for (int o = 0; o < 128; o += 32) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i*)(qb + o));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i*)(qb + 128 + o));
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(qb + 256 + o));
+        const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+        for (int p = 0; p < 4; p++) {
+            const __m256i hi =
+                _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * p)), three);
+            _mm256_storeu_si256((__m256i*)(out + o + 128 * p),
+                                _mm256_sub_epi8(_mm256_or_si256(lo[p], _mm256_slli_epi16(hi, 4)),
+                                                off));
+        }
+    }
+    return out;
+}
+/* the sub-block's quants as its step reads them: Q4_K's as stored, Q6_K's as int8 in `tmp` */
+static inline const uint8_t* q4_k_sub(const uint8_t* qb, uint8_t* tmp) {
+    (void)tmp;
+    return qb;
+}
+#define q6_k_sub q6_k_bytes
+AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    *w0 = _mm256_mul_ps(i8x8(q + 16 * kk), kk < 16 ? s->d0 : s->m0);
+    *w1 = _mm256_mul_ps(i8x8(q + 16 * kk + 8), kk < 16 ? s->d1 : s->m1);
+}
+/* a super-block's lines prefetched over its 8 sub-blocks: sub-block j's share */
+#define PREFETCH_SHARE(p, BYTES, j)                                                            \
+    for (int o = ((BYTES) * (j) / 8) & ~63; o < (BYTES) * ((j) + 1) / 8; o += 64)               \
+        _mm_prefetch((const char*)(p) + o, _MM_HINT_T0);
+/* nsb super-blocks of a pair unpacked to buf [256 * nsb][16], the ones after them prefetched */
+#define KUNPACK(KIND, BYTES, HEAD, SUB)                                                        \
+    AVX2 static void unpack_##KIND(const uint8_t* b, int64_t nsb, float* buf) {               \
+        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
+        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
+            for (int j = 0; j < 8; j++) {                                                      \
+                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
+                const scales s = KIND##_scales(b, j);                                          \
+                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
+                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
+                    __m256 w0, w1;                                                             \
+                    KIND##_step(qb, &s, kk, &w0, &w1);                                         \
+                    float* at = buf + ((h * 8 + j) * SD_QBLOCK + kk) * 2 * PW;                 \
+                    _mm256_storeu_ps(at, w0);                                                  \
+                    _mm256_storeu_ps(at + PW, w1);                                             \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+#define KDIRECT(KIND, BYTES, HEAD, SUB, R, EACH)                                               \
+    AVX2 static void KIND##_r##R(const float* x, int64_t K, const uint8_t* b, int64_t nsb,    \
+                                 float* y, int64_t ldy, int first) {                           \
+        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
+        EACH(INIT)                                                                             \
+        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
+            for (int j = 0; j < 8; j++) {                                                      \
+                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
+                const scales s = KIND##_scales(b, j);                                          \
+                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
+                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
+                    __m256 v0, v1;                                                             \
+                    KIND##_step(qb, &s, kk, &v0, &v1);                                         \
+                    const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
+                    EACH(ROW)                                                                  \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE)                                                                            \
+    }
+#define KQUANT_FORMAT(KIND, BYTES, HEAD, SUB)                                                  \
+    KUNPACK(KIND, BYTES, HEAD, SUB)                                                            \
+    KDIRECT(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT(KIND, BYTES, HEAD, SUB, 2, EACH2)         \
+    KDIRECT(KIND, BYTES, HEAD, SUB, 3, EACH3)
+KQUANT_FORMAT(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
+KQUANT_FORMAT(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
+
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
 #define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
+/* a format's kernels over units of `width` k (32: a block; 256: a super-block) of `bytes` */
 typedef struct {
-    int64_t bytes;
+    int64_t width, bytes;
     void (*unpack)(const uint8_t*, int64_t, float*);
     direct_fn direct[DIRECT_ROWS];
 } gguf_kernels;
-#define GGUF_KERNELS(KIND, BYTES) {BYTES, unpack_##KIND, {KIND##_r1, KIND##_r2, KIND##_r3}}
+#define GGUF_KERNELS(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                          \
+                                          {KIND##_r1, KIND##_r2, KIND##_r3}}
 /* by format code (the float-activation GGUF formats; the others are never looked up here) */
 static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
-    [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_Q4_1_PAIR_BYTES),
-    [SD_Q8_0] = GGUF_KERNELS(q8_0, SD_Q8_0_PAIR_BYTES),
-    [SD_Q4_F] = GGUF_KERNELS(q4_f, SD_Q4_F_PAIR_BYTES),
-    [SD_Q5_F] = GGUF_KERNELS(q5_f, SD_Q5_F_PAIR_BYTES),
-    [SD_I8_F16] = GGUF_KERNELS(i8_f16, SD_I8_F16_PAIR_BYTES)};
+    [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
+    [SD_Q8_0] = GGUF_KERNELS(q8_0, SD_QBLOCK, SD_Q8_0_PAIR_BYTES),
+    [SD_Q4_F] = GGUF_KERNELS(q4_f, SD_QBLOCK, SD_Q4_F_PAIR_BYTES),
+    [SD_Q5_F] = GGUF_KERNELS(q5_f, SD_QBLOCK, SD_Q5_F_PAIR_BYTES),
+    [SD_I8_F16] = GGUF_KERNELS(i8_f16, SD_QBLOCK, SD_I8_F16_PAIR_BYTES),
+    [SD_Q4_K] = GGUF_KERNELS(q4_k, SD_QK, SD_Q4_K_PAIR_BYTES),
+    [SD_Q6_K] = GGUF_KERNELS(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES)};
 
 /* the quantized path: 1-3 rows dequantize in registers; more rows unpack each k-block of a
  * pair once into fp32 (L1) and run every row tile over it. The weights, and so every fma chain,
  * are the same either way. */
 static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                         int64_t ldy, int64_t tiles, int64_t base, int64_t extra) {
-    const int64_t pairs = w->panels / 2, nb = K / SD_QBLOCK;
     const gguf_kernels* g = &GGUF_TABLE[w->fmt];
-    const int64_t bytes = g->bytes;
-    float buf[KBLOCK * 2 * PW] __attribute__((aligned(64)));
+    const int64_t pairs = w->panels / 2, width = g->width, bytes = g->bytes;
+    /* k per step: KBLOCK, or a whole super-block */
+    const int64_t step = width > KBLOCK ? width : KBLOCK;
+    float buf[(KBLOCK > SD_QK ? KBLOCK : SD_QK) * 2 * PW] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < pairs; q++) {
-        const uint8_t* pair = (const uint8_t*)w->data + q * nb * bytes;
-        for (int64_t k0 = 0; k0 < K; k0 += KBLOCK) {
-            const int64_t kn = K - k0 < KBLOCK ? K - k0 : KBLOCK;
-            const uint8_t* blocks = pair + (k0 / SD_QBLOCK) * bytes;
+        const uint8_t* pair = (const uint8_t*)w->data + q * (K / width) * bytes;
+        for (int64_t k0 = 0; k0 < K; k0 += step) {
+            const int64_t kn = K - k0 < step ? K - k0 : step;
+            const uint8_t* blocks = pair + (k0 / width) * bytes;
             float* yq = y + 2 * q * PW;
             if (T >= 1 && T <= DIRECT_ROWS) { /* T == 0 never gets here (sd_linear_for) */
-                g->direct[T - 1](x + k0, K, blocks, kn / SD_QBLOCK, yq, ldy, k0 == 0);
+                g->direct[T - 1](x + k0, K, blocks, kn / width, yq, ldy, k0 == 0);
                 continue;
             }
-            g->unpack(blocks, kn / SD_QBLOCK, buf);
+            g->unpack(blocks, kn / width, buf);
             for (int64_t i = 0, t = 0; i < tiles; i++) {
                 const int64_t r = base + (i < extra);
                 BUF_MICRO[r - 1](x + t * K + k0, K, buf, buf + PW, kn, yq + t * ldy, ldy,
@@ -275,6 +398,7 @@ int sd_check_weight(const sd_weight* w, int64_t K) {
         || w->out > PW * w->panels || w->out < 1)
         return -1;
     if (sd_is_gguf(w->fmt) && K % SD_QBLOCK) return -1;
+    if (sd_is_kquant(w->fmt) && K % SD_QK) return -1;
     return 0;
 }
 
@@ -318,8 +442,8 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
 }
 
 /* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
- * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 7 Q4_F, 8 Q5_F, 9 I8_F16, and those blocks laid out
- * for 8-bit activations: 5, 6, 10, 11, 12; kernels.h); columns up
+ * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 7 Q4_F, 8 Q5_F, 9 I8_F16, 13 Q4_K, 14 Q6_K, and those
+ * blocks laid out for 8-bit activations: 5, 6, 10, 11, 12, 15, 16; kernels.h); columns up
  * to 8 * panels are written (ldy >= 8 * panels). T == 0 writes nothing and succeeds. Returns 0,
  * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The
  * lengths of x, w and y are not known here: the caller checks them (specdec/models/native.py).

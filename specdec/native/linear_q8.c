@@ -7,6 +7,8 @@
  *   Q4_1, Q4_F, Q5_F (w = dw * qw + mw):  y += ((dw * d) * isum + mw * s)
  *   Q8_0 (w = dw * qw):                   y += (dw * d) * isum
  *   I8_F16 (dw0 for k 0-15, dw1 16-31):   y += ((dw0 * d) * isum0 + (dw1 * d) * isum1)
+ *   Q4_K, Q6_K (super-blocks of 256 k): per sub-block of 32, Q4_F's / I8_F16's, with dw, mw
+ *   made from the super-block's d, dmin and integer sc, m as gguf-py makes them (below)
  * isum = sum_k qw_k * q_k over the block (I8_F16: isum0, isum1 over its halves), every
  * product and sum rounded as written (no fma), isum exact in int32. A row's result
  * depends only on that row, whatever shares the call (the contract of kernels.h), and a
@@ -105,8 +107,8 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
  *   vnni: vpdpbusd adds four products into int32 in one instruction (AVX-VNNI): one
  *         instruction per row and step instead of two (4-bit) or three (8-bit);
  *   512:  AVX512-VNNI, both panels of a pair at once, up to 8 rows a tile (below);
- *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, and I8_F16, run the 512
- *         kernels). */
+ *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, I8_F16, Q4_K and Q6_K
+ *         run the 512 kernels). */
 #define INIT(r) __m256 f##r = _mm256_setzero_ps();
 #define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
 #define IZERO(r) __m256i i##r = _mm256_setzero_si256();
@@ -221,7 +223,11 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
     Q5_F_K(1, EACH1, ISA, SUF, ATTR) Q5_F_K(2, EACH2, ISA, SUF, ATTR)                          \
     Q5_F_K(3, EACH3, ISA, SUF, ATTR) Q5_F_K(4, EACH4, ISA, SUF, ATTR)                          \
     I8_F16_K(1, EACH1, ISA, SUF, ATTR) I8_F16_K(2, EACH2, ISA, SUF, ATTR)                      \
-    I8_F16_K(3, EACH3, ISA, SUF, ATTR) I8_F16_K(4, EACH4, ISA, SUF, ATTR)
+    I8_F16_K(3, EACH3, ISA, SUF, ATTR) I8_F16_K(4, EACH4, ISA, SUF, ATTR)                      \
+    Q4_K_KERNEL(1, EACH1, ISA, SUF, ATTR) Q4_K_KERNEL(2, EACH2, ISA, SUF, ATTR)                \
+    Q4_K_KERNEL(3, EACH3, ISA, SUF, ATTR) Q4_K_KERNEL(4, EACH4, ISA, SUF, ATTR)                \
+    Q6_K_KERNEL(1, EACH1, ISA, SUF, ATTR) Q6_K_KERNEL(2, EACH2, ISA, SUF, ATTR)                \
+    Q6_K_KERNEL(3, EACH3, ISA, SUF, ATTR) Q6_K_KERNEL(4, EACH4, ISA, SUF, ATTR)
 #define Q8_0_K(R, EACH, ISA, SUF, ATTR)                                                        \
     BYTE_KERNEL(q8_0, SD_Q8_0_PAIR_BYTES, 32, NO_SCALE, F16_D, NO_SCALE, S8, NOTHING,          \
                 FIN_SCALE, R, EACH, ISA, SUF, ATTR)
@@ -231,6 +237,94 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
 #define I8_F16_K(R, EACH, ISA, SUF, ATTR)                                                      \
     BYTE_KERNEL(i8_f16, SD_I8_F16_PAIR_BYTES, 128, F32_D, F32_M, NO_SCALE, S8, HALF_LO,        \
                 FIN_HALVES, R, EACH, ISA, SUF, ATTR)
+
+/* The super-block formats (Q4_K, Q6_K; kernels.h), per super-block of a pair: the header
+ * (linear.c says where its scales are), then per sub-block j (32 k) the quants:
+ *   Q4_K: 256 bytes as Q4_F's (the 4-bit chunks above).
+ *   Q6_K: 384 bytes: the low 4 bits of q as Q4_K's, then the high 2 bits as 4 vectors of 32
+ *         bytes: vector v's byte 4r + j holds, for chunks c = 2v and 2v + 1 (k = 4c + j), at
+ *         bits 4 (c - 2v) + 2p those of q[row 8p + r][4c + j].
+ * Each sub-block is a block of Q4_F (Q6_K: of I8_F16, q - 32 as its int8 quants) with its
+ * scales made in registers as gguf-py makes them (dw = fl(d * sc), mw = -fl(dmin * m); Q6_K:
+ * dw0, dw = fl(d * sc) of its two halves): the same isum and the same fp32 finish, so bitwise
+ * the result of the Q4_F / I8_F16 layout of the same file. KAHEAD super-blocks ahead are
+ * prefetched, a sub-block's share of one at a time. */
+#define KAHEAD 4
+#define KPREFETCH(p, BYTES, jj)                                                                \
+    for (int o = ((BYTES) * (jj) / 8) & ~63; o < (BYTES) * ((jj) + 1) / 8; o += 64)             \
+        _mm_prefetch((const char*)(p) + KAHEAD * (BYTES) + o, _MM_HINT_T0);
+#define KSC_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
+#define KSC_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
+#define Q4_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
+    ATTR static void q4_k_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
+                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
+                                       float* y, int64_t ldy) {                               \
+        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                 \
+        const __m256 sign = _mm256_set1_ps(-0.0f);                                             \
+        (void)ones;                                                                            \
+        EACH(INIT)                                                                             \
+        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q4_K_PAIR_BYTES) {                        \
+            const __m256 dd = F16_D(b, P), dm = F16_M(b, P);                                   \
+            for (int jj = 0; jj < 8; jj++) {                                                   \
+                const int64_t j = 8 * h + jj;                                                  \
+                if (P == 0) KPREFETCH(b, SD_Q4_K_PAIR_BYTES, jj)                               \
+                EACH(IZERO)                                                                    \
+                const uint8_t* qb = b + SD_Q4_K_HEAD + 256 * jj;                               \
+                for (int c = 0; c < 8; c++) {                                                  \
+                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
+                    const __m256i w = _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low); \
+                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
+                    EACH(NIB_ROW_##ISA)                                                        \
+                }                                                                              \
+                const __m256 dw = _mm256_mul_ps(dd, KSC_U8(b + 64 + 16 * jj + 8 * P));         \
+                const __m256 mw = _mm256_xor_ps(                                               \
+                    _mm256_mul_ps(dm, KSC_U8(b + 192 + 16 * jj + 8 * P)), sign);               \
+                EACH(NIB_FIN_##ISA)                                                            \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE)                                                                            \
+    }
+#define Q6_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
+    ATTR static void q6_k_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
+                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
+                                       float* y, int64_t ldy) {                               \
+        (void)s;                                                                               \
+        const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);                 \
+        const __m256i off = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1);                 \
+        (void)ones;                                                                            \
+        EACH(INIT)                                                                             \
+        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q6_K_PAIR_BYTES) {                        \
+            const __m256 dd = F16_D(b, P);                                                     \
+            for (int jj = 0; jj < 8; jj++) {                                                   \
+                const int64_t j = 8 * h + jj;                                                  \
+                if (P == 0) KPREFETCH(b, SD_Q6_K_PAIR_BYTES, jj)                               \
+                EACH(IZERO)                                                                    \
+                EACH(TDECL)                                                                    \
+                const uint8_t* sc = b + 32 + 32 * jj + 8 * P;                                  \
+                const __m256 dw0 = _mm256_mul_ps(dd, KSC_I8(sc));                              \
+                const __m256 dw = _mm256_mul_ps(dd, KSC_I8(sc + 16));                          \
+                const uint8_t* qb = b + SD_Q6_K_HEAD + SD_Q6_K_SUB * jj;                       \
+                for (int c = 0; c < 8; c++) {                                                  \
+                    if (c == 4) { EACH(HALF_LO) }                                              \
+                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
+                    const __m256i hv =                                                         \
+                        _mm256_loadu_si256((const __m256i*)(qb + 256 + 32 * (c >> 1)));        \
+                    const __m256i hi = _mm256_and_si256(                                       \
+                        _mm256_srl_epi16(hv, _mm_cvtsi32_si128(4 * (c & 1) + 2 * P)), three);  \
+                    const __m256i w = _mm256_sub_epi8(                                         \
+                        _mm256_or_si256(_mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw,  \
+                                                         low),                                 \
+                                        _mm256_slli_epi16(hi, 4)),                             \
+                        off);                                                                  \
+                    const __m256i u = _mm256_abs_epi8(w);                                      \
+                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
+                    EACH(S8_ROW_##ISA)                                                         \
+                }                                                                              \
+                EACH(FIN_HALVES)                                                               \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE)                                                                            \
+    }
 #define TABLE_ROWS(NAME, SUF) {NAME##_q8_r1##SUF, NAME##_q8_r2##SUF, NAME##_q8_r3##SUF,        \
                                NAME##_q8_r4##SUF}
 /* [format][rows - 1], by format code */
@@ -238,7 +332,8 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
     static const q8_fn TABLE##SUF[SD_NUM_FORMATS][TILE] = {                                    \
         [SD_Q4_1_Q8] = TABLE_ROWS(q4_1, SUF), [SD_Q8_0_Q8] = TABLE_ROWS(q8_0, SUF),            \
         [SD_Q4_F_Q8] = TABLE_ROWS(q4_f, SUF), [SD_Q5_F_Q8] = TABLE_ROWS(q5_f, SUF),            \
-        [SD_I8_F16_Q8] = TABLE_ROWS(i8_f16, SUF)};
+        [SD_I8_F16_Q8] = TABLE_ROWS(i8_f16, SUF), [SD_Q4_K_Q8] = TABLE_ROWS(q4_k, SUF),         \
+        [SD_Q6_K_Q8] = TABLE_ROWS(q6_k, SUF)};
 
 KERNELS(avx2, _avx2, AVX2)
 TABLE_OF(_avx2)
@@ -370,13 +465,100 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
                   AFFINE16, R, EACH)                                                           \
     BYTE_KERNEL16(i8_f16, SD_I8_F16_PAIR_BYTES, 128, 1, G32_D, G32_M, NO_SCALE16, S_ROW16,     \
                   I8_LO, HALVES16, R, EACH)
+/* the super-block formats (above), both panels at once: Q4_K as Q4_F's kernel, Q6_K as
+ * I8_F16's (signed: the rows q + 128, 128 * sum(w) subtracted per half), their scales made per
+ * sub-block as the 256-bit kernels make them */
+#define KSC_U8_16(p) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(p))))
+#define KSC_I8_16(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))))
+#define NEG16(v) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),                  \
+                                                      _mm512_set1_epi32((int)0x80000000)))
+#define Q4_K_KERNEL16(R, EACH)                                                                 \
+    AVX512 static void q4_k_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
+                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
+                                          int64_t ldy) {                                      \
+        const __m512i low = _mm512_set1_epi8(15);                                              \
+        EACH(INIT16)                                                                           \
+        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q4_K_PAIR_BYTES) {                        \
+            const __m512 dd = H16_D(b), dm = H16_M(b);                                         \
+            for (int jj = 0; jj < 8; jj++) {                                                   \
+                const int64_t j = 8 * h + jj;                                                  \
+                KPREFETCH(b, SD_Q4_K_PAIR_BYTES, jj)                                           \
+                EACH(IZERO16)                                                                  \
+                const uint8_t* qb = b + SD_Q4_K_HEAD + 256 * jj;                               \
+                for (int c = 0; c < 8; c++) {                                                  \
+                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
+                    const __m512i w = _mm512_and_si512(                                        \
+                        _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), \
+                                           1),                                                 \
+                        low);                                                                  \
+                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
+                    EACH(U_ROW16)                                                              \
+                }                                                                              \
+                const __m512 dw = _mm512_mul_ps(dd, KSC_U8_16(b + 64 + 16 * jj));              \
+                const __m512 mw = NEG16(_mm512_mul_ps(dm, KSC_U8_16(b + 192 + 16 * jj)));      \
+                EACH(AFFINE16)                                                                 \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE16)                                                                          \
+    }
+#define Q6_K_KERNEL16(R, EACH)                                                                 \
+    AVX512 static void q6_k_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
+                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
+                                          int64_t ldy) {                                      \
+        (void)s;                                                                               \
+        const __m512i ones = _mm512_set1_epi8(1), low = _mm512_set1_epi8(15);                  \
+        const __m512i three = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);                 \
+        EACH(INIT16)                                                                           \
+        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q6_K_PAIR_BYTES) {                        \
+            const __m512 dd = H16_D(b);                                                        \
+            for (int jj = 0; jj < 8; jj++) {                                                   \
+                const int64_t j = 8 * h + jj;                                                  \
+                KPREFETCH(b, SD_Q6_K_PAIR_BYTES, jj)                                           \
+                EACH(IZERO16)                                                                  \
+                EACH(TDECL16)                                                                  \
+                const __m512 dw0 = _mm512_mul_ps(dd, KSC_I8_16(b + 32 + 32 * jj));             \
+                const __m512 dw = _mm512_mul_ps(dd, KSC_I8_16(b + 48 + 32 * jj));              \
+                __m512i ws = _mm512_setzero_si512();                                           \
+                const uint8_t* qb = b + SD_Q6_K_HEAD + SD_Q6_K_SUB * jj;                       \
+                for (int c = 0; c < 8; c++) {                                                  \
+                    if (c == 4) { I8_LO(EACH) }                                                \
+                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
+                    const __m256i hv =                                                         \
+                        _mm256_loadu_si256((const __m256i*)(qb + 256 + 32 * (c >> 1)));        \
+                    const __m128i sh = _mm_cvtsi32_si128(4 * (c & 1));                         \
+                    const __m128i sh2 = _mm_cvtsi32_si128(4 * (c & 1) + 2);                    \
+                    const __m512i lo = _mm512_and_si512(                                       \
+                        _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), \
+                                           1),                                                 \
+                        low);                                                                  \
+                    const __m512i hi = _mm512_and_si512(                                       \
+                        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srl_epi16(hv, sh)),   \
+                                           _mm256_srl_epi16(hv, sh2), 1),                      \
+                        three);                                                                \
+                    const __m512i w =                                                          \
+                        _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), off);   \
+                    ws = _mm512_dpbusd_epi32(ws, ones, w);                                     \
+                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
+                    EACH(S_ROW16)                                                              \
+                }                                                                              \
+                ws = _mm512_slli_epi32(ws, 7);                                                 \
+                EACH(FIX16)                                                                    \
+                EACH(HALVES16)                                                                 \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE16)                                                                          \
+    }
+#define KFORMAT16(R, EACH) Q4_K_KERNEL16(R, EACH) Q6_K_KERNEL16(R, EACH)
+KFORMAT16(1, EACH1) KFORMAT16(2, EACH2) KFORMAT16(3, EACH3) KFORMAT16(4, EACH4)
+KFORMAT16(5, EACH5) KFORMAT16(6, EACH6) KFORMAT16(7, EACH7) KFORMAT16(8, EACH8)
 FORMAT16(1, EACH1) FORMAT16(2, EACH2) FORMAT16(3, EACH3) FORMAT16(4, EACH4)
 FORMAT16(5, EACH5) FORMAT16(6, EACH6) FORMAT16(7, EACH7) FORMAT16(8, EACH8)
 #define ROWS8(NAME) {NAME##_q8_r1_512, NAME##_q8_r2_512, NAME##_q8_r3_512, NAME##_q8_r4_512,     \
                      NAME##_q8_r5_512, NAME##_q8_r6_512, NAME##_q8_r7_512, NAME##_q8_r8_512}
 static const q8_pair_fn TABLE_512[SD_NUM_FORMATS][TILE512] = {
     [SD_Q4_1_Q8] = ROWS8(q4_1), [SD_Q8_0_Q8] = ROWS8(q8_0), [SD_Q4_F_Q8] = ROWS8(q4_f),
-    [SD_Q5_F_Q8] = ROWS8(q5_f), [SD_I8_F16_Q8] = ROWS8(i8_f16)};
+    [SD_Q5_F_Q8] = ROWS8(q5_f), [SD_I8_F16_Q8] = ROWS8(i8_f16), [SD_Q4_K_Q8] = ROWS8(q4_k),
+    [SD_Q6_K_Q8] = ROWS8(q6_k)};
 
 /* what the drivers need to know of a format: its pair block's bytes, where its quants start,
  * whether they are 4-bit (nibbles) / signed, its scales fp32 (else fp16), its block finish
@@ -390,7 +572,11 @@ static const q8_format Q8_FORMATS[SD_NUM_FORMATS] = {
     [SD_Q8_0_Q8] = {SD_Q8_0_PAIR_BYTES, 32, 0, 1, 0, 0, 1},
     [SD_Q4_F_Q8] = {SD_Q4_F_PAIR_BYTES, 128, 1, 0, 1, 1, 1},
     [SD_Q5_F_Q8] = {SD_Q5_F_PAIR_BYTES, 128, 0, 0, 1, 1, 1},
-    [SD_I8_F16_Q8] = {SD_I8_F16_PAIR_BYTES, 128, 0, 1, 1, 0, 0}};
+    [SD_I8_F16_Q8] = {SD_I8_F16_PAIR_BYTES, 128, 0, 1, 1, 0, 0},
+    /* the super-block formats: bytes per block of 32 k on average (a pair's super-block is 8
+     * of them); no AMX kernel (their per-sub-block scales: the 512 kernels) */
+    [SD_Q4_K_Q8] = {SD_Q4_K_PAIR_BYTES / 8, SD_Q4_K_HEAD, 1, 0, 0, 1, 0},
+    [SD_Q6_K_Q8] = {SD_Q6_K_PAIR_BYTES / 8, SD_Q6_K_HEAD, 0, 1, 0, 0, 0}};
 
 /* AMX-INT8 (Sapphire Rapids and later): a block's integer sums for up to 16 rows and both
  * panels of a pair in one tile multiply. A = the rows' quants of the block [M rows][32 bytes]

@@ -140,8 +140,9 @@ def test_speculation_is_plain_decoding_on_every_type(mixed_model, activations):
               activations=activations)
     plain = LLM(**kw)
     assert plain.engine.weights == "native"
-    codes = (gb.FORMATS if activations == "float" else qa.FORMATS).values()
-    assert {p.fmt for p in plain.engine.kernels._panels.values()} == set(codes)
+    table = gb.FORMATS if activations == "float" else qa.FORMATS
+    codes = {table[gb.KERNEL_FORMAT[kind]] for kind in gb.BLOCK_BYTES}  # the formats prepare picks
+    assert {p.fmt for p in plain.engine.kernels._panels.values()} == codes
     _speculation_is_plain(kw)
 
 
@@ -162,8 +163,9 @@ def test_fused_matrices_of_several_types_run_in_parts(q4_k_m_model, activations)
     assert nat.engine.weights == "native"
     codes = gb.FORMATS if activations == "float" else qa.FORMATS
     m, panels = nat.engine.model, nat.engine.kernels.prepared
-    want = {(0, "qkv"): ("Q4_F", "I8_F16"), (1, "qkv"): ("Q4_F", "Q5_F", "I8_F16"),
-            (1, "gate_up"): ("Q4_F", "I8_F16")}
+    kinds = {(0, "qkv"): ("Q4_K", "Q6_K"), (1, "qkv"): ("Q4_K", "Q5_K", "Q6_K"),
+             (1, "gate_up"): ("Q4_K", "Q6_K")}
+    want = {at: tuple(gb.KERNEL_FORMAT[k] for k in ks) for at, ks in kinds.items()}
     for i, layer in enumerate(m.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             p = panels(getattr(layer, f"{name}_weight"))

@@ -1,0 +1,141 @@
+"""Q4_K and Q6_K in the kernels' super-block formats (kernels.h: SD_Q4_K, SD_Q6_K and their
+8-bit-activation layouts): the file's own fields, so a decoded token streams about the file's
+bytes, laid out per panel pair (16 output rows) and super-block of 256 inputs.
+
+    format  per row and super-block (256 k)            bytes / 256   file      bits / weight
+    Q4_K    fp16 d, dmin; 8 x (sc, m) a byte each;     148           144       4.625 (+2.8 %)
+            4-bit q
+    Q6_K    fp16 d; 16 x int8 sc; 6-bit q (4 + 2 bits) 210           210       6.5625 (+0 %)
+
+(the per-32 formats they replace: Q4_F 6.0 bits a weight, +33 %; I8_F16 10.0, +52 %). The
+kernels make each sub-block's scales as gguf-py does, in float32 (D = fl(d * sc),
+M = fl(dmin * m); Q6_K: D = fl(d * sc) per 16), then run the sub-block exactly as a block of the
+per-32 format holding those values (``PER_32``: Q4_F with m = -M, I8_F16 with q - 32), so the
+results are bitwise those of the per-32 layout of the same file, in both activation modes (the
+references: gguf_blocks.repack's values). Q6_K keeps the file's 6-bit packing (4 + 2 bits)
+rather than int8 quants (8.5 bits): the 2-bit fields cost a few shifts per 32 bytes, shared by
+every row of a call, and the bytes are the decode time.
+
+A pair's super-block (linear.c / linear_q8.c read it): the header, then per sub-block j of 32
+inputs its quants: Q4_K 320 + 8 x 256 = 2368 bytes (d[16], dmin[16] fp16; sc[8][16],
+m[8][16] uint8), Q6_K 288 + 8 x 384 = 3360 bytes (d[16] fp16, sc[16][16] int8; per sub-block
+the low 4 bits as Q4_K's quants, then the high 2 bits). The quants of a Q4_K sub-block are laid out as
+a block of Q4_F (gguf_blocks.prepare: per k one uint32 per panel; q8_activations.prepare:
+chunks of 8 rows x 4 k, a byte holding both panels). Q6_K's, q8: the low 4 bits as Q4_K's, then
+the high 2 bits as 4 vectors of 32 bytes, vector v's byte 4r + j holding, for chunk c = 2v + e,
+at bits 4e + 2p, those of row 8p + r at k = 4c + j; float: the elements e = 16k + row (the
+order of I8_F16's quants), low 4 bits of e in byte e % 256 (bits 4 (e // 256)), high 2 bits in
+byte 256 + e % 128 (bits 2 (e // 128)), so the kernel makes 32 int8 q - 32 at a time with a
+few byte shifts and masks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.models import gguf_types
+from specdec.models.native import PANEL, Panels
+
+QK = gguf_types.QK_K  # inputs of a super-block
+SUB = gguf_types.BLOCK  # inputs of a sub-block
+FORMATS = {"Q4_K": 13, "Q6_K": 14}  # kernels.h format codes, float activations
+Q8_FORMATS = {"Q4_K": 15, "Q6_K": 16}  # ... and 8-bit activations
+PAIR_BYTES = {"Q4_K": 2368, "Q6_K": 3360}  # one super-block of a panel pair
+PER_32 = {"Q4_K": "Q4_F", "Q6_K": "I8_F16"}  # the per-32 format computing the same values
+ACTIVATIONS = ("float", "q8")
+
+
+def prepare(kind: str, rows: torch.Tensor, in_features: int, activations: str) -> Panels:
+    """rows [out, in / 256 * block bytes] uint8 of ``kind`` (Q4_K | Q6_K, as the file holds
+    them) -> the kernels' panels for ``activations`` ("float" | "q8"); rows are padded with
+    zero blocks to a multiple of 16. ValueError for another kind, mode, or a shape that does
+    not fit the kind (gguf_types.blocks)."""
+    if kind not in FORMATS or activations not in ACTIVATIONS:
+        raise ValueError(f"super-block formats take {', '.join(FORMATS)} with activations "
+                         f"{' or '.join(ACTIVATIONS)}, got {kind} with {activations!r}")
+    blk = _pad(gguf_types.blocks(kind, rows, in_features))  # [pairs, 16, n, nbytes]
+    pairs, n = blk.shape[0], blk.shape[2]
+    q8 = activations == "q8"
+    if kind == "Q4_K":
+        sc, m = gguf_types.k_scale_ints(blk)
+        head = [_rows_last(blk[..., 0:2]), _rows_last(blk[..., 2:4]),  # d, dmin
+                _rows_last(sc.to(torch.uint8).unsqueeze(-1)),  # [.., 8 sub-blocks, 16 rows]
+                _rows_last(m.to(torch.uint8).unsqueeze(-1))]
+        q = gguf_types._k_low(blk[..., 16:144])  # [pairs, 16, n, 8, 32] 0..15
+        quants = _nibbles(q, q8)
+    else:
+        head = [_rows_last(blk[..., 208:210]),  # d
+                _rows_last(blk[..., 192:208].unsqueeze(-1))]  # sc: [.., 16 groups, 16 rows]
+        q = gguf_types.q6_k_quants(blk)  # [pairs, 16, n, 8, 32] 0..63
+        if q8:
+            quants = torch.cat([_nibbles(q & 15, q8), _high_bits(q >> 4, q8)], dim=-1)
+        else:
+            quants = _six_bits(q)
+    data = torch.cat([*(h.reshape(pairs, n, -1) for h in head), quants.reshape(pairs, n, -1)],
+                     dim=-1).contiguous()
+    assert data.shape[-1] == PAIR_BYTES[kind], data.shape
+    code = (Q8_FORMATS if q8 else FORMATS)[kind]
+    return Panels(data, rows.shape[0], in_features=in_features, fmt=code, panels=2 * pairs)
+
+
+def _pad(blk: torch.Tensor) -> torch.Tensor:
+    """[out, n, nbytes] -> [pairs, 16, n, nbytes]: rows padded with zero blocks to whole pairs
+    of 8-row panels."""
+    pad = -blk.shape[0] % (2 * PANEL)
+    blk = torch.cat([blk, blk.new_zeros(pad, *blk.shape[1:])]) if pad else blk
+    return blk.reshape(-1, 2 * PANEL, *blk.shape[1:])
+
+
+def _rows_last(t: torch.Tensor) -> torch.Tensor:
+    """[pairs, 16 rows, n, g, b] (or [pairs, 16, n, b]) -> [pairs, n, g, 16 rows, b] uint8:
+    per super-block and group, the pair's 16 rows."""
+    t = t.unsqueeze(-2) if t.dim() == 4 else t
+    return t.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
+
+
+def _sub_blocks(q: torch.Tensor) -> torch.Tensor:
+    """[pairs, 16, n, 8, 32] -> [pairs, 16, n * 8, 32]: per sub-block (a block of 32)."""
+    return q.reshape(q.shape[0], q.shape[1], -1, SUB).long()
+
+
+def _nibbles(q: torch.Tensor, q8: bool) -> torch.Tensor:
+    """4-bit values [pairs, 16, n, 8, 32] -> [pairs, n * 8, 256] uint8, a sub-block as a block of
+    Q4_F: float (gguf_blocks.prepare_repacked), per k one uint32 per panel, row i at bits 4i;
+    q8 (q8_activations.prepare), chunk c byte 4r + j = q[r][4c + j] | q[8 + r][4c + j] << 4."""
+    q = _sub_blocks(q)
+    pairs, nb = q.shape[0], q.shape[2]
+    if q8:  # [pairs, 2 panels, 8 rows, nb, 8 chunks, 4 k] -> [pairs, nb, c, r, j]
+        q = q.reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 4, 2, 5)
+        return (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(pairs, nb, -1)
+    q = q.permute(0, 2, 3, 1).reshape(pairs, nb, SUB, 2, PANEL)  # [.., k, panel, row]
+    words = (q << (4 * torch.arange(PANEL))).sum(-1)  # [pairs, nb, 32, 2]
+    return _le_bytes(words).reshape(pairs, nb, -1)
+
+
+def _high_bits(h: torch.Tensor, q8: bool) -> torch.Tensor:
+    """Q6_K's high 2 bits [pairs, 16, n, 8, 32] -> [pairs, n * 8, 128] uint8, q8 (module
+    docstring): vector v byte 4r + j, chunk 2v + e and panel p at bits 4e + 2p."""
+    assert q8
+    h = _sub_blocks(h)
+    pairs, nb = h.shape[0], h.shape[2]
+    # [pairs, p, r, nb, v, e, j] -> [pairs, nb, v, r, j, e, p]
+    h = h.reshape(pairs, 2, PANEL, nb, 4, 2, 4).permute(0, 3, 4, 2, 6, 5, 1)
+    shifts = 4 * torch.arange(2).view(2, 1) + 2 * torch.arange(2).view(1, 2)
+    return (h << shifts).sum((-2, -1)).to(torch.uint8).reshape(pairs, nb, -1)
+
+
+def _six_bits(q: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 6-bit quants [pairs, 16, n, 8, 32] -> [pairs, n * 8, 384] uint8, float (module
+    docstring): per sub-block the elements e = 16k + row, low 4 bits of e in byte e % 256
+    (bits 4 (e // 256)), then high 2 bits in byte 256 + e % 128 (bits 2 (e // 128))."""
+    q = _sub_blocks(q)
+    pairs, nb = q.shape[0], q.shape[2]
+    e = q.permute(0, 2, 3, 1).reshape(pairs, nb, 2, 256)  # [.., e // 256, e % 256]
+    low = ((e & 15) << (4 * torch.arange(2)).view(2, 1)).sum(-2)
+    high = ((e >> 4).reshape(pairs, nb, 4, 128) << (2 * torch.arange(4)).view(4, 1)).sum(-2)
+    return torch.cat([low, high], dim=-1).to(torch.uint8)
+
+
+def _le_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 words holding uint32 values [...] -> their little-endian bytes [..., 4] uint8."""
+    return torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
