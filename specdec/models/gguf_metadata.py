@@ -73,13 +73,13 @@ def special_case(f: GGUFFile) -> str | None:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     arch = f.architecture
-    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
-        return f"transformers maps no GGUF architecture {arch!r}"
-    if "llama" in arch and f.metadata.get("general.name") == "mistral":
-        return "transformers reads a llama file named 'mistral' as mistral"
     for name in SPECIAL_ARCHITECTURES:
         if name in arch:
             return f"transformers special-cases {name!r} architectures"
+    if "llama" in arch and f.metadata.get("general.name") == "mistral":
+        return "transformers reads a llama file named 'mistral' as mistral"
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        return f"transformers maps no GGUF architecture {arch!r}"
     return None
 
 
