@@ -78,7 +78,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", tied: b
     for k, v in keys.items():
         (w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
     w.add_name(name)
-    (tokenizer or _ascii_tokenizer)(w)
+    (tokenizer or ascii_tokenizer)(w)
     for name, shp in tensors(shape, arch, tied).items():
         if len(shp) == 1:
             w.add_tensor(name, (1 + 0.1 * rng.standard_normal(shp)).astype(np.float32))
@@ -102,7 +102,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", tied: b
     return path
 
 
-def _ascii_tokenizer(w) -> None:
+def ascii_tokenizer(w) -> None:
+    """The default tokenizer: byte-level BPE of printable ASCII, <s> and </s>, no merges."""
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list([*CHARS, "<s>", "</s>"])

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
-from gguf_helpers import TinyShape, write_tiny_gguf
+from gguf_helpers import TinyShape, ascii_tokenizer, write_tiny_gguf
 
 from specdec.models import aliases, gguf_metadata
 from specdec.models.gguf_file import open_gguf
@@ -62,6 +62,12 @@ FILES = {
 }
 
 
+def one_merge(w) -> None:
+    """A list of one element in a mapped key: transformers' GGUFReader makes it the element."""
+    ascii_tokenizer(w)
+    w.add_token_merges(["a b"])
+
+
 def _file(tmp_path: Path, **kw) -> Path:
     """A tiny model alone in its folder (no tokenizer file beside it for transformers to read)."""
     path = tmp_path / "in" / "model.gguf"
@@ -92,15 +98,33 @@ def test_reader_metadata_is_read_gguf_metadata(name, arrays, tmp_path):
     assert list(ours[0]) == list(theirs[0])  # the file's order
 
 
-@pytest.mark.parametrize("name", [*FILES, "phi3", "starcoder2", "gpt2", "mamba"])
+MORE = {"one-merge": dict(tokenizer=one_merge), **{a: dict(arch=a) for a in
+                                                    ("phi3", "starcoder2", "gpt2", "mamba")}}
+
+
+@pytest.mark.parametrize("name", [*FILES, *MORE])
 def test_checkpoint_metadata_is_load_gguf_checkpoint(name, tmp_path):
     """Generic over transformers' mapping: architectures specdec does not run map the same."""
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    path = _file(tmp_path, **FILES.get(name, dict(arch=name)))
+    path = _file(tmp_path, **{**FILES, **MORE}[name])
     ours = checkpoint_metadata(open_gguf(path))
     assert ours is not None
     assert typed(ours) == typed(load_gguf_checkpoint(str(path), return_tensors=False))
+    if name == "one-merge":
+        assert ours["tokenizer"]["merges"] == "a b"
+
+
+def test_transformers_defaults_of_an_architecture_are_kept(tmp_path, monkeypatch):
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    monkeypatch.setitem(GGUF_CONFIG_DEFAULTS_MAPPING, "llama",
+                        {"norm_topk_prob": True, "rms_norm_eps": 0.5})  # the file's wins
+    path = _file(tmp_path)
+    ours = checkpoint_metadata(open_gguf(path))
+    assert typed(ours) == typed(load_gguf_checkpoint(str(path), return_tensors=False))
+    assert ours["config"]["norm_topk_prob"] is True and ours["config"]["rms_norm_eps"] != 0.5
 
 
 @pytest.mark.parametrize("kw, why", [
