@@ -125,7 +125,8 @@ def reading_from_header(f: GGUFFile) -> Iterator[None]:
     ``checkpoint_metadata``); of another file, with tensors, or where those return None, they
     are transformers' own. Each answer is a new dict (callers may change them), as theirs are.
     Where a transformers version stops reading through these module attributes, this simply
-    does not apply."""
+    does not apply. The attributes are module-wide while inside: callers in other threads get
+    the same answers (their files pass through), and contexts nest but must not interleave."""
     import transformers.integrations.gguf as tf_gguf
     import transformers.integrations.gguf.reader as tf_reader
     import transformers.modeling_gguf_pytorch_utils as tf_checkpoint
@@ -133,18 +134,21 @@ def reading_from_header(f: GGUFFile) -> Iterator[None]:
     target = f.path.resolve()
     original_read = tf_reader.read_gguf_metadata
     original_load = tf_checkpoint.load_gguf_checkpoint
-    header_ok = unreadable(f) is None
-    if not header_ok:
-        logger.info("%s: metadata read by transformers: %s", f.path, unreadable(f))
+    reason = unreadable(f)
+    if reason is not None:
+        logger.info("%s: metadata read by transformers' readers: %s", f.path, reason)
     checkpoint: list[dict | None] = []  # made on first use: AutoConfig may never ask
 
+    def ours(gguf_path) -> bool:
+        return reason is None and Path(gguf_path).resolve() == target
+
     def read(gguf_path, string_arrays=()):
-        if header_ok and Path(gguf_path).resolve() == target:
+        if ours(gguf_path):
             return reader_metadata(f, string_arrays)
         return original_read(gguf_path, string_arrays)
 
     def load(gguf_checkpoint_path, return_tensors=False, *args, **kwargs):
-        if not return_tensors and Path(gguf_checkpoint_path).resolve() == target:
+        if not return_tensors and ours(gguf_checkpoint_path):
             if not checkpoint:
                 checkpoint.append(checkpoint_metadata(f))
             if checkpoint[0] is not None:

@@ -141,16 +141,23 @@ def test_a_file_transformers_special_cases_is_left_to_it(kw, why, tmp_path, capl
     assert why in caplog.text and str(path) in caplog.text
 
 
-def test_a_string_decoded_with_replacements_is_left_to_transformers(tmp_path, caplog):
+def test_a_string_decoded_with_replacements_is_left_to_transformers(tmp_path, caplog,
+                                                                   monkeypatch):
     def replaced(w):
         sentencepiece(w)
         w.add_string("tiny.note", "bad \ufffd byte")
 
-    f = open_gguf(_file(tmp_path, tokenizer=replaced))
+    path = _file(tmp_path, tokenizer=replaced)
+    f = open_gguf(path)
     assert gguf_metadata.unreadable(f) == "metadata 'tiny.note' is not plain UTF-8"
     with caplog.at_level(logging.INFO, logger="specdec"):
         assert checkpoint_metadata(f) is None
     assert "tiny.note" in caplog.text
+    expected = _transformers_folder(path, tmp_path / "theirs", monkeypatch)
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        aliases.write_metadata_files(path, tmp_path / "ours")
+    assert "metadata read by transformers' readers: metadata 'tiny.note'" in caplog.text
+    assert _folder(tmp_path / "ours") == expected
 
 
 def test_the_readers_answer_for_this_file_only_and_are_put_back(tmp_path):

@@ -231,6 +231,29 @@ def test_header_reader_agrees_with_gguf_py(tmp_path):
         assert torch.equal(ours.rows(t.name).reshape(-1), torch.from_numpy(stored))
 
 
+def test_header_arrays_are_read_on_demand_as_gguf_py_reads_them(tmp_path):
+    from gguf import GGUFReader
+
+    def more(w):
+        sentencepiece_like = ["\u2581a", "caf\u00e9", ""]
+        w.add_token_list(sentencepiece_like + [f"t{i}" for i in range(200)])
+        w.add_token_scores([float(i) / 3 for i in range(203)])
+        w.add_token_types([1, 3, 4] + [1] * 200)
+        w.add_array("test.bad", [b"ok", b"\xff"])
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", tokenizer=more)
+    ours, ref = open_gguf(path), GGUFReader(str(path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        assert ours.metadata[key][0] == "array"  # skipped by the header, read now
+        assert ours.array(key) == ref.fields[key].contents()
+    assert type(ours.array("tokenizer.ggml.scores")[1]) is float
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": metadata 'test.bad': "
+                       r"string 1 is not UTF-8"):
+        ours.array("test.bad")
+    with pytest.raises(ValueError, match=r"metadata 'general.name' is 'tiny', not an array"):
+        ours.array("general.name")
+
+
 def test_not_a_gguf_file(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"PK\x03\x04" + b"\x00" * 60)
