@@ -128,13 +128,15 @@ def _publish(gguf: Path, folder: Path, tmp: Path, source: str, link: bool) -> No
 
 def write_metadata_files(gguf_file: Path, out: Path) -> None:
     """config.json and the tokenizer's files, as transformers reads them from the GGUF's
-    metadata (the file parsed once: ``_gguf_parsed_once``); ValueError naming the file for an
-    architecture LlamaDecoder does not run (checked before transformers parses anything) or a
-    file transformers cannot read."""
+    metadata, its readers answered from our header (``gguf_metadata.reading_from_header``; a
+    file that does not allow it is parsed once by gguf-py: ``_gguf_parsed_once``); ValueError
+    naming the file for an architecture LlamaDecoder does not run (checked before transformers
+    parses anything) or a file transformers cannot read."""
     from transformers import AutoConfig, AutoTokenizer
 
     from specdec.models.config import model_config_from_hf
     from specdec.models.gguf_file import open_gguf
+    from specdec.models.gguf_metadata import reading_from_header
     from specdec.models.gguf_model import check_architecture, config_overrides
 
     gguf_file = Path(gguf_file)
@@ -142,7 +144,7 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
     check_architecture(f)
     kwargs = dict(gguf_file=gguf_file.name)
     try:
-        with _gguf_parsed_once():
+        with _gguf_parsed_once(), reading_from_header(f):
             config = AutoConfig.from_pretrained(gguf_file.parent, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
     except Exception as e:

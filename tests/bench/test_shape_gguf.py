@@ -198,7 +198,7 @@ def test_a_q4_k_m_file_runs_on_its_blocks_in_parts(source, tmp_path):
         qkv = llm.engine.kernels.prepared(layers[1].qkv_weight)
         assert isinstance(qkv, PanelParts)
         assert [(p.out_features, p.fmt) for p in qkv.parts] == [
-            (1024, codes["Q4_F"]), (512, codes["I8_F16"])]
+            (1024, codes[gb.KERNEL_FORMAT["Q4_K"]]), (512, codes[gb.KERNEL_FORMAT["Q6_K"]])]
         assert not isinstance(llm.engine.kernels.prepared(layers[0].qkv_weight), PanelParts)
         # float: bitwise the dequantized logits; q8: llama.cpp's numbers, the same greedy
         # tokens on this file

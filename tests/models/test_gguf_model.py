@@ -79,7 +79,7 @@ def test_a_llama_file_named_mistral_is_a_mistral_inside_its_window(tmp_path, cac
     from the same file named otherwise."""
     from transformers import AutoConfig, AutoModelForCausalLM, MistralForCausalLM
 
-    path = _user_file(tmp_path, kind="Q8_0", tied=False, model_name="mistral")
+    path = _user_file(tmp_path, kind="Q8_0", tied=False, name="mistral")
     model, cfg, _ = load_model(resolve_model_path(str(path)), torch.float32, "cpu", 64,
                                blocks=True)
     assert cfg.model_type == "mistral" and cfg.sliding_window == 4096
@@ -413,6 +413,29 @@ def test_header_reader_agrees_with_gguf_py(tmp_path):
         assert mine.kind == t.tensor_type.name and mine.shape == tuple(reversed(t.shape.tolist()))
         stored = np.array(t.data).view(np.uint8).reshape(-1)
         assert torch.equal(ours.rows(t.name).reshape(-1), torch.from_numpy(stored))
+
+
+def test_header_arrays_are_read_on_demand_as_gguf_py_reads_them(tmp_path):
+    from gguf import GGUFReader
+
+    def more(w):
+        sentencepiece_like = ["\u2581a", "caf\u00e9", ""]
+        w.add_token_list(sentencepiece_like + [f"t{i}" for i in range(200)])
+        w.add_token_scores([float(i) / 3 for i in range(203)])
+        w.add_token_types([1, 3, 4] + [1] * 200)
+        w.add_array("test.bad", [b"ok", b"\xff"])
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", tokenizer=more)
+    ours, ref = open_gguf(path), GGUFReader(str(path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        assert ours.metadata[key][0] == "array"  # skipped by the header, read now
+        assert ours.array(key) == ref.fields[key].contents()
+    assert type(ours.array("tokenizer.ggml.scores")[1]) is float
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": metadata 'test.bad': "
+                       r"string 1 is not UTF-8"):
+        ours.array("test.bad")
+    with pytest.raises(ValueError, match=r"metadata 'general.name' is 'tiny', not an array"):
+        ours.array("general.name")
 
 
 def test_not_a_gguf_file(tmp_path):
