@@ -12,10 +12,12 @@ plain decoding; its numbers are the quantized model's, not the checkpoint's.
   ``quantize_row_q4_K_ref``: per sub-block of 32 a weighted least-squares search of scale and
   min (``make_qkx2_quants``: weights sqrt(mean x^2) + |x|, 21 trial scales), the 8 scales and
   mins of a super-block of 256 rounded to 6 bits against fp16 d and dmin, then every weight
-  rounded again against its final scale and min. Its float sums are vectorized (pairwise),
-  not llama.cpp's sequential ones, so a block can differ from llama.cpp's where a rounding is
-  a near tie; the blocks are valid Q4_K either way (tests: gguf-py's dequantizer and an error
-  bound).
+  rounded again against its final scale and min (a better trial also moves the min the
+  next trials start from, as there). Its float sums are vectorized (pairwise), not
+  llama.cpp's sequential ones (which its compiler may also fuse into multiply-adds), so a
+  block can differ from llama.cpp's where a choice is a near tie; the tests check it against
+  a scalar port of the C code (the same blocks, bar such ties), gguf-py's dequantizer and an
+  error bound.
 
 Rows are quantized in chunks (``CHUNK_ROWS``), so a matrix's float32 copy is never whole.
 A matrix whose inputs are not a multiple of 256 cannot be Q4_K: ``kind_for`` gives Q8_0 for
@@ -95,23 +97,23 @@ def make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int = 15, rmin: float = -1
     lo = x.amin(-1).clamp(max=0.0)
     hi = x.amax(-1)
     flat = hi == lo
-    span = torch.where(flat, 1.0, hi - lo)
     sum_w, sum_x = w.sum(-1), (w * x).sum(-1)
-    iscale = nmax / span
+    iscale = nmax / torch.where(flat, 1.0, hi - lo)
     scale = 1.0 / iscale
     levels = _nearest(iscale[:, None] * (x - lo[:, None])).clamp(0, nmax)
     best = (w * (scale[:, None] * levels + lo[:, None] - x) ** 2).sum(-1)
-    best_min = lo.clone()
+    cur = lo  # the C code's ``min``: a better trial replaces it, and later trials start there
     for step in range(nstep + 1):
         # (rmin + rdelta * is + nmax) in float32, as the C code computes it
         trial = torch.tensor(rmin, dtype=torch.float32) + torch.tensor(
             rdelta, dtype=torch.float32) * step + nmax
-        iscale = trial / span
-        laux = _nearest(iscale[:, None] * (x - lo[:, None])).clamp(0, nmax)
+        span = hi - cur
+        iscale = trial / torch.where(span > 0, span, 1.0)
+        laux = _nearest(iscale[:, None] * (x - cur[:, None])).clamp(0, nmax)
         sum_l, sum_l2 = (w * laux).sum(-1), (w * laux * laux).sum(-1)
         sum_xl = (w * laux * x).sum(-1)
         det = sum_w * sum_l2 - sum_l * sum_l
-        ok = det > 0
+        ok = (det > 0) & ~flat
         safe = torch.where(ok, det, 1.0)
         this_scale = (sum_w * sum_xl - sum_x * sum_l) / safe
         this_min = (sum_l2 * sum_x - sum_l * sum_xl) / safe
@@ -124,10 +126,10 @@ def make_qkx2(x: torch.Tensor, w: torch.Tensor, nmax: int = 15, rmin: float = -1
         levels = torch.where(better[:, None], laux, levels)
         best = torch.where(better, mad, best)
         scale = torch.where(better, this_scale, scale)
-        best_min = torch.where(better, this_min, best_min)
+        cur = torch.where(better, this_min, cur)
     scale = torch.where(flat, 0.0, scale)
     levels = torch.where(flat[:, None], 0.0, levels)
-    return scale, -best_min, levels.long()
+    return scale, -cur, levels.long()
 
 
 def q4_k_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +141,9 @@ def q4_k_blocks(x: torch.Tensor) -> torch.Tensor:
     av = (sub.square().sum(-1) / BLOCK).sqrt()
     scales, mins, levels = make_qkx2(sub, av[:, None] + sub.abs())
     scales, mins, levels = scales.view(n, 8), mins.view(n, 8), levels.view(n, 8, BLOCK)
-    max_scale = scales.amax(-1).clamp(min=0.0)
-    max_min = mins.amax(-1).clamp(min=0.0)
+    # the C code starts both maxima at +0 (+ 0.0 turns an all -0.0 sub-block's -0.0 into it)
+    max_scale = scales.amax(-1).clamp(min=0.0) + 0.0
+    max_min = mins.amax(-1).clamp(min=0.0) + 0.0
     inv_scale = torch.where(max_scale > 0, 63.0 / torch.where(max_scale > 0, max_scale, 1.0), 0.0)
     inv_min = torch.where(max_min > 0, 63.0 / torch.where(max_min > 0, max_min, 1.0), 0.0)
     ls = _nearest(inv_scale[:, None] * scales).clamp(0, 63).long()
