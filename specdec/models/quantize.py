@@ -38,6 +38,7 @@ from specdec.models.gguf_types import BLOCK, QK_K
 CHOICES = ("q8_0", "q4_k")
 KINDS = {"q8_0": "Q8_0", "q4_k": "Q4_K"}
 CHUNK_ROWS = 64  # rows quantized at once (a 2048-wide chunk: 0.5 MB of float32, ~15x in temporaries)
+# cost (indicative, one thread of a loaded 2-core EPYC): Q8_0 60 M weights/s, Q4_K 5 M weights/s
 Q4_K_BYTES = 144
 
 
