@@ -3,7 +3,8 @@
     model folder -> config, max_model_len, model, tokenizer -> target runner
     -> verifier, drafter and controller (the registries; a drafter may ask for runners)
     -> one KV budget split over every runner -> CUDA graphs (on CUDA)
-    -> prepared weights: the GGUF's own blocks, quantized draft matrices, the kernels
+    -> prepared weights: the GGUF's own blocks or a checkpoint's own bytes / blocks
+       quantized at load, quantized draft matrices, the kernels
     -> controller set-up (step costs) -> cache namespace -> second KV tier
 
 The engine (``specdec.engine.core``) only steps over these parts.
@@ -203,9 +204,11 @@ def _prepare_weights(parts: EngineParts) -> None:
 
 
 def _native_weights(parts: EngineParts) -> list:
-    """The GGUF panels ``EngineConfig.weights`` gives the target (specdec.models.
-    gguf_weights; without them its blocks, if any, are dequantized once) and, unless it says "dequantized", a draft model loaded from a GGUF too
-    (as "auto": where they can run)."""
+    """The panels ``EngineConfig.weights`` gives the target: a safetensors checkpoint's own
+    bf16 / fp16 bytes or its blocks quantized at load (specdec.models.checkpoint_weights), or
+    a GGUF's blocks (specdec.models.gguf_weights); without them its BlockWeights, if any, are
+    dequantized once. Unless it says "dequantized", a draft model loaded from a GGUF too (as
+    "auto": where they can run)."""
     c = parts.config
     if from_checkpoint(parts.model):  # a checkpoint's own bytes, or blocks quantized at load
         adopted = checkpoint_panels(parts.model, c.weights, c.activations,
