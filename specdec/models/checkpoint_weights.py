@@ -27,13 +27,17 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from specdec.models import native, q8_activations
+from specdec.models import native, q8_activations, quantized_cache
 from specdec.models.block_weight import BlockWeight, Part
 from specdec.models.gguf_blocks import Blocks
+from specdec.models.gguf_types import TYPES
 from specdec.models.native import Panels
 from specdec.models.quantize import kind_for, quantize_matrix
 from specdec.models.safetensors_file import CheckpointFiles
@@ -72,27 +76,66 @@ def _tensor(files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> torch.
     return t
 
 
-def _matrix(files: CheckpointFiles, name: str, parts: list, quantize: str | None):
-    """One decoder matrix: a BlockWeight (quantized, or the stored bf16 / fp16 bytes), else a
-    float32 tensor."""
+def _matrix(files: CheckpointFiles, name: str, parts: list, quantized: Quantized | None):
+    """One decoder matrix: a BlockWeight (of ``quantized`` blocks, or the stored bf16 / fp16
+    bytes), else a float32 tensor."""
     tensors = [_tensor(files, n, shape) for n, shape in parts]
     label = f"{name} ({'|'.join(n for n, _ in parts)})"
     width = parts[0][1][1]
-    if quantize is not None:
-        kind = kind_for(quantize, width)
-        blocks = []
-        for (n, _), t in zip(parts, tensors):
-            try:
-                blocks.append(Part(quantize_matrix(t, kind), None, n))
-            except ValueError as e:
-                raise ValueError(f"tensor {n} in {files.path_of(n)}: {e}") from e
-        return BlockWeight(blocks, label, files)
+    if quantized is not None:
+        kind = kind_for(quantized.mode, width)
+        return BlockWeight([Part(Blocks(kind, quantized.rows[n], width), None, n)
+                            for n, _ in parts], label, quantized.owner(files))
     kinds = {files.kind(n) for n, _ in parts}
     if len(kinds) == 1 and kinds <= set(HALF):
         kind = kinds.pop()
         return BlockWeight([Part(Blocks(kind, t.view(torch.uint8), width), None, n)
                             for (n, _), t in zip(parts, tensors)], label, files)
     return torch.cat([t.float() for t in tensors])
+
+
+@dataclass
+class Quantized:
+    """Every quantized part's blocks: ``rows`` HF name -> [out, row bytes] uint8, mapped from
+    specdec's cache (specdec.models.quantized_cache) or, where it could not be written, in
+    memory."""
+    mode: str  # "q8_0" | "q4_k"
+    rows: Mapping[str, torch.Tensor]
+    from_cache: bool
+    seconds: float  # spent quantizing now (0 from the cache)
+
+    def owner(self, files: CheckpointFiles) -> CheckpointFiles:
+        """Whose pages to drop once the panels are made: the cache file's, else the
+        checkpoint's."""
+        return self.rows if isinstance(self.rows, CheckpointFiles) else files
+
+
+def _quantized(files: CheckpointFiles, cfg, quantize: str) -> Quantized:
+    """The blocks of every part that ``quantize`` covers (not an untied embedding): from the
+    cache when it holds them all, of the shapes they must have, else quantized now (matrix by
+    matrix from the mapped checkpoint) and cached."""
+    parts = {n: (shape, kind_for(quantize, shape[1])) for name, ps in matrix_names(cfg).items()
+             if name != "embed" or cfg.tie_word_embeddings for n, shape in ps}
+
+    def row_shape(shape, kind) -> tuple[int, int]:
+        t = TYPES[kind]
+        return shape[0], shape[1] // t.width * t.nbytes
+
+    cached = quantized_cache.read(files, quantize)
+    if cached is not None and all(n in cached and cached.kind(n) == "U8"
+                                  and tuple(cached[n].shape) == row_shape(*v)
+                                  for n, v in parts.items()):
+        return Quantized(quantize, cached, True, 0.0)
+    start, rows = time.perf_counter(), {}
+    for n, (shape, kind) in parts.items():
+        try:
+            rows[n] = quantize_matrix(_tensor(files, n, shape), kind).rows
+        except ValueError as e:
+            raise ValueError(f"tensor {n} in {files.path_of(n)}: {e}") from e
+        files.release_pages()
+    seconds = time.perf_counter() - start
+    written = quantized_cache.write(files, quantize, rows)
+    return Quantized(quantize, rows if written is None else written, False, seconds)
 
 
 def put_checkpoint_weights(model, files: CheckpointFiles, quantize: str | None = None) -> None:
@@ -102,8 +145,9 @@ def put_checkpoint_weights(model, files: CheckpointFiles, quantize: str | None =
     cfg = model.cfg
     assert model.final_norm.dtype == torch.float32 and model.final_norm.device.type == "cpu"
     kept = {}
+    blocks = None if quantize is None else _quantized(files, cfg, quantize)
     for name, parts in matrix_names(cfg).items():
-        quantized = quantize if name != "embed" or cfg.tie_word_embeddings else None
+        quantized = blocks if name != "embed" or cfg.tie_word_embeddings else None
         kept[name] = w = _matrix(files, name, parts, quantized)
         if name in ("embed", "head"):
             _set(model, "embed" if name == "embed" else "lm_head", w)
@@ -113,7 +157,7 @@ def put_checkpoint_weights(model, files: CheckpointFiles, quantize: str | None =
     _put_vectors(model, files)
     files.release_pages()  # what the checks and the quantizer read
     trim_heap()  # the quantizer's float32 chunks
-    _log(kept, files, quantize)
+    _log(kept, files, blocks)
 
 
 def _set(module, attr: str, value: torch.Tensor) -> None:
@@ -147,7 +191,7 @@ def _put_vectors(model, files: CheckpointFiles) -> None:
             put(layer.k_norm, p + "self_attn.k_norm.weight", (d,))
 
 
-def _log(kept: dict, files: CheckpointFiles, quantize: str | None) -> None:
+def _log(kept: dict, files: CheckpointFiles, source: Quantized | None) -> None:
     blocks = {n: w for n, w in kept.items() if isinstance(w, BlockWeight)}
     if not blocks:
         return
@@ -157,7 +201,9 @@ def _log(kept: dict, files: CheckpointFiles, quantize: str | None) -> None:
     said = []
     if quantized:
         kinds = "/".join(sorted({k for w in quantized.values() for k in w.kinds}))
-        said.append(f"{len(quantized)} quantized at load (quantize={quantize!r}) into {kinds}, "
+        how = ("read from the cache" if source.from_cache else
+               f"quantized at load in {source.seconds:.1f} s")
+        said.append(f"{len(quantized)} {how} (quantize={source.mode!r}) into {kinds}, "
                     f"{sum(w.stored_bytes for w in quantized.values()) / 1e6:.0f} MB")
     if own:
         kinds = "/".join(sorted({k for w in own.values() for k in w.kinds}))
@@ -166,7 +212,8 @@ def _log(kept: dict, files: CheckpointFiles, quantize: str | None) -> None:
     if copied:
         said.append(f"{len(copied)} copied into float32")
     logger.info("weights: matrices of %s: %s", files.files[0].path.parent, "; ".join(said))
-    mixed = [w.tensor_name for w in quantized.values() if quantize == "q4_k" and "Q8_0" in w.kinds]
+    mixed = [w.tensor_name for w in quantized.values()
+             if source.mode == "q4_k" and "Q8_0" in w.kinds]
     if mixed:
         logger.info("weights: %d matrices are Q8_0, not Q4_K (inputs not a multiple of 256), "
                     "e.g. %s", len(mixed), mixed[0])

@@ -45,6 +45,7 @@ class Entry:
 class MappedFile:
     path: Path
     entries: dict[str, Entry]
+    metadata: dict = field(default_factory=dict)  # the header's "__metadata__" (str -> str)
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -131,7 +132,8 @@ def open_safetensors(path: Path) -> MappedFile:
     base = 8 + n
     entries = {name: _entry(path, name, info, base, size)
                for name, info in index.items() if name != "__metadata__"}
-    return MappedFile(path, entries)
+    meta = index.get("__metadata__")
+    return MappedFile(path, entries, meta if isinstance(meta, dict) else {})
 
 
 def _entry(path: Path, name: str, info, base: int, size: int) -> Entry:

@@ -218,3 +218,38 @@ def test_a_non_finite_weight_is_named(checkpoints, tmp_path):
     with pytest.raises(ValueError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight in "
                                          r".*: cannot quantize to Q8_0: rows 0\.\.63 hold a NaN"):
         LLM(model=str(folder), quantize="q8_0", max_model_len=64)
+
+
+@needs_kernels
+def test_quantized_blocks_are_cached(checkpoints, tmp_path, monkeypatch):
+    """The first start quantizes and caches (in SPECDEC_CACHE, not beside the checkpoint); the
+    next reads the blocks back (no quantizing: the same numbers); a changed checkpoint is
+    quantized again; a cache that cannot be written only costs the quantizing."""
+    from specdec.models import checkpoint_weights, quantized_cache
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    folder = shutil.copytree(checkpoints["wide-bf16"], tmp_path / "model")
+    kw = dict(model=str(folder), quantize="q4_k", max_model_len=64, num_pages=16)
+    first = _run(LLM(**kw))
+    cached = list((tmp_path / "cache" / "quantized").glob("*.safetensors"))
+    assert len(cached) == 1 and sorted(p.name for p in folder.iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors"]
+
+    def refuse(*args):
+        raise AssertionError("quantized again")
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint_weights, "quantize_matrix", refuse)
+        again = LLM(**kw)
+        assert again.engine.model.layers[0].qkv_weight.file.files[0].path == cached[0]
+        assert _logprobs(_run(again)) == _logprobs(first)
+    w = load_file(folder / "model.safetensors")
+    w["model.layers.0.mlp.down_proj.weight"] *= 2
+    save_file(w, folder / "model.safetensors", metadata={"format": "pt"})
+    changed = _run(LLM(**kw))
+    assert len(list((tmp_path / "cache" / "quantized").glob("*.safetensors"))) == 2
+    assert _logprobs(changed) != _logprobs(first)
+    (tmp_path / "blocked").write_text("a file where the cache folder would be")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "blocked"))
+    assert quantized_cache.read(checkpoint_weights.CheckpointFiles([]), "q4_k") is None
+    assert _logprobs(_run(LLM(**kw))) == _logprobs(changed)
