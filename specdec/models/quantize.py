@@ -19,7 +19,8 @@ plain decoding; its numbers are the quantized model's, not the checkpoint's.
   a scalar port of the C code (the same blocks, bar such ties), gguf-py's dequantizer and an
   error bound.
 
-Rows are quantized in chunks (``CHUNK_ROWS``), so a matrix's float32 copy is never whole.
+Rows are quantized in chunks (``CHUNK_ROWS``), so a matrix's float32 copy is never whole; the
+blocks of a checkpoint are cached (specdec.models.quantized_cache).
 A matrix whose inputs are not a multiple of 256 cannot be Q4_K: ``kind_for`` gives Q8_0 for
 it (llama.cpp mixes types the same way).
 

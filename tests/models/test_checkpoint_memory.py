@@ -1,7 +1,8 @@
 """A bf16 checkpoint starts with no float32 copy of its matrices: the resident memory an engine
 start adds is about the checkpoint's own bytes (as bf16 panels), half its float32 matrices
 (a start that kept a float32 copy, as before, holds two and a half: parameters and panels).
-Quantized at load, it holds the blocks and their panels. Measured in a subprocess (VmRSS, VmHWM), after
+Quantized at load, it holds the panels (the blocks are cached and mapped, their pages
+dropped). Measured in a subprocess (VmRSS, VmHWM), after
 the imports a start makes, as test_gguf_memory.py does."""
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def test_a_bf16_start_keeps_no_fp32_copy(bf16_folder, quantize):
     fp32 = got["matrices"]  # of the matrices the forward multiplies by, as float32
     assert got["weights"] == ("native" if quantize == "none" else quantize)
     # measured (2-core EPYC, loaded; 143 MB of float32 matrices, 71 MB of bf16): own bytes
-    # +87 MB, peak +103 MB; q8_0 +95 MB (blocks and panels), peak +143 MB (preparing the
-    # panels); q4_k +65 MB, peak +208 MB; a float32 start (weights="dequantized") +360 MB
+    # +87 MB, peak +103 MB; q8_0 +57 MB, peak +91 MB (quantized and cached; from the cache +54,
+    # +76); q4_k +45 MB, peak +178 MB (preparing its panels); a float32 start
+    # (weights="dequantized") +360 MB
     assert got["grew"] < 0.8 * fp32, got
     assert got["peak"] < 1.25 * fp32, got
