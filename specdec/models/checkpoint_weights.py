@@ -12,7 +12,8 @@ computing in float32 on the CPU, each matrix the decoder multiplies by becomes a
 * with ``quantize`` ("q8_0" | "q4_k", specdec.models.quantize) every matrix is quantized as
   it is read into the blocks a GGUF would hold, and runs as a GGUF's does (float or q8
   activations). A tied embedding is quantized with the LM head it is (one matrix, one set of
-  numbers); an untied one stays in the file's dtype.
+  numbers); an untied one stays in the file's dtype. The blocks are cached and mapped back
+  from the cache (specdec.models.quantized_cache), so a start keeps only their panels.
 * anything else (an fp32 checkpoint, a fused matrix whose parts differ in dtype) is copied
   into the parameters in float32, as before.
 

@@ -253,3 +253,23 @@ def test_quantized_blocks_are_cached(checkpoints, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "blocked"))
     assert quantized_cache.read(checkpoint_weights.CheckpointFiles([]), "q4_k") is None
     assert _logprobs(_run(LLM(**kw))) == _logprobs(changed)
+
+
+@needs_kernels
+def test_a_foreign_file_in_the_cache_is_replaced(checkpoints, tmp_path, monkeypatch):
+    """What sits at the cache's name without being our blocks (a foreign or truncated file;
+    a crashed writer leaves only a hidden .tmp, never read) is quantized over."""
+    from specdec.models import quantized_cache
+    from specdec.models.safetensors_file import open_checkpoint
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    folder = checkpoints["bf16"]
+    files = open_checkpoint([folder / "model.safetensors"])
+    path = quantized_cache.cache_path(quantized_cache.key_of(files, "q8_0"))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a safetensors file")
+    (path.parent / f".{path.name}.123.abc.tmp").write_bytes(b"half written")
+    kw = dict(model=str(folder), max_model_len=64, num_pages=16, quantize="q8_0")
+    want = _logprobs(_run(LLM(**kw)))
+    assert quantized_cache.read(files, "q8_0") is not None  # replaced by our blocks
+    assert _logprobs(_run(LLM(**kw))) == want
