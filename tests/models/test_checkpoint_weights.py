@@ -273,3 +273,20 @@ def test_a_foreign_file_in_the_cache_is_replaced(checkpoints, tmp_path, monkeypa
     want = _logprobs(_run(LLM(**kw)))
     assert quantized_cache.read(files, "q8_0") is not None  # replaced by our blocks
     assert _logprobs(_run(LLM(**kw))) == want
+
+
+@needs_kernels
+def test_a_sharded_checkpoint_is_one_model(checkpoints, tmp_path):
+    """Tensors spread over several files (as HF shards them; a fused matrix's parts in
+    different files) load as the one-file checkpoint does."""
+    folder = shutil.copytree(checkpoints["bf16"], tmp_path / "sharded")
+    w = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = sorted(w)
+    for i in range(3):
+        save_file({n: w[n] for n in names[i::3]}, folder / f"model-0000{i + 1}-of-00003.safetensors",
+                  metadata={"format": "pt"})
+    kw = dict(max_model_len=64, num_pages=16)
+    got = LLM(model=str(folder), **kw)
+    assert got.engine.weights == "native"
+    assert _logprobs(_run(got)) == _logprobs(_run(LLM(model=str(checkpoints["bf16"]), **kw)))
