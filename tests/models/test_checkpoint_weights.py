@@ -45,8 +45,8 @@ def _cast(src: Path, dst: Path, dtype: torch.dtype, then: torch.dtype | None = N
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
-    """{"bf16", "fp16", "bf16-up", "fp16-up" (the same weights upcast to float32),
-    "wide-bf16" (hidden 256, tied embeddings), "tiny-bf16"}."""
+    """{"bf16", "fp16" (llama), "wide-bf16" (qwen2: hidden 256, tied embeddings, biases),
+    "qwen3-bf16" (q / k norms), and each name + "-up": the same weights upcast to float32}."""
     root = tmp_path_factory.mktemp("checkpoints")
     base = make_tiny_model(root / "fp32", "llama", seed=3)
     out = {}
@@ -55,6 +55,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
         out[name + "-up"] = _cast(base, root / (name + "-up"), dt, torch.float32)
     wide = make_tiny_model(root / "wide32", "qwen2", seed=4, tie_word_embeddings=True, **WIDE)
     out["wide-bf16"] = _cast(wide, root / "wide-bf16", torch.bfloat16)
+    out["wide-bf16-up"] = _cast(wide, root / "wide-bf16-up", torch.bfloat16, torch.float32)
+    qwen3 = make_tiny_model(root / "qwen3", "qwen3", seed=5)  # q / k norms
+    out["qwen3-bf16"] = _cast(qwen3, root / "qwen3-bf16", torch.bfloat16)
+    out["qwen3-bf16-up"] = _cast(qwen3, root / "qwen3-bf16-up", torch.bfloat16, torch.float32)
     return out
 
 
@@ -72,13 +76,13 @@ def _logprobs(outputs) -> list[list[float]]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("half", ["bf16", "fp16"])
+@pytest.mark.parametrize("half", ["bf16", "fp16", "wide-bf16", "qwen3-bf16"])
 def test_own_bytes_are_bitwise_the_upcast_model(checkpoints, half):
     kw = dict(max_model_len=64, num_pages=16)
     own = LLM(model=str(checkpoints[half]), **kw)
     assert own.engine.weights == "native"
     model = own.engine.model
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[half]
+    dtype = torch.float16 if half == "fp16" else torch.bfloat16
     assert all(isinstance(w, BlockWeight) for w in model.matrices())
     assert isinstance(model.embed, BlockWeight)  # rows upcast on lookup, no copy
     panels = own.engine.kernels._panels.values()
