@@ -87,8 +87,9 @@ def test_own_bytes_are_bitwise_the_upcast_model(checkpoints, half):
     assert isinstance(model.embed, BlockWeight)  # rows upcast on lookup, no copy
     panels = own.engine.kernels._panels.values()
     assert {p.data.dtype for p in panels} == {dtype}  # 2 bytes a weight streamed
-    up = LLM(model=str(checkpoints[half + "-up"]), **kw)
-    assert up.engine.weights == "dequantized"  # an fp32 checkpoint: copied as before
+    # the fp32 checkpoint through the loader's copying path (load_weights), as before
+    up = LLM(model=str(checkpoints[half + "-up"]), weights="dequantized", **kw)
+    assert up.engine.weights == "dequantized"
     assert own.engine.kernels.weight_bytes * 2 == up.engine.kernels.weight_bytes
     a, b = _run(own), _run(up)
     assert _tokens(a) == _tokens(b)
@@ -96,10 +97,11 @@ def test_own_bytes_are_bitwise_the_upcast_model(checkpoints, half):
 
 
 @needs_kernels
-def test_own_bytes_are_close_to_transformers(checkpoints):
+@pytest.mark.parametrize("name", ["bf16", "wide-bf16", "qwen3-bf16"])
+def test_own_bytes_are_close_to_transformers(checkpoints, name):
     from transformers import AutoModelForCausalLM
 
-    folder = checkpoints["bf16"]
+    folder = checkpoints[name]
     got = _run(LLM(model=str(folder), max_model_len=64, num_pages=16))
     hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     for prompt, out in zip(PROMPTS, got):
@@ -140,7 +142,7 @@ def test_quantized_is_bitwise_the_dequantized_model(checkpoints, tmp_path, quant
     want = {"Q8_0"} if name == "bf16" or quantize == "q8_0" else {"Q4_K"}
     assert kinds == want
     oracle = LLM(model=str(_dequantized_checkpoint(checkpoints[name], tmp_path / "deq",
-                                                   quantize)), **kw)
+                                                   quantize)), weights="dequantized", **kw)
     a, b = _run(q), _run(oracle)
     assert _tokens(a) == _tokens(b)
     assert _logprobs(a) == _logprobs(b)
