@@ -94,8 +94,10 @@ def _rows_last(t: torch.Tensor) -> torch.Tensor:
 
 
 def _sub_blocks(q: torch.Tensor) -> torch.Tensor:
-    """[pairs, 16, n, 8, 32] -> [pairs, 16, n * 8, 32]: per sub-block (a block of 32)."""
-    return q.reshape(q.shape[0], q.shape[1], -1, SUB).long()
+    """[pairs, 16, n, 8, 32] -> [pairs, 16, n * 8, 32] uint8: per sub-block (a block of 32).
+    Everything after this is uint8 (one byte a weight: a 1.7B model's 100M-weight head would
+    take 800 MB as int64)."""
+    return q.reshape(q.shape[0], q.shape[1], -1, SUB).to(torch.uint8)
 
 
 def _nibbles(q: torch.Tensor, q8: bool) -> torch.Tensor:
@@ -108,8 +110,8 @@ def _nibbles(q: torch.Tensor, q8: bool) -> torch.Tensor:
         q = q.reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 4, 2, 5)
         return (q[:, :, 0] | (q[:, :, 1] << 4)).to(torch.uint8).reshape(pairs, nb, -1)
     q = q.permute(0, 2, 3, 1).reshape(pairs, nb, SUB, 2, PANEL)  # [.., k, panel, row]
-    words = (q << (4 * torch.arange(PANEL))).sum(-1)  # [pairs, nb, 32, 2]
-    return _le_bytes(words).reshape(pairs, nb, -1)
+    # the uint32 of a (k, panel) little-endian: byte b holds row 2b (low nibble), 2b + 1 (high)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(pairs, nb, -1)
 
 
 def _high_bits(h: torch.Tensor, q8: bool) -> torch.Tensor:
@@ -120,8 +122,8 @@ def _high_bits(h: torch.Tensor, q8: bool) -> torch.Tensor:
     pairs, nb = h.shape[0], h.shape[2]
     # [pairs, p, r, nb, v, e, j] -> [pairs, nb, v, r, j, e, p]
     h = h.reshape(pairs, 2, PANEL, nb, 4, 2, 4).permute(0, 3, 4, 2, 6, 5, 1)
-    shifts = 4 * torch.arange(2).view(2, 1) + 2 * torch.arange(2).view(1, 2)
-    return (h << shifts).sum((-2, -1)).to(torch.uint8).reshape(pairs, nb, -1)
+    out = (h[..., 0, 0] | (h[..., 0, 1] << 2)) | ((h[..., 1, 0] << 4) | (h[..., 1, 1] << 6))
+    return out.reshape(pairs, nb, -1)
 
 
 def _six_bits(q: torch.Tensor) -> torch.Tensor:
@@ -131,11 +133,7 @@ def _six_bits(q: torch.Tensor) -> torch.Tensor:
     q = _sub_blocks(q)
     pairs, nb = q.shape[0], q.shape[2]
     e = q.permute(0, 2, 3, 1).reshape(pairs, nb, 2, 256)  # [.., e // 256, e % 256]
-    low = ((e & 15) << (4 * torch.arange(2)).view(2, 1)).sum(-2)
-    high = ((e >> 4).reshape(pairs, nb, 4, 128) << (2 * torch.arange(4)).view(4, 1)).sum(-2)
-    return torch.cat([low, high], dim=-1).to(torch.uint8)
-
-
-def _le_bytes(words: torch.Tensor) -> torch.Tensor:
-    """int64 words holding uint32 values [...] -> their little-endian bytes [..., 4] uint8."""
-    return torch.stack([(words >> (8 * i)) & 255 for i in range(4)], dim=-1).to(torch.uint8)
+    low = (e[:, :, 0] & 15) | ((e[:, :, 1] & 15) << 4)
+    h = (e >> 4).reshape(pairs, nb, 4, 128)
+    high = (h[:, :, 0] | (h[:, :, 1] << 2)) | ((h[:, :, 2] << 4) | (h[:, :, 3] << 6))
+    return torch.cat([low, high], dim=-1)
