@@ -16,8 +16,11 @@ Options (``drafter_args``), defaults as vLLM's ``suffix_decoding_*`` where it ha
 
 - ``max_depth`` (24): the longest suffix matched, and the deepest draft. (In a suffix tree cut
   at depth D, a match of m tokens leaves D - m for the draft; here the two are apart.)
-- ``max_spec_factor`` (1.0), ``max_spec_offset`` (0.0): at most floor(m * factor + offset)
-  nodes after an m-token match, within the controller's budget.
+- ``max_spec_factor`` (1.0), ``max_spec_offset`` (-1.0; vLLM: 0): at most
+  floor(m * factor + offset) nodes after an m-token match, within the controller's budget. The
+  offset -1 drafts nothing after a 1-token match: on MT-Bench such drafts were accepted so
+  rarely that the goodput controller kept the drafter off (tau 1.09 against 1.27 with -1, q8,
+  docs/benchmarks.md), as ngram's ``min_ngram`` 2 does.
 - ``min_token_prob`` (0.1): no node whose corpus probability given the match is below it.
 - ``max_history_tokens`` (1,000,000, all salts together; about 12 MB): the history's bound.
 - ``max_candidates`` (4096): the latest occurrences of the last token looked at per corpus.
@@ -71,7 +74,7 @@ class SuffixDrafter(BaseDrafter):
     prefix_cache_safe = True  # the corpus is built from token_ids, cached or not
 
     def __init__(self, target: TargetInfo, max_depth: int = 24, max_spec_factor: float = 1.0,
-                 max_spec_offset: float = 0.0, min_token_prob: float = 0.1,
+                 max_spec_offset: float = -1.0, min_token_prob: float = 0.1,
                  max_history_tokens: int = 1_000_000, max_candidates: int = 4096,
                  tree: bool = True, native: bool | None = None) -> None:
         _check_int("max_depth", max_depth, 1)

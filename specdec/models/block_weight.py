@@ -4,7 +4,9 @@ A model loaded from a GGUF keeps no fp32 copy of its matrices: each is a ``Block
 float32 tensor of the matrix's shape whose values are the file's blocks (memory-mapped, see
 gguf_file.py), in one or more parts (q|k|v and gate|up are fused by the decoder; llama's q and k
 rows are put back in transformers' order). The compiled kernels run its panels (prepared from
-``blocks()``, looked up by the weight: ``PreparedLinears.adopt``); anything else that touches
+``runs()``: one ``Blocks`` per run of parts of one type, so that a fused matrix whose tensors
+differ in type, a Q4_K_M file's Q4_K q|k and Q6_K v, runs in parts; looked up by the weight:
+``PreparedLinears.adopt``); anything else that touches
 the values gets them dequantized on the spot, bitwise gguf-py's (so bitwise the fp32 weights
 transformers makes of the file):
 
@@ -104,13 +106,27 @@ class BlockWeight(torch.Tensor):
 
     def blocks(self) -> Blocks:
         """The whole matrix as one ``Blocks`` (a copy where it has several parts or a row
-        order); ValueError naming the tensors when its parts are of different types."""
+        order); ValueError naming the tensors when its parts are of different types (``runs``
+        gives such a matrix as one ``Blocks`` per type)."""
         if len(self.kinds) != 1:
-            raise ValueError(f"{self.tensor_name} fuses tensors of different types {list(self.kinds)}; "
-                             "the kernels run one type per matrix")
-        rows = [p.ordered_rows() for p in self.parts]
-        return Blocks(self.kinds[0], rows[0] if len(rows) == 1 else torch.cat(rows),
-                      self.shape[1])
+            raise ValueError(f"{self.tensor_name} fuses tensors of different types "
+                             f"{list(self.kinds)}; one Blocks holds one type (runs() gives one "
+                             "per run of parts of a type)")
+        return self.runs()[0]
+
+    def runs(self) -> list[Blocks]:
+        """The matrix as consecutive row ranges of one type each, in row order: each run of
+        adjacent parts of the same type as one ``Blocks`` (a copy where it joins parts or has
+        a row order). One for a matrix of one type; a Q4_K_M file's q|k|v whose v is Q6_K:
+        [q|k Q4_K, v Q6_K]. What the kernels prepare as parts (native.PanelParts)."""
+        runs: list[tuple[str, list[torch.Tensor]]] = []
+        for p in self.parts:
+            if runs and runs[-1][0] == p.blocks.kind:
+                runs[-1][1].append(p.ordered_rows())
+            else:
+                runs.append((p.blocks.kind, [p.ordered_rows()]))
+        return [Blocks(kind, rows[0] if len(rows) == 1 else torch.cat(rows), self.shape[1])
+                for kind, rows in runs]
 
     def dequantize(self) -> torch.Tensor:
         """[out, in] float32, a new tensor."""

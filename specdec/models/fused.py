@@ -3,12 +3,14 @@
 One layer of the framework path is ~25 torch ops; on a small model their dispatch cost is a
 large part of a step (SmolLM2-135M fp32, one row: ~14 ms of ~36 ms beside the weights'
 streaming). ``FusedLayers`` runs each layer as one ``sd_layer`` call over the weights that
-``PreparedLinears`` prepared, with the same row-invariance contract: fp32 activations (the
-residual stream too), fp32 accumulation in a fixed order per element, K/V rounded to the cache's
-dtype as they are written. A step's layers go in one ``sd_layers`` call (the layers' arguments
-are one C array made at load; what a step changes is one ``StepArgs``), so the host work of a
-forward does not grow with the layers: the tensors behind the pointers are checked once here,
-the values of the write rows and key lists in C before any layer runs.
+``PreparedLinears`` prepared (a fused q|k|v or gate|up whose parts differ in format, as a Q4_K_M
+file's, as ``native.PanelParts``: each part into its own columns), with the same row-invariance
+contract: fp32 activations (the residual stream too), fp32 accumulation in a fixed order per
+element, K/V rounded to the cache's dtype as they are written. A step's layers go in one
+``sd_layers`` call (the layers' arguments are one C array made at load; what a step changes is
+one ``StepArgs``), so the host work of a forward does not grow with the layers: the tensors
+behind the pointers are checked once here, the values of the write rows and key lists in C
+before any layer runs.
 
 The engine installs it (``kernel_choice.install_kernels``) on a ``LlamaDecoder`` whose layers it
 covers, and on an EAGLE-3 head (its one layer, whose projections take the caller's
@@ -69,6 +71,9 @@ class FusedLayers:
         self._watched = self._weights()
         self._versions = [w._version for w in self._watched]
         self._keep: list[torch.Tensor] = []
+        # the prepared weights (Panels, or PanelParts: a fused matrix in parts of different
+        # formats, whose parts' C array the struct points at), alive as long as these structs
+        self._panels: list = []
         self.args: list[LayerArgs] = []
         mm = self.linears
         cfg = self.layers_of(self.model)[0].cfg
@@ -80,13 +85,13 @@ class FusedLayers:
                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                           inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
                           scale=cfg.head_dim ** -0.5)
-            qkv = mm.prepared(layer.qkv_weight)
+            qkv, o, gate_up, down = (mm.prepared(w) for w in (
+                layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight))
+            self._panels += [qkv, o, gate_up, down]  # what the structs point into
             if not self.args:  # the width qkv_input must have (it replaces the first layer's)
                 self._qkv_in = qkv.in_features
             a.qkv = Weight.of(qkv, self._fp32(layer.qkv_bias))
-            a.o = Weight.of(mm.prepared(layer.o_weight))
-            a.gate_up = Weight.of(mm.prepared(layer.gate_up_weight))
-            a.down = Weight.of(mm.prepared(layer.down_weight))
+            a.o, a.gate_up, a.down = Weight.of(o), Weight.of(gate_up), Weight.of(down)
             a.input_norm = self._fp32(layer.input_norm).data_ptr()
             a.post_norm = self._fp32(layer.post_attn_norm).data_ptr()
             if cfg.qk_norm:

@@ -1,8 +1,9 @@
 """GGUF quantized blocks as tensors: a matrix as the file stores it (``Blocks``), its
 dequantization (bitwise gguf-py's: specdec.models.gguf_types), and its repacking into one of
 the compiled kernels' block formats (``repack``) and their panel layout (``prepare``; float
-activations). ``specdec.models.gguf_weights`` reads the blocks from a file;
-``specdec.models.q8_activations`` lays them out for int8 activations.
+activations). ``specdec.models.gguf_weights`` reads the blocks from a file (a fused matrix whose
+file tensors differ in type as one ``Blocks`` per run of a type, prepared into parts:
+native.PanelParts); ``specdec.models.q8_activations`` lays them out for int8 activations.
 
 The kernels take five block formats (per block of 32 inputs and output row; kernels.h), and
 every GGUF type is repacked into one whose arithmetic gives gguf-py's float32 weights exactly:

@@ -8,11 +8,16 @@ registers exactly as gguf-py does), for float or int8 activations: ``weights="na
 ``"dequantized"`` give the same tokens in float, the native ones streaming the file's bytes
 (SmolLM2-135M: ~96 MB against 540 MB of fp32).
 
+A fused matrix (q|k|v, gate|up) whose file tensors differ in type, as a Q4_K_M file's Q4_K q|k
+beside its Q6_K v in some layers, is prepared in parts, one per run of a type
+(``native.PanelParts``: the kernels compute each into its own output columns); every part but
+the last must be a multiple of 16 rows, else "native" refuses and "auto" dequantizes.
+
 A model with fp32 weights of its own beside a GGUF (an HF folder that also holds
 ``model.gguf``) gets the file's blocks only where they dequantize bitwise to its weights.
 
     panels = native_panels(model, folder / "model.gguf", "auto", torch.float32, cpu,
-                           "invariant", "float")     # [(weight, Panels)], [] to fall back
+                           "invariant", "float")     # [(weight, Panels | PanelParts)], [] to fall back
 """
 
 from __future__ import annotations
@@ -27,16 +32,16 @@ import torch
 from specdec.models import native, q8_activations
 from specdec.models.block_weight import BlockWeight
 from specdec.models.gguf_blocks import BLOCK_BYTES, Blocks, dequantize
-from specdec.models.native import Panels
+from specdec.models.native import PanelParts, Panels
 
 logger = logging.getLogger("specdec")
 
 
-def read_matrices(path: Path, cfg) -> dict[str, Blocks]:
-    """Every matrix ``LlamaDecoder.named_matrices()`` multiplies by, as the file's blocks:
-    ``layers.{i}.{qkv,o,gate_up,down}`` and ``head`` (the LM head, or the tied embedding), in
-    the decoder's row order. Raises ValueError naming the file and a tensor whose type the
-    kernels do not take."""
+def read_matrices(path: Path, cfg) -> dict[str, list[Blocks]]:
+    """Every matrix ``LlamaDecoder.named_matrices()`` multiplies by, as the file's blocks
+    (``native_runs``: one ``Blocks`` per run of parts of one type): ``layers.{i}.{qkv,o,
+    gate_up,down}`` and ``head`` (the LM head, or the tied embedding), in the decoder's row
+    order. Raises ValueError naming the file and a tensor the kernels cannot run."""
     from specdec.models.gguf_file import open_gguf
     from specdec.models.gguf_model import check_architecture, gguf_matrices
 
@@ -44,22 +49,43 @@ def read_matrices(path: Path, cfg) -> dict[str, Blocks]:
     check_architecture(f)
     mats = gguf_matrices(f, cfg)
     mats.pop("embed")
-    return {name: _native_blocks(BlockWeight(parts, name, f)) for name, parts in mats.items()}
+    return {name: native_runs(BlockWeight(parts, f"{name} ({'|'.join(p.name for p in parts)})",
+                                          f))
+            for name, parts in mats.items()}
 
 
-def _native_blocks(w: BlockWeight) -> Blocks:
-    """``w``'s blocks as one matrix; ValueError naming it unless the kernels take their type."""
+def native_runs(w: BlockWeight) -> list[Blocks]:
+    """``w``'s blocks as the kernels take them: one ``Blocks`` per run of its parts of one type
+    (``BlockWeight.runs``; one for a matrix of one type). ValueError naming it unless the
+    kernels take every type and every run but the last is whole pairs of 8-row panels (a
+    multiple of 16 rows: each part's output columns start where its rows do)."""
+    where = w.file.path if w.file else "the file"
     for kind in w.kinds:
         if kind not in BLOCK_BYTES:
-            raise ValueError(f"{w.file.path if w.file else 'the file'}: {w.tensor_name} is "
-                             f"{kind}; native weights take {', '.join(BLOCK_BYTES)} (use "
-                             "weights='dequantized')")
-    return w.blocks()
+            raise ValueError(f"{where}: {w.tensor_name} is {kind}; native weights take "
+                             f"{', '.join(BLOCK_BYTES)} (use weights='dequantized')")
+    runs = w.runs()
+    for b in runs[:-1]:
+        if b.out_features % (2 * native.PANEL):
+            raise ValueError(
+                f"{where}: {w.tensor_name} fuses tensors of types {'+'.join(r.kind for r in runs)}"
+                f"; the kernels run such a matrix in parts, one per type, each but the last a "
+                f"multiple of {2 * native.PANEL} rows, but its {b.kind} part has "
+                f"{b.out_features} rows (use weights='dequantized')")
+    return runs
+
+
+def prepare_runs(runs: list[Blocks], activations: str = "float") -> Panels | PanelParts:
+    """The panels of a matrix given as ``native_runs``, laid out for ``activations`` ("float" |
+    "q8"): one run's ``Panels``, or a ``PanelParts`` of one per run."""
+    make = q8_activations.preparer(activations)
+    panels = [make(b) for b in runs]
+    return panels[0] if len(panels) == 1 else PanelParts(tuple(panels))
 
 
 def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torch.device,
                   linear_kernels: str, activations: str = "float", strict: bool = True
-                  ) -> list[tuple[torch.Tensor, Panels]]:
+                  ) -> list[tuple[torch.Tensor, Panels | PanelParts]]:
     """What ``weights=mode`` ("auto" | "native" | "dequantized") gives ``model`` (loaded from
     the folder holding ``gguf``): [] for its dequantized weights, else (weight, panels) for
     every matrix it multiplies by (its ``BlockWeight``s' blocks, or the file's checked
@@ -96,8 +122,10 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
 # Preparing costs more than reading them back (SmolLM2 on a loaded 2-core Xeon: 26 s in
 # float, 1.9 s in q8, against 0.01 s to map the cached file).
 CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
-LAYOUT = 2  # of the prepare functions' output: a cache of another layout is made again
-# (2: Q4_K, Q6_K in their super-block formats)
+# of the prepare functions' output and the file's names: a cache of another layout is made
+# again (2: a matrix in parts, PanelParts, is stored as "<name>#<i>" per part, "parts:<n>";
+# 3: Q4_K, Q6_K in their super-block formats, kquant_blocks)
+LAYOUT = 3
 
 
 def panel_cache(gguf: Path, activations: str) -> Path:
@@ -113,12 +141,12 @@ def panel_cache(gguf: Path, activations: str) -> Path:
 
 
 def _cached_panels(model, gguf: Path, activations: str = "float"
-                   ) -> list[tuple[torch.Tensor, Panels]]:
+                   ) -> list[tuple[torch.Tensor, Panels | PanelParts]]:
     """The panels of every matrix, from the cache (``panel_cache``) when it was made from this
     very file (size, mtime) and layout, else prepared (from the model's ``BlockWeight``s, or
     from the file's blocks checked bitwise against its fp32 weights) and cached (atomically;
     a folder that cannot be written is only logged). The file's pages the preparation read
-    are then dropped from memory (the panels hold the values)."""
+    are dropped from memory matrix by matrix (the panels hold the values)."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
@@ -131,21 +159,26 @@ def _cached_panels(model, gguf: Path, activations: str = "float"
             meta = f.metadata() or {}
         if meta.get("key") == key and set(params) <= set(meta):
             tensors = load_file(cache)
-            return [(params[n], Panels(tensors[n], *map(int, meta[n].split(":"))))
-                    for n in params]
+            try:
+                return [(params[n], _from_cache(n, meta, tensors)) for n in params]
+            except (KeyError, ValueError) as e:  # a cache this layout cannot have written
+                logger.info("weights: native panels in %s unreadable (%s: %s), made again",
+                            cache, type(e).__name__, e)
     if all(isinstance(w, BlockWeight) for w in params.values()):
-        make = q8_activations.preparer(activations)
-        out = [(w, make(_native_blocks(w))) for w in params.values()]
-        for f in {id(w.file): w.file for w in params.values() if w.file is not None}.values():
-            f.release_pages()
+        out = []
+        for w in params.values():  # matrix by matrix, the file's pages dropped after each:
+            out.append((w, prepare_runs(native_runs(w), activations)))  # peak = panels + one
+            if w.file is not None:  # matrix's pages, not panels + the whole file
+                w.file.release_pages()
     else:
         out = _checked_panels(params, read_matrices(gguf, model.cfg), activations)
-    meta = {"key": key, **{n: f"{p.out_features}:{p.in_features}:{p.fmt}:{p.panels}"
-                           for n, (_, p) in zip(params, out)}}
+    tensors, meta = {}, {"key": key}
+    for n, (_, p) in zip(params, out):
+        _to_cache(n, p, tensors, meta)
     tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        save_file({n: p.data for n, (_, p) in zip(params, out)}, tmp, metadata=meta)
+        save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, cache)
     except OSError as e:
         logger.info("weights: native panels not cached in %s (%s)", cache.parent, e)
@@ -153,17 +186,40 @@ def _cached_panels(model, gguf: Path, activations: str = "float"
     return out
 
 
-def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, Blocks],
-                    activations: str = "float") -> list[tuple[torch.Tensor, Panels]]:
+def _shape(p: Panels) -> str:
+    return f"{p.out_features}:{p.in_features}:{p.fmt}:{p.panels}"
+
+
+def _to_cache(name: str, p: Panels | PanelParts, tensors: dict, meta: dict) -> None:
+    """``p`` into the cache's tensors and metadata: ``name`` -> "out:in:fmt:panels"; or, for
+    parts, ``name`` -> "parts:<n>" and "<name>#<i>" -> part i's tensor and shape."""
+    if isinstance(p, PanelParts):
+        meta[name] = f"parts:{len(p.parts)}"
+        for i, part in enumerate(p.parts):
+            tensors[f"{name}#{i}"], meta[f"{name}#{i}"] = part.data, _shape(part)
+    else:
+        tensors[name], meta[name] = p.data, _shape(p)
+
+
+def _from_cache(name: str, meta: dict, tensors: dict) -> Panels | PanelParts:
+    """What ``_to_cache`` stored under ``name`` (KeyError / ValueError where it is not that)."""
+    if meta[name].startswith("parts:"):
+        n = int(meta[name].removeprefix("parts:"))
+        return PanelParts(tuple(_from_cache(f"{name}#{i}", meta, tensors) for i in range(n)))
+    return Panels(tensors[name], *map(int, meta[name].split(":")))
+
+
+def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, list[Blocks]],
+                    activations: str = "float") -> list[tuple[torch.Tensor, Panels | PanelParts]]:
     """(weight, panels for ``activations``) in ``params``' order (``LlamaDecoder.
-    named_matrices``); ValueError unless every matrix's blocks dequantize bitwise to its
-    weight."""
-    make = q8_activations.preparer(activations)
+    named_matrices``); ``blocks``: each matrix's ``native_runs``. ValueError unless every
+    matrix's blocks dequantize bitwise to its weight."""
     out = []
     for name, weight in params.items():
-        b = blocks[name]
-        if not torch.equal(dequantize(b), weight):
+        runs = blocks[name]
+        values = [dequantize(b) for b in runs]
+        if not torch.equal(values[0] if len(values) == 1 else torch.cat(values), weight):
             raise ValueError(f"the file's {name} blocks do not dequantize to the model's weights "
                              "bitwise (a layout this loader does not know)")
-        out.append((weight, make(b)))
+        out.append((weight, prepare_runs(runs, activations)))
     return out

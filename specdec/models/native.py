@@ -14,6 +14,12 @@ Panels: output rows 8p .. 8p + 7 of the weight, transposed, so that a panel stre
 all rows of a call; an even number of them. Example: a [10, 3] weight becomes 2 panels
 [2, 3, 8] (rows 10..15 zero); a [20, 3] one 4 panels (rows 20..31 zero).
 
+PanelParts: one fused matrix (q|k|v, gate|up) as consecutive row ranges each in its own format
+(a Q4_K_M file's Q4_K q|k and Q6_K v): the C side computes each part into its own output
+columns, so every part but the last must be whole pairs of panels (out % 16 == 0), else its
+padding rows would take the next part's columns. ``k.linear(x, PanelParts((qk, v)))`` is
+bitwise ``torch.cat([k.linear(x, qk), k.linear(x, v)], 1)``.
+
 The C side sees pointers only, so every tensor is checked here before a call (dims, dtype,
 device, contiguity, lengths against the prepared weight, key lists against the cache rows): a
 bad argument is a ValueError / TypeError naming the kernel, the shape and what is allowed,
@@ -48,6 +54,9 @@ FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 PAIR_BYTES = {3: 320, 4: 544, 5: 320, 6: 544, 7: 384, 8: 640, 9: 640, 10: 384, 11: 640,
               12: 640, 13: 296, 14: 420, 15: 296, 16: 420}
 SUPER_BLOCK = frozenset({13, 14, 15, 16})
+# the codes laid out for 8-bit activations (kernels.h sd_is_q8)
+Q8_FORMATS = (5, 6, 10, 11, 12, 15, 16)
+PARTS, MAX_PARTS = -1, 8  # kernels.h: SD_PARTS (the format of a weight in parts), SD_MAX_PARTS
 logger = logging.getLogger("specdec")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -102,15 +111,80 @@ class Panels:
         return self.data.numel() * self.data.element_size()
 
 
+@dataclass(frozen=True, eq=False)
+class PanelParts:
+    """One weight as consecutive row ranges of different formats (module docstring): the
+    interface of ``Panels`` (out_features = the parts' sum, in_features, fmt = PARTS, panels =
+    the parts' sum, nbytes), and ``parts``. It owns the C view of its parts (``c_weight``), so
+    a struct pointing at them stays valid while these panels are alive."""
+    parts: tuple[Panels, ...]
+
+    def __post_init__(self) -> None:
+        problem = self._problem()
+        if problem:
+            shapes = ", ".join(f"[{p.out_features}, {p.in_features}] format {p.fmt}"
+                               if isinstance(p, Panels) else type(p).__name__
+                               for p in self.parts) if isinstance(self.parts, tuple) else "?"
+            raise ValueError(f"PanelParts of ({shapes}): {problem}")
+        items = [Weight.of(p) for p in self.parts]
+        array = (Weight * len(items))(*items)
+        object.__setattr__(self, "_array", array)  # the parts the struct points at
+        object.__setattr__(self, "c_weight", Weight(
+            None, PARTS, self.panels, self.out_features, None, ctypes.addressof(array),
+            len(items)))
+
+    def _problem(self) -> str | None:
+        ps = self.parts
+        if not isinstance(ps, tuple) or not all(type(p) is Panels for p in ps):
+            return "parts must be a tuple of Panels (no PanelParts inside)"
+        if not 1 <= len(ps) <= MAX_PARTS:
+            return f"needs 1 to {MAX_PARTS} parts, got {len(ps)}"
+        if len({p.in_features for p in ps}) != 1:
+            return "every part needs the same in_features"
+        if len({p.fmt in Q8_FORMATS for p in ps}) != 1:
+            return "the parts must all be laid out for 8-bit activations, or none"
+        for i, p in enumerate(ps[:-1]):
+            if p.out_features != PANEL * p.panels:
+                return (f"part {i} has {p.out_features} rows, not whole pairs of {PANEL}-row "
+                        f"panels (a multiple of {2 * PANEL}): the next part's columns would not "
+                        "start at its first row")
+        return None
+
+    @property
+    def out_features(self) -> int:
+        return sum(p.out_features for p in self.parts)
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def fmt(self) -> int:
+        return PARTS
+
+    @property
+    def panels(self) -> int:
+        return sum(p.panels for p in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
 class Weight(ctypes.Structure):
     """sd_weight (kernels.h): one prepared weight as the C side sees it."""
-    _fields_ = [("data", _P), ("fmt", _I), ("panels", _I), ("out", _I), ("bias", _P)]
+    _fields_ = [("data", _P), ("fmt", _I), ("panels", _I), ("out", _I), ("bias", _P),
+                ("parts", _P), ("nparts", _I)]
 
     @classmethod
-    def of(cls, w: Panels, bias: torch.Tensor | None = None) -> Weight:
-        """The C view of ``w`` (and an fp32 contiguous ``bias``, kept alive by the caller)."""
-        return cls(w.data.data_ptr(), w.fmt, w.panels, w.out_features,
-                   None if bias is None else bias.data_ptr())
+    def of(cls, w: Panels | PanelParts, bias: torch.Tensor | None = None) -> Weight:
+        """The C view of ``w`` (and an fp32 contiguous ``bias``, kept alive by the caller; the
+        parts of a ``PanelParts`` are kept alive by it)."""
+        b = None if bias is None else bias.data_ptr()
+        if isinstance(w, PanelParts):
+            c = w.c_weight
+            return cls(None, PARTS, c.panels, c.out, b, c.parts, c.nparts)
+        return cls(w.data.data_ptr(), w.fmt, w.panels, w.out_features, b)
 
 
 class LayerArgs(ctypes.Structure):
@@ -165,6 +239,8 @@ class Kernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
         lib.sd_linear.argtypes = [_P, _I, _I, _P, ctypes.c_int, _I, _P, _I, ctypes.c_int]
+        lib.sd_linear_weight.argtypes = [_P, _I, _I, ctypes.POINTER(Weight), _P, _I,
+                                         ctypes.c_int]
         lib.sd_attention.argtypes = [_P, _I, _I, _I, _P, ctypes.c_int, _I, _I, _P, _P, _I, _F,
                                      _P, _P, ctypes.c_int]
         lib.sd_layer.argtypes = lib.sd_layer_scratch.argtypes = [ctypes.POINTER(LayerArgs)]
@@ -200,13 +276,13 @@ class Kernels:
         return Panels(padded.view(p, PANEL, inp).transpose(1, 2).contiguous(), out, inp,
                       FORMATS[weight.dtype], p)
 
-    def linear(self, x: torch.Tensor, w: Panels) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: Panels | PanelParts) -> torch.Tensor:
         """x [..., in] float32 contiguous on the CPU -> [..., out] float32 (x @ weight.T), the
         shapes F.linear takes: [T, in] (T = 0 too), [in], or leading batch dims (flattened to
         rows; a row's result is the same in any of them)."""
-        if not isinstance(w, Panels):
+        if not isinstance(w, (Panels, PanelParts)):
             raise TypeError(f"sd_linear: w is a {type(w).__name__}, not Panels (Kernels.prepare, "
-                            "specdec.models.gguf_blocks.prepare)")
+                            "specdec.models.gguf_blocks.prepare) or PanelParts")
         k, out, p = w.in_features, w.out_features, w.panels
         _check("sd_linear", "x", x, lambda: f"[..., {k}] float32, contiguous, on the CPU (the "
                f"panels of a [{out}, {k}] weight)", dtypes=(torch.float32,),
@@ -216,8 +292,13 @@ class Kernels:
         if t == 0:  # nothing to compute (and the kernel's row tiles start at one row)
             return x.new_empty(*lead, out)
         y = torch.empty(t, p * PANEL, dtype=torch.float32)
-        rc = self.lib.sd_linear(x.data_ptr(), t, k, w.data.data_ptr(), w.fmt,
-                                p, y.data_ptr(), p * PANEL, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        if isinstance(w, PanelParts):
+            rc = self.lib.sd_linear_weight(x.data_ptr(), t, k, ctypes.byref(w.c_weight),
+                                           y.data_ptr(), p * PANEL, threads)
+        else:
+            rc = self.lib.sd_linear(x.data_ptr(), t, k, w.data.data_ptr(), w.fmt, p,
+                                    y.data_ptr(), p * PANEL, threads)
         if rc != 0:
             raise RuntimeError(f"sd_linear refused x {tuple(x.shape)} with panels of a "
                                f"[{out}, {k}] weight (format {w.fmt}, {p} panels)")

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.block_weight import BlockWeight
-from specdec.models.native import ABI, FORMATS, Kernels, Panels
+from specdec.models.native import ABI, FORMATS, Kernels, PanelParts, Panels
 
 
 class PreparedLinears:
@@ -36,7 +36,7 @@ class PreparedLinears:
         self.kernels = kernels
         # (data_ptr, shape, dtype, version) -> panels: a weight updated in place is prepared
         # again, a new tensor at a reused address never matches a stale entry's version
-        self._panels: dict[tuple, Panels] = {}
+        self._panels: dict[tuple, Panels | PanelParts] = {}
         # names the build and the q8 instruction set: step costs profiled with other kernels
         # (specdec.engine.step_profile caches them under this key) are not reused
         self.key = f"invariant panels (specdec/native ABI {ABI}, q8 {kernels.q8_isa})"
@@ -49,10 +49,10 @@ class PreparedLinears:
             return "blocks", weight.key
         return weight.data_ptr(), tuple(weight.shape), weight.dtype, weight._version
 
-    def adopt(self, weight: torch.Tensor, panels: Panels) -> None:
+    def adopt(self, weight: torch.Tensor, panels: Panels | PanelParts) -> None:
         """Compute ``weight`` with ``panels`` made elsewhere (a GGUF's own blocks, whose values
         are bitwise ``weight``'s, or are ``weight``, a ``BlockWeight``: specdec.models.
-        gguf_weights); a weight changed in place later is prepared again from its new values."""
+        gguf_weights; a fused matrix of several types in parts, ``PanelParts``); a weight changed in place later is prepared again from its new values."""
         if (panels.out_features, panels.in_features) != tuple(weight.shape):
             raise ValueError(f"panels of {panels.out_features}x{panels.in_features} for a "
                              f"weight of {tuple(weight.shape)}")
@@ -64,7 +64,7 @@ class PreparedLinears:
             if w.is_cpu and w.dtype in FORMATS:
                 self.prepared(w)
 
-    def prepared(self, weight: torch.Tensor) -> Panels:
+    def prepared(self, weight: torch.Tensor) -> Panels | PanelParts:
         key = self._key(weight)
         panels = self._panels.get(key)
         if panels is None:

@@ -17,6 +17,11 @@ Q4_K_M file mixes Q4_K, Q6_K and, where in_features % 256 != 0, Q5_0 / Q8_0), a 
 rounds the activations more finely than one per 256, and the kernel formats carry a float32
 scale per block of 32 (Q6_K: per 16) anyway, so the float work per block is the same as Q4_1's.
 
+A fused matrix whose parts differ in type (a Q4_K_M file's Q4_K q|k beside its Q6_K v) is one
+panel set per part (native.PanelParts), each prepared here; the kernel rounds the rows again
+for each part, to the same int8 values and scales (a row's rounding depends on that row alone),
+so each part's columns are bitwise ``reference_linear`` of its own blocks.
+
     panels = prepare(blocks)             # gguf_blocks.Blocks -> native.Panels (FORMATS)
     y = kernels.linear(x, panels)        # the compiled kernel
     y == reference_linear(x, blocks)     # bitwise, pure torch (the oracle of the tests)

@@ -73,22 +73,38 @@ int sd_q8_isa(void);
 
 /* One prepared weight: `panels` panels (an even number) of 8 output rows in format `fmt`;
  * `out` real output rows (<= 8 * panels); bias [out] fp32 or NULL. Float formats: [panels][K][8].
- * GGUF formats (K % 32 == 0): [panels / 2][K / 32] blocks of a panel pair (see linear.c). */
-typedef struct {
+ * GGUF formats (K % 32 == 0): [panels / 2][K / 32] blocks of a panel pair (see linear.c).
+ *
+ * Or a weight in parts (nparts > 0, fmt SD_PARTS, data NULL): a fused matrix (q|k|v, gate|up)
+ * whose row ranges are of different formats (a Q4_K_M file's Q4_K q|k and Q6_K v), each part a
+ * weight of its own format over the same K, computed in order into its own output columns:
+ * part i's columns start at 8 * (panels of parts 0 .. i-1) = the rows before it, since every
+ * part but the last is whole panel pairs (out == 8 * panels, so out % 16 == 0). `panels` and
+ * `out` are the parts' sums, `bias` the whole matrix's (the parts have none); at most
+ * SD_MAX_PARTS parts, none in parts itself, all laid out for the same activations (all SD_*_Q8
+ * or none). */
+#define SD_PARTS (-1)
+#define SD_MAX_PARTS 8
+typedef struct sd_weight {
     const void* data;
     int64_t fmt, panels, out;
     const float* bias;
+    const struct sd_weight* parts;
+    int64_t nparts;
 } sd_weight;
 
 /* 0 when w is a valid weight of `K` inputs, else -1 */
 int sd_check_weight(const sd_weight* w, int64_t K);
 
 /* y[T, ldy] = x[T, K] @ W.T (columns up to 8 * panels written), as an OpenMP work-sharing loop:
- * call it inside a parallel region (every thread of the team calls it; it ends in a barrier). */
+ * call it inside a parallel region (every thread of the team calls it; it ends in a barrier).
+ * A weight in parts runs one such loop per part, each into its columns. */
 void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                    int64_t ldy);
 
-/* sd_linear_for for the formats SD_*_Q8 (activations rounded to 8 bits) */
+/* sd_linear_for for the formats SD_*_Q8 (activations rounded to 8 bits; every call rounds the
+ * rows again, so each part of a weight in parts rounds them anew: the same int8 values and
+ * scales each time, a row's rounding depending on that row alone) */
 void sd_linear_q8_for(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                       int64_t ldy);
 

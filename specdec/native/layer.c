@@ -7,7 +7,9 @@
  * q, k, v = qkv(qkv_input) + bias, the rest the same (x is then the residual stream only).
  *
  * Activations are fp32 throughout (the residual stream too); weights are prepared panels of
- * any format linear.c takes; K/V are rounded to the cache's format as they are written. Each
+ * any format linear.c takes, or in parts of different formats (kernels.h: a Q4_K_M file's Q4_K
+ * q|k beside its Q6_K v; each part's columns are its rows, so q, k, v and gate, up sit where
+ * one matrix would put them); K/V are rounded to the cache's format as they are written. Each
  * stage is a work-sharing loop of one OpenMP team (the barriers between them are the loops'
  * own): per-row stages over rows, linear layers over weight panels, attention over (row, head).
  * Every reduction runs in one fixed order per output element (RMSNorm: 8 lanes over ascending
@@ -38,6 +40,7 @@ typedef struct {
     int64_t qkv_in;
 } sd_layer_args;
 
+/* columns a projection writes (a weight in parts: its parts', whose panels it sums) */
 static int64_t out_cols(const sd_weight* w) { return PW * w->panels; }
 
 /* floats of scratch sd_layer needs for these arguments */

@@ -12,6 +12,10 @@
  * blocks in the kernel formats (kernels.h; specdec/models/gguf_blocks.py), dequantized exactly
  * as gguf-py does:
  * the fp32 weights, and so every element's fma chain, are those of the dequantized model.
+ *
+ * A weight in parts (kernels.h: a fused matrix whose row ranges are of different formats) runs
+ * each part as a weight of its own, in order, into its own output columns; an element's chain
+ * is the one its part's format gives, so each column is bitwise what its part alone gives.
  */
 #include <omp.h>
 
@@ -368,8 +372,29 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
     }
 }
 
+/* a weight in parts (kernels.h): 0 when valid for K inputs */
+static int check_parts(const sd_weight* w, int64_t K) {
+    if (w->nparts < 1 || w->nparts > SD_MAX_PARTS || !w->parts || w->data || w->fmt != SD_PARTS
+        || w->out < 1 || w->out > PW * w->panels)
+        return -1;
+    int64_t panels = 0, out = 0;
+    const int q8 = sd_is_q8(w->parts[0].fmt);
+    for (int64_t i = 0; i < w->nparts; i++) {
+        const sd_weight* p = &w->parts[i];
+        /* no nesting, no bias of its own, one activation layout, whole pairs but the last */
+        if (p->nparts || p->parts || p->bias || sd_check_weight(p, K) || sd_is_q8(p->fmt) != q8
+            || (i + 1 < w->nparts && p->out != PW * p->panels))
+            return -1;
+        panels += p->panels;
+        out += p->out;
+    }
+    return panels == w->panels && out == w->out ? 0 : -1;
+}
+
 int sd_check_weight(const sd_weight* w, int64_t K) {
-    if (!w || !w->data || w->fmt < 0 || w->fmt >= SD_NUM_FORMATS || w->panels < 2 || w->panels % 2 || K < 1
+    if (!w) return -1;
+    if (w->nparts || w->parts) return K < 1 ? -1 : check_parts(w, K);
+    if (!w->data || w->fmt < 0 || w->fmt >= SD_NUM_FORMATS || w->panels < 2 || w->panels % 2 || K < 1
         || w->out > PW * w->panels || w->out < 1)
         return -1;
     if (sd_is_gguf(w->fmt) && K % SD_QBLOCK) return -1;
@@ -381,6 +406,11 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
                    int64_t ldy) {
     if (T == 0) { /* nothing to write (and no row tile: the tables start at one row) */
 #pragma omp barrier
+        return;
+    }
+    if (w->nparts) { /* each part into its columns, one work-sharing loop (and barrier) each */
+        for (int64_t i = 0, col = 0; i < w->nparts; col += PW * w->parts[i].panels, i++)
+            sd_linear_for(x, T, K, &w->parts[i], y + col, ldy);
         return;
     }
     /* row tiles of at most 6, as even as possible (8 -> 4 + 4, 16 -> 6 + 5 + 5) */
@@ -427,5 +457,20 @@ int sd_linear(const float* x, int64_t T, int64_t K, const void* w, int fmt, int6
     if (T == 0) return 0;
 #pragma omp parallel num_threads(nthreads)
     sd_linear_for(x, T, K, &weight, y, ldy);
+    return 0;
+}
+
+/* sd_linear for any prepared weight, a weight in parts too (kernels.h: sd_weight; its bias is
+ * not added: the caller adds it): y[T, ldy] with ldy >= 8 * w->panels. Returns 0, or -1 when
+ * this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The lengths behind
+ * the pointers are not known here: the caller checks them (specdec/models/native.py). */
+int sd_linear_weight(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
+                     int64_t ldy, int nthreads) {
+    if (!(sd_cpu_features() & 1) || sd_check_weight(w, K) || T < 0 || ldy < PW * w->panels
+        || nthreads < 1 || (T > 0 && (!x || !y)))
+        return -1;
+    if (T == 0) return 0;
+#pragma omp parallel num_threads(nthreads)
+    sd_linear_for(x, T, K, w, y, ldy);
     return 0;
 }

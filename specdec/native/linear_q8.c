@@ -13,7 +13,8 @@
  * product and sum rounded as written (no fma), isum exact in int32. A row's result
  * depends only on that row, whatever shares the call (the contract of kernels.h), and a
  * pure-torch reference reproduces it bitwise (specdec/models/q8_activations.py, which says
- * why the activations of K-quants are blocked by 32 too).
+ * why the activations of K-quants are blocked by 32 too). A weight in parts (kernels.h) calls
+ * this once per part: each call rounds the rows again, to the same q, d and s.
  *
  * Why: the fp32 path (linear.c) is bound by dequantizing in registers at one row and by the
  * fp32 FMAs from 4 rows on (~2 ms of FMA per row of a SmolLM2 forward); here one vpmaddubsw does

@@ -5,7 +5,9 @@ Oracles: the file's metadata is the 135M file's with the shape keys changed, its
 the 135M file's types per role; the folder is bitwise what specdec's own conversion of the file
 makes (transformers dequantizing it: config and every weight); specdec loads it on the file's
 own blocks, its logits are finite and HF transformers' on the same weights, and its greedy
-tokens are HF's.
+tokens are HF's. A ``--ftype q4_k_m --gguf-only`` file of a small shape, whose last layer's
+q|k|v fuses Q4_K q|k with a Q6_K v (llama.cpp's mix), runs on its own blocks in parts, with
+float and with 8-bit activations, and gives the dequantized model's greedy tokens.
 """
 
 from __future__ import annotations
@@ -178,3 +180,37 @@ def test_the_17b_plan_and_bad_shapes(source, readers, tmp_path):
     with pytest.raises(SystemExit):
         shape_gguf.main(["--out", str(tmp_path), "--layers", "2"])
     assert not any(tmp_path.iterdir())
+
+
+Q4_K_M_SHAPE = shape_gguf.Shape(layers=2, hidden=512, intermediate=1024, heads=8, kv_heads=8)
+
+
+@pytest.mark.skipif(native.load() is None, reason="compiled kernels not built")
+def test_a_q4_k_m_file_runs_on_its_blocks_in_parts(source, tmp_path):
+    """~8 s: a 26 MB file (its Q6_K tied embedding of 49,152 rows is most of it)."""
+    from specdec.models import gguf_blocks as gb
+    from specdec.models import q8_activations as qa
+    from specdec.models.native import PanelParts
+
+    # std 0.1: at 0.02 the tied embedding dominates and greedy repeats the prompt's last token
+    path = shape_gguf.write_shape(tmp_path / "q4_k_m.gguf", Q4_K_M_SHAPE, seed=0, std=0.1,
+                                  source=source, log=None, ftype="q4_k_m", gguf_only=True)
+    prompts = ["The capital of France is", "def fib(n):"]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(model=str(path), max_model_len=128)
+    deq = LLM(weights="dequantized", **kw)
+    want = [o.token_ids for o in deq.generate(prompts, sp)]
+    assert len(set(want[0])) > 2  # the layers matter
+    for activations, codes in (("float", gb.FORMATS), ("q8", qa.FORMATS)):
+        llm = LLM(weights="native", activations=activations, **kw)
+        assert llm.engine.weights == "native" and llm.engine.model.fused is not None
+        layers = llm.engine.model.layers  # use_more_bits: layer 1 of 2 has a Q6_K attn_v
+        qkv = llm.engine.kernels.prepared(layers[1].qkv_weight)
+        assert isinstance(qkv, PanelParts)
+        assert [(p.out_features, p.fmt) for p in qkv.parts] == [
+            (1024, codes["Q4_F"]), (512, codes["I8_F16"])]
+        assert not isinstance(llm.engine.kernels.prepared(layers[0].qkv_weight), PanelParts)
+        # float: bitwise the dequantized logits; q8: llama.cpp's numbers, the same greedy
+        # tokens on this file
+        assert [o.token_ids for o in llm.generate(prompts, sp)] == want, activations
+    assert LLM(**kw).engine.weights == "native"  # "auto" no longer falls back to fp32

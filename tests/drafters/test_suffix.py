@@ -1,17 +1,14 @@
-"""The suffix drafter (SuffixDecoding): its speculation against a brute-force suffix-tree oracle,
-the history (tenant isolation, LRU bound, preemption), its options, and end to end: greedy
-float64 and bitwise float32 equality with plain decoding, sampling that follows the target,
-prefix-cache restores and composition with a learned drafter."""
+"""The suffix drafter (SuffixDecoding, drafters/suffix.py): replay safety, its options, and end
+to end: greedy float64 and bitwise float32 equality with plain decoding, sampling that follows
+the target, tenant isolation and the history bound through the engine, prefix-cache restores
+and composition with a learned drafter. Its speculation and history have their own tests
+(test_suffix_speculate.py, test_suffix_history.py)."""
 
 from __future__ import annotations
 
-import heapq
 import logging
-import math
-import random
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 from conftest import make_tiny_model
@@ -23,235 +20,24 @@ from drafter_helpers import (
     record_proposals,
     sampling_target,
 )
+from suffix_helpers import propose
 
 from specdec import LLM, SamplingParams
-from specdec.controllers.base import DraftBudget
-from specdec.drafters.base import DraftRequest, TokenView, VerifiedBatch, VerifiedRequest
+from specdec.drafters.base import TokenView, VerifiedBatch, VerifiedRequest
 from specdec.drafters.suffix import SuffixDrafter
-from specdec.drafters.suffix_corpus import TokenCorpus
-from specdec.drafters.suffix_history import SuffixHistory
-from specdec.drafters.suffix_speculate import SpeculateParams, count_trie, speculate
 from specdec.models import native
 from specdec.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TREE = SpeculateParams(max_spec_factor=1.0, max_spec_offset=0.0, min_token_prob=0.1,
-                       max_candidates=1 << 20, tree=True)
-
-
-def _corpus(*docs: list[int]) -> TokenCorpus:
-    c = TokenCorpus()
-    for d in docs:
-        c.append(d)
-        c.end_document()
-    return c
-
-
-def _paths(draft) -> dict[tuple, float]:
-    """{root-to-node token path: probability} of a draft."""
-    out, paths = {}, []
-    for tok, par, p in zip(draft.tokens.tolist(), draft.parents.tolist(), draft.probs.tolist()):
-        paths.append((paths[par] if par >= 0 else ()) + (tok,))
-        out[paths[-1]] = p
-    return out
-
-
-# ---- the oracle: a depth-unbounded suffix tree, ArcticInference's speculate by brute force ----
-
-def oracle(docs, pattern, max_nodes, max_depth, p: SpeculateParams):
-    """(score, match length, {path: prob}) as ArcticInference's SuffixTree::speculate would
-    draft (heap expansion or top-child path), on the documents ``docs``."""
-    best = (0.0, 0, {})
-    for m in range(1, len(pattern) + 1):
-        suffix = list(pattern[-m:])
-        conts = [d[i + 1:i + 1 + max_depth] for d in docs for i in range(m - 1, len(d))
-                 if d[i - m + 1:i + 1] == suffix]
-        if not conts:
-            break
-        budget = min(max_nodes, int(m * p.max_spec_factor + p.max_spec_offset + 1e-6))
-        count = Counter(tuple(c[:k]) for c in conts for k in range(1, len(c) + 1))
-        count[()] = len(conts)
-        kids: dict[tuple, list] = {}
-        for path in count:
-            if path:
-                kids.setdefault(path[:-1], []).append(path)
-        out = _heap(count, kids, budget, p.min_token_prob) if p.tree else \
-            _path(count, kids, budget, p.min_token_prob)
-        score = sum(out.values())
-        if out and score >= best[0] - 1e-9:
-            best = (score, m, out)
-    return best
-
-
-def _occurrences(docs, s: list[int]) -> int:
-    return sum(d[i:i + len(s)] == s for d in docs for i in range(len(d) - len(s) + 1))
-
-
-def _heap(count, kids, budget, min_prob) -> dict:
-    out, heap, tick = {}, [(-1.0, 0, ())], 1
-    while heap and len(out) < budget:
-        q, _, path = heapq.heappop(heap)
-        if path:
-            out[path] = -q
-        for child in kids.get(path, []):
-            prob = -q * (count[child] / count[path])
-            if prob >= min_prob:
-                heapq.heappush(heap, (-prob, tick, child))
-                tick += 1
-    return out
-
-
-def _path(count, kids, budget, min_prob) -> dict:
-    out, path, prob = {}, (), 1.0
-    while len(out) < budget and kids.get(path):
-        child = max(sorted(kids[path]), key=lambda c: count[c])
-        prob *= count[child] / count[path]
-        if prob < min_prob:
-            break
-        out[child], path = prob, child
-    return out
-
-
-@pytest.mark.parametrize("tree", [True, False])
-def test_speculation_matches_the_suffix_tree_oracle(tree):
-    rng = random.Random(0)
-    for case in range(300):
-        docs = [[rng.randrange(4) for _ in range(rng.randrange(0, 30))]
-                for _ in range(rng.randrange(1, 5))]
-        pattern = [rng.randrange(4) for _ in range(rng.randrange(1, 8))]
-        p = SpeculateParams(rng.choice([0.5, 1.0, 2.0]), rng.choice([0.0, 1.0]),
-                            rng.choice([0.0, 0.1, 0.3]), 1 << 20, tree)
-        max_nodes, depth = rng.randrange(1, 10), rng.randrange(1, 8)
-        score, m, want = oracle(docs, pattern, max_nodes, depth, p)
-        got = speculate(_corpus(*docs), np.array(pattern), 1 << 30, max_nodes, depth, p)
-        if not want:
-            assert got is None, case
-            continue
-        assert got is not None and got.match_len == m and math.isclose(got.score, score), case
-        have = _paths(got)
-        assert len(have) == len(want), case
-        if not tree:  # a path has no ties to break
-            assert list(have) == list(want), case
-        for path, prob in have.items():  # a tie at the budget's edge may pick another node
-            want_p = _occurrences(docs, pattern[-m:] + list(path)) / _occurrences(
-                docs, pattern[-m:])
-            assert math.isclose(prob, want_p) and prob >= p.min_token_prob, case
-        parents = got.parents.tolist()
-        assert all(-1 <= q < i for i, q in enumerate(parents)), case
-
-
-def test_count_trie_is_the_docstring_example():
-    tokens, parents, counts, probs = count_trie(np.array([[7, 8], [7, 8], [7, 9], [4, -1]]), 0.0)
-    assert tokens.tolist() == [4, 7, 8, 9] and parents.tolist() == [-1, -1, 1, 1]
-    assert counts.tolist() == [1, 3, 2, 1] and probs.tolist() == [0.25, 0.75, 0.5, 0.25]
-
-
-def test_draft_size_adapts_to_the_match_length():
-    c = _corpus([1, 2, 3, 4, 5, 6, 7, 8])
-    one = speculate(c, np.array([9, 3]), c.n, 16, 16, TREE)  # 1 token matched
-    three = speculate(c, np.array([1, 2, 3]), c.n, 16, 16, TREE)
-    assert one.tokens.tolist() == [4] and three.tokens.tolist() == [4, 5, 6]
-    wide = SpeculateParams(2.0, 0.0, 0.1, 64, True)
-    assert speculate(c, np.array([1, 2, 3]), c.n, 16, 16, wide).tokens.tolist() == [4, 5, 6, 7,
-                                                                                    8]
-    assert speculate(c, np.array([1, 2, 3]), c.n, 2, 16, wide).tokens.tolist() == [4, 5]
-
-
-def test_min_token_prob_cuts_rare_continuations():
-    c = _corpus(*([[5, 1]] * 9 + [[5, 2]]))  # after 5: 1 with p 0.9, 2 with p 0.1
-    loose = SpeculateParams(1.0, 2.0, 0.1, 64, True)
-    strict = SpeculateParams(1.0, 2.0, 0.2, 64, True)
-    assert _paths(speculate(c, np.array([5]), c.n, 8, 4, loose)) == {(1,): 0.9, (2,): 0.1}
-    assert _paths(speculate(c, np.array([5]), c.n, 8, 4, strict)) == {(1,): 0.9}
-
-
-def test_the_request_itself_is_not_an_occurrence():
-    c = TokenCorpus()
-    c.append([3, 4, 5, 3])
-    d = speculate(c, np.array([5, 3]), c.n - 1, 8, 8, TREE)  # 3 at position 0 only
-    assert d.tokens.tolist() == [4] and d.match_len == 1
-
-
-def test_lookup_after_the_sort_and_with_blanked_documents():
-    rng = random.Random(1)
-    docs = [[rng.randrange(50) for _ in range(rng.randrange(1, 400))] for _ in range(40)]
-    c = _corpus(*docs)
-    assert c.n_sorted > 0  # the index is sorted and has a tail
-    flat = np.concatenate([np.array(d + [-1]) for d in docs])
-    c.remove(0, len(docs[0]))
-    flat[:len(docs[0])] = -2
-    for tok in range(50):
-        want = np.flatnonzero(flat == tok)
-        assert c.positions(tok, 1 << 20).tolist() == want.tolist()
-        assert c.positions(tok, 3).tolist() == want[-3:].tolist()
-
-
-# ---- the history ----------------------------------------------------------------------------
-
-def test_history_keeps_salts_apart():
-    h = SuffixHistory(1000)
-    h.add("a", "r1", [1, 2, 3, 4])
-    assert h.draft("a", np.array([1, 2]), 8, 8, TREE).tokens.tolist() == [3, 4]
-    assert h.draft("b", np.array([1, 2]), 8, 8, TREE) is None
-    assert h.draft(None, np.array([1, 2]), 8, 8, TREE) is None
-
-
-def test_history_evicts_the_least_recently_used_within_its_token_bound():
-    h = SuffixHistory(90)
-    for i, salt in enumerate(["a", "b", "a"]):  # 30 tokens each, each doc its own tokens
-        h.add(salt, f"r{i}", list(range(100 * i, 100 * i + 30)))
-    assert h.draft("a", np.array([5]), 4, 4, TREE) is not None  # r0 used: now the newest
-    h.add("b", "r3", list(range(300, 330)))
-    assert h.tokens == 90 and h.evicted == 1
-    assert h.draft("b", np.array([105]), 4, 4, TREE) is None  # r1 went, not r0
-    assert h.draft("a", np.array([5]), 4, 4, TREE) is not None
-    h.add("c", "r4", list(range(1000, 1200)))  # longer than the bound: its last 90 tokens
-    assert h.tokens == 90 and h.stats()["documents"] == 1 and set(h.spaces) == {"c"}
-
-
-def test_history_memory_stays_bounded():
-    h = SuffixHistory(3000)
-    rng = np.random.default_rng(0)
-    peak = 0
-    for i in range(1500):
-        h.add(str(i % 3), f"r{i}", rng.integers(0, 500, rng.integers(1, 60)).tolist())
-        peak = max(peak, h.memory_bytes)
-        assert h.tokens <= 3000
-    assert h.evicted > 1000 and peak <= 40 * 3000, peak
-
-
-def test_a_restarted_request_takes_its_partial_text_out():
-    d = SuffixDrafter(None)
-    state = d.init_state("r", [1, 2, 3])
-    _propose(d, state, [1, 2, 3, 4, 5], salt="s")
-    d.release(state)  # preempted: its text so far is filed
-    assert d.stats()["documents"] == 1
-    d.init_state("r", [1, 2, 3])  # it starts again
-    assert d.stats()["documents"] == 0 and d.stats()["tokens"] == 0
-
-
-def test_a_request_never_asked_to_draft_files_nothing():
-    d = SuffixDrafter(None)
-    d.release(d.init_state("r", [1, 2, 3]))  # its salt was never seen
-    assert d.stats()["documents"] == 0
-
-
-def _propose(d: SuffixDrafter, state, tokens, salt=None, budget=8):
-    req = DraftRequest("r", TokenView(tokens), DraftBudget(budget), SamplingParams(
-        temperature=0, cache_salt=salt), None, state)
-    (tree,) = d.propose([req])
-    tree.validate(max_nodes=budget)
-    return tree
-
 
 def test_repeated_calls_are_harmless():
-    d = SuffixDrafter(None)
+    d = SuffixDrafter(None, max_spec_offset=0.0)
     d.history.add(None, "old", [7, 1, 2, 3, 9, 9])
     tokens = [4, 1, 2, 3, 5, 1, 2]
     state = d.init_state("r", tokens)
-    first = _propose(d, state, tokens)
-    again = _propose(d, state, tokens)
+    first = propose(d, state, tokens)
+    again = propose(d, state, tokens)
     assert d.replay_safe and first.tokens.tolist() == again.tokens.tolist() == [3, 5]
     verified = VerifiedBatch([VerifiedRequest("r", state, TokenView(tokens), 6, 1, 0, [], 0)])
     d.on_verified(verified)

@@ -85,3 +85,17 @@ def test_parts_of_different_types_are_named():
     with pytest.raises(ValueError, match=r"qk fuses tensors of different types \['Q8_0', 'Q4_1'\]"):
         w.blocks()
     assert w.dequantize().shape == (16, 64)  # still a weight (dequantized where it is used)
+
+
+def test_runs_are_its_parts_of_one_type_in_row_order():
+    """What the kernels prepare in parts: adjacent parts of one type joined (row orders
+    applied), one Blocks per run."""
+    q, k, v = (random_blocks(kind, 16, 64, seed=i) for i, kind in enumerate(("Q8_0", "Q8_0",
+                                                                             "Q4_1")))
+    order = torch.arange(16).flip(0)
+    w = BlockWeight([Part(q, order), Part(k), Part(v)], "qkv")
+    runs = w.runs()
+    assert [(r.kind, r.out_features) for r in runs] == [("Q8_0", 32), ("Q4_1", 16)]
+    assert torch.equal(torch.cat([gb.dequantize(r) for r in runs]), w.dequantize())
+    one = BlockWeight([Part(q), Part(k)], "qk")
+    assert len(one.runs()) == 1 and torch.equal(gb.dequantize(one.blocks()), one.dequantize())

@@ -105,6 +105,41 @@ def test_a_type_the_kernels_do_not_take(tmp_path, cache):
     assert len(llm.generate(["hi"], SamplingParams(max_tokens=4))[0].token_ids) == 4
 
 
+@needs_kernels
+def test_a_fused_matrix_of_two_types_runs_in_parts(tmp_path, cache):
+    """q|k Q4_1 beside v Q8_0 (as a Q4_K_M file's attn_v): native weights in parts, the
+    dequantized model's tokens, in the model's fused row order."""
+    path = _user_file(tmp_path, kind="Q4_1", kinds={"blk.0.attn_v.weight": "Q8_0"})
+    kw = dict(model=str(path), max_model_len=64)
+    nat = LLM(weights="native", **kw)
+    assert nat.engine.weights == "native"
+    qkv = nat.engine.kernels.prepared(nat.engine.model.layers[0].qkv_weight)
+    assert [(p.out_features, p.fmt) for p in qkv.parts] == [(96, 3), (32, 4)]  # Q4_1, Q8_0
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    got = [o.token_ids for o in nat.generate(["hello", "abc!"], sp)]
+    deq = LLM(weights="dequantized", **kw)
+    assert [o.token_ids for o in deq.generate(["hello", "abc!"], sp)] == got
+
+
+def test_a_part_that_is_not_whole_panel_pairs(tmp_path, cache):
+    """Parts of a fused matrix are computed into their own output columns, so every part but
+    the last must be a multiple of 16 rows: q|k of 72 rows (8 heads of 8, one kv head) beside a
+    v of another type cannot. "native" says which matrix and why; "auto" falls back to the
+    dequantized weights and still computes."""
+    shape = TinyShape(hidden=64, heads=8, kv_heads=1)
+    path = _user_file(tmp_path, kind="Q4_1", shape=shape,
+                      kinds={"blk.1.attn_v.weight": "Q8_0"})
+    with pytest.raises(ValueError, match=r"weights='native' cannot run here: .*layers\.1\.qkv "
+                                         r"\(blk\.1\.attn_q\.weight\|.*\) fuses tensors of types "
+                                         r"Q4_1\+Q8_0; the kernels run such a matrix in parts, "
+                                         r"one per type, each but the last a multiple of 16 "
+                                         r"rows, but its Q4_1 part has 72 rows"):
+        LLM(model=str(path), weights="native", max_model_len=64)
+    llm = LLM(model=str(path), max_model_len=64)
+    assert llm.engine.weights == "dequantized"
+    assert len(llm.generate(["hi"], SamplingParams(max_tokens=4))[0].token_ids) == 4
+
+
 # ---- the folder in the cache --------------------------------------------------------------
 
 

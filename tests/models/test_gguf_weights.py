@@ -151,7 +151,7 @@ def test_native_refuses_blocks_that_do_not_match(tiny_llama, tmp_path, monkeypat
         for i, layer in enumerate(m.layers):
             for name in ("qkv", "o", "gate_up", "down"):
                 shapes[f"layers.{i}.{name}"] = getattr(layer, f"{name}_weight").shape
-        return {k: random_blocks("Q8_0", o, n, seed=3) for k, (o, n) in shapes.items()}
+        return {k: [random_blocks("Q8_0", o, n, seed=3)] for k, (o, n) in shapes.items()}
 
     monkeypatch.setattr(gw, "read_matrices", blocks_of_the_right_shapes)
     with pytest.raises(ValueError, match="weights='native' cannot run here: the file's "

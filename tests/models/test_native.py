@@ -4,6 +4,11 @@ Linear: every weight format (fp32, bf16, fp16), shapes with panel padding (out %
 odd in; any subset of rows, in any order and batch size, gives bitwise the rows of the full call.
 Attention: random key lists (with GQA), bitwise the same per row alone and in a batch. The
 PreparedLinears hook: dtypes it covers go to the kernel, others (float64, grad) to F.linear.
+A weight in parts (PanelParts: a fused matrix whose row ranges differ in format, as a Q4_K_M
+file's q|k|v): every row count 0..64 bitwise the concatenation of its parts' own references
+(the fp32 panels of the dequantized blocks; q8_activations.reference_linear), on one thread and
+on several; what is not a valid weight in parts refused in Python and, built by hand past
+Python, by the C check.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec.models import gguf_blocks as gb
 from specdec.models import native
+from specdec.models import q8_activations as qa
+from specdec.models.native import PanelParts, Panels, Weight
 from specdec.models.prepared import PreparedLinears
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -117,3 +125,127 @@ def test_the_kernels_key_names_the_build_and_the_q8_instruction_set():
     another build or instruction set must not be reused."""
     key = PreparedLinears(KERNELS).key
     assert f"ABI {native.ABI}" in key and f"q8 {KERNELS.q8_isa}" in key
+
+
+# ---- a weight in parts ------------------------------------------------------------------------
+
+
+def _random_blocks(kind: str, out: int, inp: int, seed: int):
+    from test_gguf_weights import random_blocks
+
+    return random_blocks(kind, out, inp, seed=seed)
+
+
+def _parts_case(activations: str, seed: int = 0):
+    """(PanelParts, x [64, 512], the 64-row reference): q Q4_K (64 rows) | k Q5_K (32) | v
+    Q6_K (40, padded panels), each part's reference its own, concatenated."""
+    blocks = [_random_blocks(k, n, 512, seed + i)
+              for i, (k, n) in enumerate((("Q4_K", 64), ("Q5_K", 32), ("Q6_K", 40)))]
+    x = torch.randn(64, 512, generator=torch.Generator().manual_seed(seed))
+    if activations == "q8":
+        parts, refs = [qa.prepare(b) for b in blocks], [qa.reference_linear(x, b) for b in blocks]
+    else:
+        parts = [gb.prepare(b) for b in blocks]
+        refs = [KERNELS.linear(x, KERNELS.prepare(gb.dequantize(b))) for b in blocks]
+    return PanelParts(tuple(parts)), x, torch.cat(refs, 1)
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["float", "q8"])
+def test_a_weight_in_parts_is_its_parts_side_by_side(activations):
+    w, x, ref = _parts_case(activations)
+    assert (w.out_features, w.in_features, w.panels, w.fmt) == (136, 512, 18, native.PARTS)
+    assert w.nbytes == sum(p.nbytes for p in w.parts)
+    assert torch.equal(KERNELS.linear(x, w), ref)
+    g = torch.Generator().manual_seed(1)
+    for t in range(65):  # every row count, rows drawn from the 64: row-invariant
+        rows = torch.randint(0, 64, (t,), generator=g)
+        y = KERNELS.linear(x[rows].contiguous(), w)
+        assert y.shape == (t, 136) and torch.equal(y, ref[rows]), t
+    assert torch.equal(KERNELS.linear(x[:6].view(2, 3, 512), w), ref[:6].view(2, 3, 136))
+
+
+@needs_kernels
+@pytest.mark.parametrize("activations", ["float", "q8"])
+def test_a_weight_in_parts_on_several_threads(activations):
+    """The parts run one after another in one team, a barrier between them: the same bits."""
+    w, x, ref = _parts_case(activations, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        for t in (1, 3, 17, 64):
+            assert torch.equal(KERNELS.linear(x[:t].contiguous(), w), ref[:t]), t
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
+def test_parts_of_float_formats():
+    """Parts of any format the kernels take (fp32 beside bf16 here): each column its part's."""
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(32, 40, generator=g), torch.randn(9, 40, generator=g).bfloat16()
+    w = PanelParts((KERNELS.prepare(a), KERNELS.prepare(b)))
+    x = torch.randn(7, 40, generator=g)
+    want = torch.cat([KERNELS.linear(x, KERNELS.prepare(a)), KERNELS.linear(x, KERNELS.prepare(b))], 1)
+    assert torch.equal(KERNELS.linear(x, w), want)
+
+
+def _panels(kind: str, out: int, inp: int = 256, q8: bool = False) -> Panels:
+    return (qa.prepare if q8 else gb.prepare)(_random_blocks(kind, out, inp, 0))
+
+
+BAD_PARTS = [  # (parts, what the message says)
+    (lambda: (_panels("Q4_K", 40), _panels("Q6_K", 16)), "part 0 has 40 rows, not whole pairs"),
+    (lambda: (_panels("Q4_K", 16), _panels("Q6_K", 16, 512)), "the same in_features"),
+    (lambda: (_panels("Q4_K", 16), _panels("Q6_K", 16, q8=True)), "8-bit activations, or none"),
+    (lambda: (), "needs 1 to 8 parts, got 0"),
+    (lambda: (_panels("Q8_0", 16),) * 9, "needs 1 to 8 parts, got 9"),
+    (lambda: (PanelParts((_panels("Q8_0", 16),)), _panels("Q8_0", 16)), "no PanelParts inside"),
+    (lambda: [_panels("Q8_0", 16)], "a tuple of Panels"),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("parts, message", BAD_PARTS, ids=[m for _, m in BAD_PARTS])
+def test_what_is_not_a_weight_in_parts_is_refused(parts, message):
+    with pytest.raises(ValueError, match="PanelParts of") as e:
+        PanelParts(parts())
+    assert message in str(e.value)
+
+
+@needs_kernels
+def test_the_c_side_refuses_parts_it_cannot_run():
+    """sd_linear_weight (sd_check_weight) over structs made past PanelParts' checks: every one
+    refused (-1, nothing written), the valid one run."""
+    import ctypes
+
+    a, b, c = _panels("Q4_K", 16), _panels("Q6_K", 24), _panels("Q6_K", 24, q8=True)
+    x, y = torch.randn(2, 256), torch.full((2, 64), 7.0)
+
+    def run(parts: list, panels: int, out: int, **change) -> int:
+        items = (Weight * max(len(parts), 1))(*parts)
+        w = Weight(None, native.PARTS, panels, out, None, ctypes.addressof(items), len(parts))
+        for k, v in change.items():
+            setattr(w, k, v)
+        return KERNELS.lib.sd_linear_weight(x.data_ptr(), 2, 256, ctypes.byref(w),
+                                            y.data_ptr(), 64, 1)
+
+    wa, wb, wc = Weight.of(a), Weight.of(b), Weight.of(c)
+    nested = PanelParts((a,)).c_weight
+    assert run([wa, wb], 6, 40) == 0 and y[:, :40].ne(7.0).all()
+    y.fill_(7.0)
+    refused = [
+        run([wb, wa], 6, 40),                     # part 0 (24 rows) not whole pairs
+        run([wa, wb], 6, 39),                     # out is not the parts' sum
+        run([wa, wb], 8, 40),                     # panels are not the parts' sum
+        run([wa, wc], 6, 40),                     # float and q8 layouts mixed
+        run([wa, nested], 4, 32),                 # a part in parts
+        run([wa] * 9, 18, 144),                   # more than SD_MAX_PARTS
+        run([], 0, 0),                            # no parts
+        run([wa, wb], 6, 40, fmt=3),              # not SD_PARTS
+        run([wa, wb], 6, 40, data=x.data_ptr()),  # data of its own
+        run([wa, wb], 6, 40, nparts=-1),
+    ]
+    assert refused == [-1] * len(refused) and y.eq(7.0).all()
+    with_bias = Weight.of(a, torch.zeros(16))
+    assert run([with_bias, wb], 6, 40) == -1  # a part's bias: the whole matrix holds it

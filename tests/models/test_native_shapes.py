@@ -3,7 +3,8 @@
 Fuzz, in one process per 8-bit-activation instruction set this CPU has (so a crash fails one
 test instead of killing pytest): rows 0..16 and a sample up to 64, each call a random choice of
 rows of one 64-row batch, for every weight format (fp32 / bf16 / fp16 panels, a GGUF's blocks of
-every type with fp32 and with 8-bit activations) and for attention. Oracles: every row bitwise
+every type with fp32 and with 8-bit activations, a weight in parts of three formats with each)
+and for attention. Oracles: every row bitwise
 the same row of the 64-row call (row invariance), and that call against the pure-torch
 references the other tests use (bitwise: the GGUF blocks = the fp32 panels of the dequantized
 weight, 8-bit activations = q8_activations.reference_linear; else float64 within
@@ -18,6 +19,7 @@ the kernel and the shape, raised before any kernel reads them.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -30,7 +32,7 @@ from test_gguf_weights import KERNELS, inputs, needs_kernels, random_blocks
 from specdec.models import gguf_blocks as gb
 from specdec.models import native
 from specdec.models import q8_activations as qa
-from specdec.models.native import Q8_ISAS, LayerArgs, Panels, Weight
+from specdec.models.native import Q8_ISAS, LayerArgs, PanelParts, Panels, Weight
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BATCH = 64
@@ -39,7 +41,9 @@ BATCH = 64
 # 32-wide type for the AMX kernel's partial runs of blocks)
 GGUF = ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 WIDE = ["Q4_1", "Q8_0", "Q4_K", "Q5_1", "Q6_K"]
-FORMATS = ["float32", "bfloat16", "float16", *GGUF, *(f"{k}+q8" for k in GGUF)]
+FORMATS = ["float32", "bfloat16", "float16", *GGUF, *(f"{k}+q8" for k in GGUF), "parts",
+           "parts+q8"]
+PARTS = ("Q4_K", "Q8_0", "Q6_K")  # a weight in parts (native.PanelParts): q|k|v of three types
 
 
 def fuzz_rows(seed: int = 0) -> list[int]:
@@ -49,7 +53,7 @@ def fuzz_rows(seed: int = 0) -> list[int]:
                                     | {BATCH})
 
 
-def _case(fmt: str, seed: int) -> tuple[Panels, torch.Tensor, torch.Tensor, str]:
+def _case(fmt: str, seed: int) -> tuple[Panels | PanelParts, torch.Tensor, torch.Tensor, str]:
     """(panels, x [BATCH, in], the 64-row reference, "bitwise" | "close") for one format:
     out not a multiple of 16 (padded panels), in odd for the float formats."""
     g = torch.Generator().manual_seed(seed)
@@ -60,6 +64,16 @@ def _case(fmt: str, seed: int) -> tuple[Panels, torch.Tensor, torch.Tensor, str]
         x = torch.randn(BATCH, inp, generator=g)
         return KERNELS.prepare(w), x, x.double() @ w.double().T, "close"
     kind, q8 = fmt.split("+")[0], fmt.endswith("+q8")
+    if kind == "parts":  # whole pairs of panels but the last part; 1 to 3 blocks of 256
+        inp = 256 * int(torch.randint(1, 4, (1,), generator=g))
+        rows = [16 * int(torch.randint(1, 4, (1,), generator=g)) for _ in PARTS[:-1]] + [out]
+        bs = [random_blocks(k, n, inp, seed=seed + i) for i, (k, n) in enumerate(zip(PARTS, rows))]
+        x = torch.randn(BATCH, inp, generator=g)
+        if q8:
+            ref = torch.cat([qa.reference_linear(x, b) for b in bs], 1)
+            return PanelParts(tuple(qa.prepare(b) for b in bs)), x, ref, "bitwise"
+        ref = torch.cat([KERNELS.linear(x, KERNELS.prepare(gb.dequantize(b))) for b in bs], 1)
+        return PanelParts(tuple(gb.prepare(b) for b in bs)), x, ref, "bitwise"
     inp = inputs(kind, int(torch.randint(1, 6, (1,), generator=g)))
     b = random_blocks(kind, out, inp, seed=seed)
     x = torch.randn(BATCH, inp, generator=g)
@@ -68,9 +82,13 @@ def _case(fmt: str, seed: int) -> tuple[Panels, torch.Tensor, torch.Tensor, str]
     return gb.prepare(b), x, KERNELS.linear(x, KERNELS.prepare(gb.dequantize(b))), "bitwise"
 
 
-def _c_linear_rc(x: torch.Tensor, w: Panels, t: int) -> int:
-    """sd_linear called directly (no Python check in between) with t rows."""
+def _c_linear_rc(x: torch.Tensor, w: Panels | PanelParts, t: int) -> int:
+    """sd_linear (sd_linear_weight for parts) called directly (no Python check in between)
+    with t rows."""
     y = torch.empty(max(t, 1), w.panels * native.PANEL)
+    if isinstance(w, PanelParts):
+        return KERNELS.lib.sd_linear_weight(x.data_ptr(), t, w.in_features,
+                                            ctypes.byref(w.c_weight), y.data_ptr(), y.shape[1], 1)
     return KERNELS.lib.sd_linear(x.data_ptr(), t, w.in_features, w.data.data_ptr(), w.fmt,
                                  w.panels, y.data_ptr(), y.shape[1], 1)
 
@@ -160,6 +178,16 @@ def check_c_layer() -> None:
     with pytest.raises(RuntimeError, match="sd_layer refused its arguments .*heads 2/0"):
         KERNELS.layer(a)
     a, _keep = _layer_args(2)
+    with pytest.raises(RuntimeError, match="sd_layer refused its arguments"):
+        KERNELS.layer(a)
+    # a qkv in parts (q | k v): zero rows run; parts whose rows do not make q|k|v are refused
+    a, _keep = _layer_args(0)
+    parts = PanelParts((KERNELS.prepare(torch.randn(16, 16)), KERNELS.prepare(torch.randn(16, 16))))
+    a.qkv = Weight.of(parts)
+    KERNELS.layer(a)
+    assert KERNELS.layer_scratch(a) == 1
+    short = PanelParts((KERNELS.prepare(torch.randn(16, 16)), KERNELS.prepare(torch.randn(8, 16))))
+    a.qkv = Weight.of(short)
     with pytest.raises(RuntimeError, match="sd_layer refused its arguments"):
         KERNELS.layer(a)
 
