@@ -166,8 +166,11 @@ def _check_args(model, early_exit_layers, max_depth, target: TargetInfo) -> None
 
 
 def _load_draft(model: str, target: TargetInfo):
+    """The draft LM; from a GGUF its matrices stay the file's blocks (no fp32 copy): the engine
+    runs them through the kernels where they can, else dequantizes them once (build.py)."""
     folder = resolve_model_path(model)
-    draft, cfg, _ = load_model(folder, target.dtype, target.device, target.max_model_len)
+    draft, cfg, _ = load_model(folder, target.dtype, target.device, target.max_model_len,
+                               blocks=True)
     if cfg.vocab_size != target.vocab_size:
         raise ValueError(f"draft model {model!r} has vocab_size {cfg.vocab_size}, the target "
                          f"{target.vocab_size}: they must share a tokenizer")

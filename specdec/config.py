@@ -10,6 +10,7 @@ from specdec.attention import CHOICES as ATTENTION_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 from specdec.models.draft_weights import CHOICES as DRAFT_WEIGHT_CHOICES
+from specdec.models.quantize import CHOICES as QUANTIZE_CHOICES
 
 LINEAR_CHOICES = ("invariant", "tuned", "plain")
 WEIGHT_CHOICES = ("auto", "native", "dequantized")
@@ -57,6 +58,12 @@ class EngineConfig:
     # decoding; ~2-3x cheaper rows, numbers within ~0.5 % of the fp32 model's); needs the
     # native weights
     activations: str = "float"
+    # a safetensors checkpoint's matrices quantized at load into GGUF blocks, matrix by matrix:
+    # "q8_0" or "q4_k" (Q8_0 where in_features % 256 != 0), then computed as a GGUF's blocks
+    # are (float or q8 activations; specdec.models.quantize); None: as stored (a bf16 / fp16
+    # checkpoint on its own bytes where the kernels run). Needs float32 on the CPU with the
+    # compiled kernels, and a model that is not a GGUF
+    quantize: str | None = None
     # a learned drafter's matrices in the compiled kernels: "q8_0" / "q4_1" blocks quantized at
     # load (drafts need no exactness; a fifth / a seventh of fp32's bytes), "float" as loaded,
     # "auto": q8_0 wherever it can run (float32, CPU, linear_kernels="invariant")
@@ -116,6 +123,12 @@ class EngineConfig:
         if self.activations == "q8" and self.weights == "dequantized":
             raise ValueError("activations='q8' computes with a GGUF's own blocks: it needs "
                              "weights='native' or 'auto', not 'dequantized'")
+        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZE_CHOICES)}, "
+                             f"got {self.quantize!r}")
+        if self.quantize is not None and self.weights == "dequantized":
+            raise ValueError(f"quantize={self.quantize!r} computes with the blocks it makes: it "
+                             "needs weights='native' or 'auto', not 'dequantized'")
         if self.draft_weights not in DRAFT_WEIGHT_CHOICES:
             raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHT_CHOICES)}, "
                              f"got {self.draft_weights!r}")

@@ -14,16 +14,14 @@
 #
 # Run it from the repository root with the README's venv, nothing else heavy running:
 #
-#   bash docs/bench/real_shapes.sh    # SHAPES, THREADS, N, TOK, ACTS, MODELS, OUT, FOLDERS override
+#   bash docs/bench/real_shapes.sh    # SHAPES, THREADS, N, TOK, ACTS, MODELS, OUT override
 #
 # SHAPES: "name:ftype ..." (default: smollm2-1.7b at q4_k_m, q8_0 and q4_1, then llama3-8b at
 # q4_k_m, which is skipped unless MemAvailable holds 2.5 x its 4.5 GB: plain + oracle engines).
 # The model files go to $MODELS (default runs/shapes/, ignored by git; ~3.9 GB for the 1.7B
 # ones, 4.5 GB for the 8B one; shape_gguf.py refuses when the disk lacks room) and are reused
-# when present. The engine takes the .gguf itself (a loader that reads a GGUF as it is); with
-# FOLDERS=1 it takes the fp32 folder shape_gguf.py writes beside it instead (the converted form
-# the loader before that needed: 6.8 GB for the 1.7B shape, ~32 GB for the 8B one), and
-# llama.cpp still gets the folder's model.gguf.
+# when present. The engine takes the .gguf itself (a loader that reads a GGUF as it is), as
+# llama.cpp does.
 # Writes to $OUT (default docs/bench/results/<date>-<cpu>/real_shapes/): lscpu.txt, and per
 # file <name>_<ftype>/{cold_start,bench_<acts>,llama_bench,forward_rows,oracle_<acts>}.json/.log.
 set -uo pipefail
@@ -64,22 +62,15 @@ for entry in $SHAPES; do
   dir=$OUT/$name
   mkdir -p "$dir"
   echo "== $name ($THREADS threads)" >&2
-  if [ "${FOLDERS:-0}" = 1 ]; then
-    model=$MODELS/$name
-    gguf=$model/model.gguf
-    gen=(--out "$model")
-  else
-    model=$MODELS/$name.gguf
-    gguf=$model
-    gen=(--out "$model" --gguf-only)
-  fi
+  model=$MODELS/$name.gguf
+  gguf=$model
   if [ "$shape" = llama3-8b ] && [ "$(mem_available)" -lt 12000000000 ]; then
     echo "  skipped: $(($(mem_available) >> 30)) GiB available, an 8B Q4_K_M run needs ~12" >&2
     continue
   fi
   if [ ! -f "$gguf" ]; then
     step "write $name" "$dir/shape_gguf.log" \
-      "$PY" docs/bench/shape_gguf.py --shape "$shape" --ftype "$ftype" "${gen[@]}"
+      "$PY" docs/bench/shape_gguf.py --shape "$shape" --ftype "$ftype" --out "$model"
     [ -f "$gguf" ] || continue
   fi
   step "cold start" "$dir/cold_start.log" \

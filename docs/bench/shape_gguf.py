@@ -1,11 +1,12 @@
-"""A GGUF of a real model's shape with random weights: a file, or a folder specdec loads.
+"""A GGUF of a real model's shape with random weights (the .gguf alone: specdec loads it as it is).
 
-    .venv/bin/python docs/bench/shape_gguf.py --out runs/smollm2-1.7b-random [--shape smollm2-1.7b]
-    .venv/bin/python docs/bench/shape_gguf.py --shape llama3-8b --ftype q4_k_m --gguf-only \\
+    .venv/bin/python docs/bench/shape_gguf.py --out runs/smollm2-1.7b.gguf [--shape smollm2-1.7b]
+    .venv/bin/python docs/bench/shape_gguf.py --shape llama3-8b --ftype q4_k_m \\
         --out runs/llama3-8b-q4_k_m.gguf
-    .venv/bin/python docs/bench/shape_gguf.py --out DIR --layers N --hidden H --intermediate I \\
-        --heads A --kv-heads K [--untied] [--seed S] [--std 0.02] [--ftype q4_1|q4_k_m|q5_k_m|q8_0]
-    LLM(model="runs/smollm2-1.7b-random")     # or --model DIR on the command line
+    .venv/bin/python docs/bench/shape_gguf.py --out FILE.gguf --layers N --hidden H \\
+        --intermediate I --heads A --kv-heads K [--untied] [--seed S] [--std 0.02] \\
+        [--ftype q4_1|q4_k_m|q5_k_m|q8_0]
+    LLM(model="runs/smollm2-1.7b.gguf")     # or --model FILE on the command line
 
 Shapes (``--shape``): ``smollm2-1.7b`` (SmolLM2-1.7B: 24 layers, hidden 2048, 32 heads over 32
 kv heads, intermediate 8192, tied embeddings) and ``llama3-8b`` (Llama-3-8B: 32 layers, hidden
@@ -35,26 +36,17 @@ oracle, which also reads K-quants though it cannot write them) have mean ~0 and 
 deviation ~``std`` (0.02, an initializer's scale: a forward's activations stay O(1) and the
 logits finite); norms are ones.
 
-``--gguf-only``: only the ``.gguf`` (``--out`` names the file), as a loader that takes a GGUF
-as it is needs. Otherwise a folder, what specdec's own conversion of a GGUF makes
-(specdec.models.aliases.convert_gguf), written here directly and as a stream (a 1.7B model: a
-1 GB GGUF and 6.8 GB of fp32, one tensor in memory at a time, instead of transformers
-dequantizing the whole model): ``model.gguf``; ``model.safetensors``, the weights as
-transformers dequantizes them (gguf-py's ``dequantize``, q and k rows un-permuted, a tied LM
-head left out); ``config.json``, the 135M one with the shape changed; the 135M folder's
-tokenizer files; ``shape.json``. So ``weights="native"`` finds its blocks beside the weights
-and checks them bitwise at load as for the shipped model. Either way the bytes needed are
-checked against the free disk space before anything is written (an 8B Q4_K_M file is ~4.5 GB,
-its folder another ~30 GB). The .gguf is written as ``<name>.partial`` and takes its name
-only once everything (the folder too) is complete, so a file by that name is never a torn one.
-tests/bench/test_shape_gguf.py checks the folder against ``convert_gguf`` of the same file;
-tests/bench/test_shape_gguf_kquants.py the K-quant files against gguf-py.
+The bytes needed are checked against the free disk space before anything is written (an 8B
+Q4_K_M file is ~4.5 GB). The .gguf is written as ``<name>.partial`` and takes its name only once
+complete, so a file by that name is never a torn one. ``--gguf-only`` is accepted and changes
+nothing (the script once also wrote an fp32 HF folder, the form specdec loaded before it read a
+GGUF as it is). tests/bench/test_shape_gguf.py checks a tiny file against the 135M one and HF
+transformers reading it; tests/bench/test_shape_gguf_kquants.py the K-quant files against gguf-py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys
@@ -105,20 +97,10 @@ SHAPES = {
                        rope_theta=500000.0, context=8192, tied=False),
 }
 
-# llama tensor roles: GGUF name -> (HF name, (rows, cols) from the shape and vocabulary)
-LAYER_ROLES = {
-    "attn_norm": "input_layernorm",
-    "ffn_down": "mlp.down_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_k": "self_attn.k_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q": "self_attn.q_proj",
-    "attn_v": "self_attn.v_proj",
-}
-GLOBAL_ROLES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                "output": "lm_head"}
+# the llama tensor roles a layer / the model has (GGUF names without blk.N. and .weight)
+LAYER_ROLES = ("attn_norm", "ffn_down", "ffn_gate", "ffn_up", "ffn_norm", "attn_k",
+               "attn_output", "attn_q", "attn_v")
+GLOBAL_ROLES = ("token_embd", "output_norm", "output")
 
 
 def role_shape(role: str, s: Shape, vocab: int) -> tuple[int, ...]:
@@ -194,41 +176,6 @@ def plan(reader, shape: Shape, vocab: int, ftype: str = "q4_1"
     return out + [entry(r, None, k) for r, k in after]
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """transformers' ``_reverse_permute_weights`` (GGUF's rope row order -> HF's)."""
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
-
-
-class SafetensorsStream:
-    """A safetensors file written tensor by tensor (float32, in the declared order)."""
-
-    def __init__(self, path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
-        header: dict = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name, shp in shapes.items():
-            n = 4 * int(np.prod(shp))
-            header[name] = {"dtype": "F32", "shape": list(shp), "data_offsets": [offset, offset + n]}
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.order, self.shapes = list(shapes), shapes
-        self.f = open(path, "wb")
-        self.f.write(len(raw).to_bytes(8, "little") + raw)
-
-    def write(self, name: str, value: np.ndarray) -> None:
-        expected = self.order.pop(0)
-        if name != expected or value.shape != self.shapes[name] or value.dtype != np.float32:
-            raise ValueError(f"safetensors stream: got {name} {value.shape} {value.dtype}, "
-                             f"expected {expected} {self.shapes[expected]} float32")
-        np.ascontiguousarray(value).tofile(self.f)
-
-    def close(self) -> None:
-        if self.order:
-            raise ValueError(f"safetensors stream closed before {self.order[0]}")
-        self.f.close()
-
-
 def size_label(params: int) -> str:
     return f"{params / 1e9:.1f}B" if params >= 1e9 else f"{params / 1e6:.0f}M"
 
@@ -251,21 +198,7 @@ def check_disk(out: Path, need: int, what: str) -> None:
     if need + DISK_RESERVE > free:
         raise ValueError(f"{out}: {what} needs {need / 1e9:.2f} GB and {DISK_RESERVE / 1e9:.1f} "
                          f"GB kept free, but {probe} has {free / 1e9:.2f} GB free; free some "
-                         f"space, write elsewhere (--out), or write the .gguf alone "
-                         f"(--gguf-only)")
-
-
-def _targets(out: Path, gguf_only: bool) -> Path:
-    """The .gguf to write: ``out`` itself with --gguf-only, else ``out/model.gguf``."""
-    if gguf_only:
-        if out.suffix != ".gguf" or out.is_dir():
-            raise ValueError(f"--gguf-only writes one file: --out must name a .gguf file, "
-                             f"got {out}")
-        return out
-    if out.suffix == ".gguf":
-        raise ValueError(f"--out {out} names a .gguf file: the folder writer needs a folder "
-                         f"(or pass --gguf-only)")
-    return out / "model.gguf"
+                         f"space or write elsewhere (--out)")
 
 
 def _changed_keys(reader, arch: str, shape: Shape, params: int, seed: int, ftype: str) -> dict:
@@ -334,15 +267,14 @@ def _tensor_data(rng, shp: tuple, kind, std: float) -> np.ndarray:
 
 
 def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
-                source: Path | None = None, log=print, ftype: str = "q4_1",
-                gguf_only: bool = False) -> Path:
-    """Write the folder, or with ``gguf_only`` the .gguf file ``out`` (see the module's
-    docstring); returns it."""
+                source: Path | None = None, log=print, ftype: str = "q4_1") -> Path:
+    """Write the .gguf file ``out`` (see the module's docstring); returns it."""
     import gguf
 
     shape.check()
     out = Path(out)
-    gguf_path = _targets(out, gguf_only)
+    if out.suffix != ".gguf" or out.is_dir():
+        raise ValueError(f"--out must name a .gguf file (the one file written), got {out}")
     source = Path(source) if source is not None else source_gguf()
     reader = gguf.GGUFReader(str(source))
     arch = reader.fields["general.architecture"].contents()
@@ -353,95 +285,29 @@ def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
     params = sum(int(np.prod(t[3])) for t in tensors)
     changed = _changed_keys(reader, arch, shape, params, seed, ftype)
     need = reader.data_offset + sum(tensor_bytes(t[3], t[4]) + 32 for t in tensors)
-    what = f"a {size_label(params)} {ftype} GGUF"
-    if not gguf_only:
-        need += 4 * params  # model.safetensors, fp32
-        what += " and its fp32 folder"
-    check_disk(out, need, what)
+    check_disk(out, need, f"a {size_label(params)} {ftype} GGUF")
 
-    gguf_path.parent.mkdir(parents=True, exist_ok=True)
-    partial = gguf_path.with_name(gguf_path.name + ".partial")  # named .gguf once complete
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")  # named .gguf once complete
     try:
-        _write_tensors(partial, out, reader, arch, changed, tensors, shape, seed, std, log,
-                       gguf_only)
-        if not gguf_only:
-            _write_folder_files(out, source, shape, changed, arch, tensors, vocab, params, seed,
-                                std)
+        _write_tensors(partial, reader, arch, changed, tensors, seed, std, log)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    partial.replace(gguf_path)
-    return gguf_path if gguf_only else out
+    partial.replace(out)
+    return out
 
 
-def _write_tensors(path: Path, out: Path, reader, arch: str, changed: dict, tensors: list,
-                   shape: Shape, seed: int, std: float, log, gguf_only: bool) -> None:
-    """The GGUF at ``path`` and, unless ``gguf_only``, the folder's fp32 weights, one tensor in
-    memory at a time."""
+def _write_tensors(path: Path, reader, arch: str, changed: dict, tensors: list, seed: int,
+                   std: float, log) -> None:
+    """The GGUF at ``path``, one tensor in memory at a time."""
     writer = _open_writer(path, reader, arch, changed, tensors)
-    st = None if gguf_only else _open_folder_weights(out, tensors)
     rng = np.random.default_rng(seed)
-    for j, (name, role, _, shp, kind) in enumerate(tensors):
-        data = _tensor_data(rng, shp, kind, std)
-        writer.write_tensor_data(data)
-        if st is not None:
-            st.write(_hf_name(name, role), _hf_value(data, role, shp, kind, shape))
+    for j, (_, _, _, shp, kind) in enumerate(tensors):
+        writer.write_tensor_data(_tensor_data(rng, shp, kind, std))
         if log and (j + 1) % 50 == 0:
             log(f"  {j + 1}/{len(tensors)} tensors", flush=True)
     writer.close()
-    if st is not None:
-        st.close()
-
-
-def _hf_name(name: str, role: str) -> str:
-    layer, _ = _split(name)
-    return (f"model.layers.{layer}.{LAYER_ROLES[role]}" if layer is not None
-            else GLOBAL_ROLES[role]) + ".weight"
-
-
-def _open_folder_weights(out: Path, tensors: list) -> SafetensorsStream:
-    return SafetensorsStream(out / "model.safetensors",
-                             {_hf_name(name, role): shp for name, role, _, shp, _ in tensors})
-
-
-def _hf_value(data: np.ndarray, role: str, shp: tuple, kind, shape: Shape) -> np.ndarray:
-    """A tensor as transformers dequantizes it (gguf-py; q and k rows in HF's order)."""
-    from gguf.quants import dequantize
-
-    value = dequantize(data, kind).reshape(shp)
-    if role == "attn_q":
-        value = _unpermute(value, shape.heads)
-    elif role == "attn_k":
-        value = _unpermute(value, shape.kv_heads)
-    return value.astype(np.float32, copy=False)
-
-
-def _write_folder_files(out: Path, source: Path, shape: Shape, changed: dict, arch: str,
-                        tensors: list, vocab: int, params: int, seed: int, std: float) -> None:
-    """config.json, the tokenizer files and shape.json beside the folder's weights."""
-    rope_theta = changed[f"{arch}.rope.freq_base"]
-    context = changed[f"{arch}.context_length"]
-    tied = not any(role == "output" for _, role, *_ in tensors)
-    src_folder = source.parent
-    config = json.loads((src_folder / "config.json").read_text())
-    config.update(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                  num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                  max_position_embeddings=context, tie_word_embeddings=tied,
-                  _model_name_or_path=changed["general.name"], _name_or_path=str(out),
-                  dtype="float32")  # the folder's weights are fp32 (a lean GGUF folder has none)
-    if "rope_parameters" in config:
-        config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": rope_theta}
-    if "rope_theta" in config:
-        config["rope_theta"] = rope_theta
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for f in src_folder.iterdir():  # the tokenizer (tokenizer.json, its config, chat template)
-        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copyfile(f, out / f.name)
-    (out / "shape.json").write_text(json.dumps(
-        {**asdict(shape), "head_dim": shape.head_dim, "rope_theta": rope_theta,
-         "context": context, "vocab": vocab, "params": params, "seed": seed, "std": std,
-         "source": str(source)}, indent=1) + "\n")
 
 
 def parse_shape(p: argparse.ArgumentParser, a: argparse.Namespace) -> Shape:
@@ -465,8 +331,7 @@ def parse_shape(p: argparse.ArgumentParser, a: argparse.Namespace) -> Shape:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path,
-                   help="the folder to write (with --gguf-only: the .gguf file)")
+    p.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None)
     for flag in ("layers", "hidden", "intermediate", "heads", "kv-heads"):
         p.add_argument(f"--{flag}", type=int, default=None)
@@ -477,7 +342,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="tensor types: q4_1 (the 135M file's per role, default) or llama.cpp's "
                         "mix for a K-quant / Q8_0 file")
     p.add_argument("--gguf-only", action="store_true",
-                   help="write the .gguf alone (no fp32 folder)")
+                   help="accepted for old command lines: the .gguf is all that is written")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--std", type=float, default=0.02,
                    help="standard deviation of the dequantized matrices' values")
@@ -486,12 +351,10 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     shape = parse_shape(p, a)
     try:
-        out = write_shape(a.out, shape, a.seed, a.std, a.source, ftype=a.ftype,
-                          gguf_only=a.gguf_only)
+        out = write_shape(a.out, shape, a.seed, a.std, a.source, ftype=a.ftype)
     except ValueError as e:
         sys.exit(f"shape_gguf: {e}")
-    size = (out if a.gguf_only else out / "model.gguf").stat().st_size
-    print(f"wrote {out} ({a.ftype}, GGUF {size / 1e9:.3f} GB)")
+    print(f"wrote {out} ({a.ftype}, {out.stat().st_size / 1e9:.3f} GB)")
 
 
 if __name__ == "__main__":

@@ -156,6 +156,7 @@ def make_systems(args) -> dict:
                   linear_kernels=getattr(args, "linear_kernels", "invariant"),
                   weights=getattr(args, "weights", "auto"),
                   activations=getattr(args, "activations", "float"),
+                  quantize=getattr(args, "quantize", None),
                   draft_weights=getattr(args, "draft_weights", "auto"),
                   attention_backend=getattr(args, "attention_backend", "auto"),
                   cuda_graphs=getattr(args, "cuda_graphs", True),

@@ -113,6 +113,7 @@ def make_sweep_systems(args, batch_sizes: list[int]) -> list[SweepSystem]:
                   linear_kernels=getattr(args, "linear_kernels", "invariant"),
                   weights=getattr(args, "weights", "auto"),
                   activations=getattr(args, "activations", "float"),
+                  quantize=getattr(args, "quantize", None),
                   draft_weights=getattr(args, "draft_weights", "auto"),
                   attention_backend=getattr(args, "attention_backend", "auto"),
                   cuda_graphs=getattr(args, "cuda_graphs", True))

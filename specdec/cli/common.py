@@ -9,7 +9,12 @@ import sys
 from pathlib import Path
 
 from specdec.attention import CHOICES as ATTENTION_CHOICES
-from specdec.config import ACTIVATION_CHOICES, DRAFT_WEIGHT_CHOICES, WEIGHT_CHOICES
+from specdec.config import (
+    ACTIVATION_CHOICES,
+    DRAFT_WEIGHT_CHOICES,
+    QUANTIZE_CHOICES,
+    WEIGHT_CHOICES,
+)
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.config import DTYPES
 
@@ -78,6 +83,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "numbers) or q8 (rows rounded to int8 per block of 32, as llama.cpp "
                         "does: cheaper rows, still lossless speculation, numbers within ~0.5 %% "
                         "of fp32's)")
+    p.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES,
+                   help="quantize a safetensors checkpoint's matrices at load into GGUF blocks: "
+                        "q8_0, or q4_k (q8_0 where the inputs are not a multiple of 256); "
+                        "default: none (a bf16/fp16 checkpoint runs on its own bytes)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_CHOICES,
                    help="auto (default): flashinfer on CUDA when installed, else torch")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -128,7 +137,8 @@ def engine_kwargs(args) -> dict:
                 controller_args=args.controller_args, verifier=args.verifier,
                 linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
                 cuda_graphs=args.cuda_graphs, weights=args.weights,
-                activations=args.activations, draft_weights=args.draft_weights,
+                activations=args.activations, quantize=args.quantize,
+                draft_weights=args.draft_weights,
                 enable_prefix_caching=args.enable_prefix_caching,
                 kv_tier_path=args.kv_tier_path, kv_tier_bytes=args.kv_tier_bytes,
                 kv_host_tier_bytes=args.kv_host_tier_bytes)

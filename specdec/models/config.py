@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 # RoPE types whose frequencies do not depend on the running sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (llama, qwen2, qwen3, mistral)."""
+    """Architecture of a Llama-family decoder (llama, qwen2, qwen3, mistral, phi3)."""
 
     model_type: str
     vocab_size: int
@@ -66,6 +66,10 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         raise ValueError(
             f"unsupported rope_type={rope_type!r}; supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
+    partial = rope_parameters(hf_config).get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor={partial}; the decoder rotates "
+                         "whole heads only (1.0)")
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     eos = hf_config.eos_token_id

@@ -50,10 +50,26 @@ class GGUFFile:
     metadata: dict  # key -> scalar, str or small list; larger arrays -> ("array", type, count)
     tensors: dict[str, TensorInfo]
     _map: mmap.mmap | None = field(default=None, repr=False)
+    array_offsets: dict[str, int] = field(default_factory=dict, repr=False)  # of those skipped
 
     @property
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
+
+    def array(self, key: str) -> list:
+        """Every value of the metadata array ``key`` as Python values (a placeholder
+        ``("array", type, count)`` read from the file now); ValueError naming the file and key
+        for a key that is not an array, an array of arrays, or a string that is not UTF-8."""
+        value = self.metadata.get(key)
+        if isinstance(value, list):
+            return list(value)
+        if not (isinstance(value, tuple) and value[:1] == ("array",)):
+            raise ValueError(f"{self.path}: metadata {key!r} is {value!r}, not an array")
+        _, itype, count = value
+        with open(self.path, "rb") as fh, \
+                mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _read_array(buf, self.array_offsets[key], itype, count,
+                               f"{self.path}: metadata {key!r}")
 
     def rows(self, name: str) -> torch.Tensor:
         """The tensor's stored bytes, [rows, row bytes] uint8 (1-D tensors: [1, bytes]), a view
@@ -156,10 +172,13 @@ def _parse(buf, path: Path, size: int) -> GGUFFile:
     if version not in VERSIONS:
         raise ValueError(f"{path}: GGUF version {version}; readable: {VERSIONS}")
     n_tensors, n_kv = c.take("Q"), c.take("Q")
-    metadata = {}
+    metadata, array_offsets = {}, {}
     for _ in range(n_kv):
         key = c.string()
-        metadata[key] = c.value(c.take("I"))
+        vtype, at = c.take("I"), c.pos
+        metadata[key] = c.value(vtype)
+        if vtype == _ARRAY and isinstance(metadata[key], tuple):  # skipped: its values follow
+            array_offsets[key] = at + 12  # its element type (u32) and count (u64)
     infos = []
     for _ in range(n_tensors):
         name = c.string()
@@ -169,7 +188,26 @@ def _parse(buf, path: Path, size: int) -> GGUFFile:
     start = -(-c.pos // align) * align
     tensors = {name: _tensor(path, name, dims, code, start + off, size)
                for name, dims, code, off in infos}
-    return GGUFFile(path, version, metadata, tensors)
+    return GGUFFile(path, version, metadata, tensors, array_offsets=array_offsets)
+
+
+def _read_array(buf, pos: int, itype: int, count: int, what: str) -> list:
+    """``count`` values of type ``itype`` from byte ``pos`` (strings strictly UTF-8, as
+    transformers reads them)."""
+    if itype in _SCALARS:
+        dtype = np.dtype("<" + _SCALARS[itype])
+        return np.frombuffer(buf[pos:pos + count * dtype.itemsize], dtype, count).tolist()
+    if itype != _STRING:
+        raise ValueError(f"{what} is an array of value type {itype}; readable: scalars, strings")
+    unpack, out = struct.Struct("<Q").unpack_from, []
+    try:
+        for _ in range(count):
+            n = unpack(buf, pos)[0]
+            out.append(buf[pos + 8:pos + 8 + n].decode("utf-8"))
+            pos += 8 + n
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what}: string {len(out)} is not UTF-8: {e}") from e
+    return out
 
 
 def _tensor(path: Path, name: str, dims: list[int], code: int, offset: int,

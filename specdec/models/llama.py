@@ -1,4 +1,4 @@
-"""Our Llama-family decoder (llama, qwen2, qwen3, mistral), paged (inference) or dense (training).
+"""Our Llama-family decoder (llama, qwen2, qwen3, mistral, phi3), paged or dense (training).
 
 Projections are fused at load time (q|k|v into one matrix, gate|up into another) so that a layer
 is a handful of large ops. Every matmul goes through ``LlamaDecoder.matmul``: F.linear by

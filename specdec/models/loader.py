@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from specdec.models.aliases import ALIASES, GGUF_NAME, alias_folder, gguf_folder
+from specdec.models.checkpoint_weights import put_checkpoint_weights
 from specdec.models.config import ModelConfig, model_config_from_hf
 from specdec.models.gguf_file import open_gguf
 from specdec.models.gguf_model import check_architecture, check_tensors, put_weights
 from specdec.models.llama import LlamaDecoder
+from specdec.models.quantize import check_choice
+from specdec.models.safetensors_file import open_checkpoint
 
 DERIVED_PREFIX = "native_panels"  # files specdec writes beside a GGUF (gguf_weights.py)
 
@@ -60,18 +64,35 @@ def load_hf_config(folder: Path):
 
 
 def load_model(folder: Path, dtype: torch.dtype, device, max_positions: int,
-               blocks: bool = False):
+               blocks: bool = False, quantize: str | None = None):
     """(LlamaDecoder with weights, ModelConfig, HF config) from a model folder (kept as
-    ``model.source_folder``). Weights from its *.safetensors, else from its ``model.gguf``
-    (checked before any is used: specdec.models.gguf_model): with ``blocks`` and float32 on a
-    CPU its matrices stay the file's blocks (``BlockWeight``: no fp32 copy; the engine runs
-    them through the kernels), otherwise they are dequantized once into ``dtype`` (logged)."""
+    ``model.source_folder``). Weights from its *.safetensors (memory-mapped; with ``blocks``
+    or ``quantize`` and float32 on a CPU a bf16 / fp16 checkpoint's matrices stay its own
+    bytes or are quantized into GGUF blocks as they are read: specdec.models.
+    checkpoint_weights), else from its ``model.gguf`` (checked before any is used:
+    specdec.models.gguf_model): with ``blocks`` and float32 on a CPU its matrices stay the
+    file's blocks (``BlockWeight``: no fp32 copy; the engine runs them through the kernels),
+    otherwise they are dequantized once into ``dtype`` (logged). ``quantize`` ("q8_0" |
+    "q4_k") is a ValueError for a GGUF (its blocks are what it runs) and off float32 / CPU."""
+    check_choice(quantize)
     hf_config = load_hf_config(folder)
     cfg = model_config_from_hf(hf_config)
-    model = LlamaDecoder(cfg, hf_config, max_positions, dtype, device)
     gguf = gguf_source(folder)
+    lean = dtype == torch.float32 and torch.device(device).type == "cpu"
+    if quantize is not None and gguf is not None:
+        raise ValueError(f"quantize={quantize!r} quantizes a safetensors checkpoint; {folder} "
+                         f"holds a GGUF ({gguf.resolve()}), whose own blocks run as they are")
+    if quantize is not None and not lean:
+        raise ValueError(f"quantize={quantize!r} runs on the compiled CPU kernels in float32, "
+                         f"not {str(dtype).removeprefix('torch.')} on {device}")
+    model = LlamaDecoder(cfg, hf_config, max_positions, dtype, device)
     if gguf is None:
-        load_weights(model, read_safetensors(folder))
+        files = open_checkpoint(_checkpoint_files(folder))
+        if lean and (blocks or quantize is not None):
+            put_checkpoint_weights(model, files, quantize)
+        else:
+            load_weights(model, files)
+            files.release_pages()
     else:
         f = open_gguf(gguf.resolve())  # errors name the user's file, not the link to it
         check_architecture(f)
@@ -98,14 +119,18 @@ def _safetensors_files(folder: Path) -> list[Path]:
                   if not f.name.startswith(DERIVED_PREFIX))
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors weights file in the folder (not the panels specdec
-    caches there); ValueError names a bad file."""
+def _checkpoint_files(folder: Path) -> list[Path]:
     files = _safetensors_files(folder)
     if not files:
         raise ValueError(f"no *.safetensors weights file in {folder}")
+    return files
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors weights file in the folder (not the panels specdec
+    caches there); ValueError names a bad file."""
     tensors = {}
-    for f in files:
+    for f in _checkpoint_files(folder):
         try:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
@@ -115,8 +140,9 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_weights(model: LlamaDecoder, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy HF-named tensors into our fused parameters (shapes checked, names reported)."""
+def load_weights(model: LlamaDecoder, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy HF-named tensors (a dict, or a checkpoint's mapped files) into our fused parameters
+    (shapes checked, names reported)."""
     cfg = model.cfg
     get = _getter(tensors, cfg)
     with torch.no_grad():
@@ -150,15 +176,44 @@ def _load_layer(layer, prefix: str, get, cfg: ModelConfig) -> None:
         _put(layer.k_norm, get(a + "k_norm.weight"), a + "k_norm.weight")
 
 
-def _getter(tensors: dict[str, torch.Tensor], cfg: ModelConfig):
+def _getter(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig):
     def get(name: str) -> torch.Tensor:
         if name in tensors:
             return tensors[name]
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             return tensors["model.embed_tokens.weight"]
+        part = _fused_part(tensors, name, cfg)
+        if part is not None:
+            return part
         raise ValueError(f"weights are missing tensor {name!r}")
 
     return get
+
+
+# a projection a checkpoint stores fused (phi3: qkv_proj, gate_up_proj): its name -> the fused
+# tensor's name and the part's index
+FUSED_PARTS = {"self_attn.q_proj": ("self_attn.qkv_proj", 0),
+               "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+               "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+               "mlp.gate_proj": ("mlp.gate_up_proj", 0), "mlp.up_proj": ("mlp.gate_up_proj", 1)}
+
+
+def _fused_part(tensors: dict[str, torch.Tensor], name: str, cfg: ModelConfig
+                ) -> torch.Tensor | None:
+    """``name``'s rows of the fused tensor the checkpoint holds instead (q|k|v, gate|up), or
+    None; a fused tensor of the wrong size is reported by its own name."""
+    prefix, _, rest = name.rpartition(".layers.")
+    layer, _, tail = rest.partition(".")
+    fused, index = FUSED_PARTS.get(tail.removesuffix(".weight"), (None, 0))
+    full = f"{prefix}.layers.{layer}.{fused}.weight"
+    if fused is None or full not in tensors:
+        return None
+    sizes = ([cfg.q_size, cfg.kv_size, cfg.kv_size] if fused.endswith("qkv_proj")
+             else [cfg.intermediate_size] * 2)
+    if tensors[full].shape[0] != sum(sizes):
+        raise ValueError(f"tensor {full}: {tensors[full].shape[0]} rows, expected {sum(sizes)} "
+                         f"({' + '.join(map(str, sizes))})")
+    return tensors[full].split(sizes)[index]
 
 
 def _checked(get, name: str, shape: tuple[int, ...]) -> torch.Tensor:

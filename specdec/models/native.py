@@ -53,10 +53,9 @@ FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # super-block's bytes / 8
 PAIR_BYTES = {3: 320, 4: 544, 5: 320, 6: 544, 7: 384, 8: 640, 9: 640, 10: 384, 11: 640,
               12: 640, 13: 296, 14: 420, 15: 296, 16: 420}
-SUPER_BLOCK = frozenset({13, 14, 15, 16})
-# the codes laid out for 8-bit activations (kernels.h sd_is_q8)
-Q8_FORMATS = (5, 6, 10, 11, 12, 15, 16)
+Q8_FORMATS = (5, 6, 10, 11, 12, 15, 16)  # the codes laid out for 8-bit activations (kernels.h sd_is_q8)
 PARTS, MAX_PARTS = -1, 8  # kernels.h: SD_PARTS (the format of a weight in parts), SD_MAX_PARTS
+SUPER_BLOCK = frozenset({13, 14, 15, 16})
 logger = logging.getLogger("specdec")
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

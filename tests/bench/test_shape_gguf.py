@@ -2,18 +2,17 @@
 shipped SmolLM2-135M GGUF, here at a tiny shape (2 layers, hidden 64, 4 heads over 2 kv heads).
 
 Oracles: the file's metadata is the 135M file's with the shape keys changed, its tensors have
-the 135M file's types per role; the folder is bitwise what specdec's own conversion of the file
-makes (transformers dequantizing it: config and every weight); specdec loads it on the file's
-own blocks, its logits are finite and HF transformers' on the same weights, and its greedy
-tokens are HF's. A ``--ftype q4_k_m --gguf-only`` file of a small shape, whose last layer's
-q|k|v fuses Q4_K q|k with a Q6_K v (llama.cpp's mix), runs on its own blocks in parts, with
-float and with 8-bit activations, and gives the dequantized model's greedy tokens.
+the 135M file's types per role; HF transformers reads the file (config, tokenizer, weights of
+the asked scale); specdec loads the file as it is (``LLM(model=file)``, on its own blocks), its
+logits are finite and transformers' on the same file, and its greedy tokens are transformers'.
+A ``--ftype q4_k_m`` file of a small shape, whose last layer's q|k|v fuses Q4_K q|k with a Q6_K
+v (llama.cpp's mix), runs on its own blocks in parts, with float and with 8-bit activations,
+and gives the dequantized model's greedy tokens.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import sys
 from pathlib import Path
@@ -47,7 +46,7 @@ def source(smollm2_dir) -> Path:
 @pytest.fixture(scope="module")
 def tiny(source, tmp_path_factory) -> Path:
     # std 0.1: at hidden 64 the default 0.02 gives near-uniform logits (greedy ties)
-    return shape_gguf.write_shape(tmp_path_factory.mktemp("shape") / "tiny", TINY, seed=3,
+    return shape_gguf.write_shape(tmp_path_factory.mktemp("shape") / "tiny.gguf", TINY, seed=3,
                                   std=0.1, source=source, log=None)
 
 
@@ -60,7 +59,7 @@ def _reader(path: Path):
 @pytest.fixture(scope="module")
 def readers(source, tiny):
     """(the 135M file's reader, the tiny file's): each parses a 49k-token vocabulary, ~3 s."""
-    return _reader(source), _reader(tiny / "model.gguf")
+    return _reader(source), _reader(tiny)
 
 
 def _role(name: str) -> str:
@@ -77,7 +76,8 @@ def test_metadata_is_the_sources_with_the_shape_changed(tiny, readers):
             assert field.types == src.fields[key].types, key
             assert field.contents() == src.fields[key].contents(), key
     assert new.fields["general.size_label"].contents() == "3M"
-    assert json.loads((tiny / "shape.json").read_text())["params"] == 3219776
+    assert sum(int(t.n_elements) for t in new.tensors) == 3219776
+    assert sorted(p.name for p in tiny.parent.iterdir()) == ["tiny.gguf"]  # the file alone
 
 
 def test_tensors_have_the_sources_types_and_the_shape(readers):
@@ -99,35 +99,25 @@ def test_tensors_have_the_sources_types_and_the_shape(readers):
     assert shapes["blk.0.ffn_up.weight"] == (64, 128)
 
 
-def test_folder_is_specdecs_own_conversion_of_the_file(tiny, smollm2_dir, tmp_path):
-    from safetensors.torch import load_file
-
-    from specdec.models.aliases import convert_gguf
-
-    ref = tmp_path / "converted"
-    convert_gguf(tiny / "model.gguf", ref)
-    ours, theirs = (json.loads((f / "config.json").read_text()) for f in (tiny, ref))
-    for c in (ours, theirs):
-        c.pop("_name_or_path")
-    assert ours == theirs
-    assert ours["rope_parameters"]["rope_theta"] == 130000.0 and ours["head_dim"] == 16
-    a, b = load_file(tiny / "model.safetensors"), load_file(ref / "model.safetensors")
-    assert set(a) == set(b)
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
-    # the scale asked for: mean ~0, std ~0.1 (Q4_1's per-block scales are rounded to fp16)
-    w = a["model.layers.0.mlp.gate_proj.weight"]
-    assert abs(w.mean()) < 0.01 and 0.09 < w.std() < 0.11
-    assert torch.equal(a["model.norm.weight"], torch.ones(64))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        assert (tiny / name).read_bytes() == (smollm2_dir / name).read_bytes(), name
-
-
 @pytest.fixture(scope="module")
 def hf(tiny):
+    """transformers reading the very file (no folder in between)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(tiny.parent, gguf_file=tiny.name,
+                                                dtype=torch.float32).eval()
+
+
+def test_transformers_reads_the_shape_and_the_asked_scale(hf):
+    c = hf.config
+    assert (c.num_hidden_layers, c.hidden_size, c.intermediate_size) == (2, 64, 128)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.vocab_size) == (4, 2, 49152)
+    assert c.rope_parameters["rope_theta"] == 130000.0 and c.tie_word_embeddings
+    sd = hf.state_dict()
+    # the scale asked for: mean ~0, std ~0.1 (Q4_1's per-block scales are rounded to fp16)
+    w = sd["model.layers.0.mlp.gate_proj.weight"]
+    assert abs(w.mean()) < 0.01 and 0.09 < w.std() < 0.11
+    assert torch.equal(sd["model.norm.weight"], torch.ones(64))
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +125,7 @@ def llm(tiny):
     return LLM(model=str(tiny), max_model_len=256)
 
 
-def test_specdec_loads_it_on_its_blocks_and_its_logits_are_hfs(llm, hf):
+def test_specdec_loads_the_file_on_its_blocks_and_its_logits_are_hfs(llm, hf):
     from specdec.kv.block_table import BlockTable
 
     if native.load() is not None:
@@ -194,7 +184,7 @@ def test_a_q4_k_m_file_runs_on_its_blocks_in_parts(source, tmp_path):
 
     # std 0.1: at 0.02 the tied embedding dominates and greedy repeats the prompt's last token
     path = shape_gguf.write_shape(tmp_path / "q4_k_m.gguf", Q4_K_M_SHAPE, seed=0, std=0.1,
-                                  source=source, log=None, ftype="q4_k_m", gguf_only=True)
+                                  source=source, log=None, ftype="q4_k_m")
     prompts = ["The capital of France is", "def fib(n):"]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     kw = dict(model=str(path), max_model_len=128)
@@ -208,7 +198,7 @@ def test_a_q4_k_m_file_runs_on_its_blocks_in_parts(source, tmp_path):
         qkv = llm.engine.kernels.prepared(layers[1].qkv_weight)
         assert isinstance(qkv, PanelParts)
         assert [(p.out_features, p.fmt) for p in qkv.parts] == [
-            (1024, codes["Q4_F"]), (512, codes["I8_F16"])]
+            (1024, codes[gb.KERNEL_FORMAT["Q4_K"]]), (512, codes[gb.KERNEL_FORMAT["Q6_K"]])]
         assert not isinstance(llm.engine.kernels.prepared(layers[0].qkv_weight), PanelParts)
         # float: bitwise the dequantized logits; q8: llama.cpp's numbers, the same greedy
         # tokens on this file

@@ -1,11 +1,12 @@
 """docs/bench/shape_gguf.py's K-quant files (--ftype), fast: from a tiny llama GGUF written here
 (a 64-token vocabulary, the 135M file's tensor order and types) instead of the shipped 135M
-one (tests/bench/test_shape_gguf.py, slow, checks the folder writer on it).
+one (tests/bench/test_shape_gguf.py, slow, checks a file made from that one).
 
 Oracles: gguf-py's reader parses the file; each tensor has the type llama.cpp's
 ``llama_tensor_get_type`` gives it (the expected types written out here by hand); gguf-py's
 ``dequantize`` reads every tensor to finite values of the asked standard deviation; the shape
-keys and ``general.file_type`` are the asked ones; --gguf-only writes one file; a disk too full
+keys and ``general.file_type`` are the asked ones; one file is written (--gguf-only is a
+no-op); a disk too full
 is refused before anything is written.
 """
 
@@ -78,7 +79,7 @@ def source(tmp_path_factory) -> Path:
 
 def _write(tmp_path: Path, source: Path, shape=TINY, ftype="q4_k_m", std=0.02) -> GGUFReader:
     out = shape_gguf.write_shape(tmp_path / f"{ftype}.gguf", shape, seed=1, std=std,
-                                 source=source, log=None, ftype=ftype, gguf_only=True)
+                                 source=source, log=None, ftype=ftype)
     return GGUFReader(str(out))
 
 
@@ -155,15 +156,19 @@ def test_q8_0_and_the_sources_mix(tmp_path, source):
     assert reader.fields["general.file_type"].contents() == 3  # the source's, unchanged
 
 
-def test_gguf_only_writes_one_file(tmp_path, source):
-    shape_gguf.main(["--out", str(tmp_path / "m.gguf"), "--layers", "2", "--hidden", "256",
-                     "--intermediate", "512", "--heads", "4", "--kv-heads", "2", "--ftype",
-                     "q4_k_m", "--gguf-only", "--source", str(source)])
-    assert [p.name for p in tmp_path.iterdir()] == ["m.gguf"]
-    with pytest.raises(ValueError, match="--out must name a .gguf file"):
-        shape_gguf.write_shape(tmp_path / "dir", TINY, source=source, gguf_only=True)
-    with pytest.raises(ValueError, match="the folder writer needs a folder"):
-        shape_gguf.write_shape(tmp_path / "x.gguf", TINY, source=source)
+def test_one_file_is_written_and_gguf_only_changes_nothing(tmp_path, source):
+    """The .gguf alone, with or without the old ``--gguf-only`` (accepted for old command
+    lines): the same bytes; ``--out`` naming anything but a .gguf file is refused."""
+    args = ["--layers", "2", "--hidden", "256", "--intermediate", "512", "--heads", "4",
+            "--kv-heads", "2", "--ftype", "q4_k_m", "--source", str(source)]
+    shape_gguf.main(["--out", str(tmp_path / "m.gguf"), *args])
+    shape_gguf.main(["--out", str(tmp_path / "old.gguf"), "--gguf-only", *args])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "old.gguf"]
+    assert (tmp_path / "m.gguf").read_bytes() == (tmp_path / "old.gguf").read_bytes()
+    for out in (tmp_path / "dir", tmp_path / "m.gguf.d"):
+        with pytest.raises(ValueError, match="--out must name a .gguf file"):
+            shape_gguf.write_shape(out, TINY, source=source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "old.gguf"]
 
 
 def test_a_full_disk_is_refused_before_writing(tmp_path, source, monkeypatch):
@@ -171,16 +176,17 @@ def test_a_full_disk_is_refused_before_writing(tmp_path, source, monkeypatch):
         free = 1.5e9
 
     monkeypatch.setattr(shape_gguf.shutil, "disk_usage", lambda path: Usage)
-    shape = shape_gguf.Shape(2, 2048, 8192, 32, 32)  # 0.14 GB of Q8_0 blocks, 0.54 GB of fp32
+    shape = shape_gguf.Shape(2, 2048, 8192, 32, 32)  # 0.14 GB of Q8_0 blocks (8 layers: 0.57)
     shape_gguf.write_shape(tmp_path / "fits.gguf", shape, source=source, log=None,
-                           ftype="q8_0", gguf_only=True)
-    with pytest.raises(ValueError, match=r"fp32 folder needs 0\.68 GB and 1\.1 GB kept free, .* has 1\.50 GB free"):
-        shape_gguf.write_shape(tmp_path / "folder", shape, source=source, log=None,
-                               ftype="q8_0")
+                           ftype="q8_0")
+    with pytest.raises(ValueError, match=r"a 537M q8_0 GGUF needs 0\.57 GB and 1\.1 GB kept free, "
+                                         r".* has 1\.50 GB free"):
+        shape_gguf.write_shape(tmp_path / "big.gguf", shape_gguf.Shape(8, 2048, 8192, 32, 32),
+                               source=source, log=None, ftype="q8_0")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fits.gguf"]
     with pytest.raises(SystemExit, match="shape_gguf: .* needs"):
         shape_gguf.main(["--out", str(tmp_path / "8b.gguf"), "--shape", "llama3-8b",
-                         "--ftype", "q4_k_m", "--gguf-only", "--source", str(source)])
+                         "--ftype", "q4_k_m", "--source", str(source)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fits.gguf"]
 
 

@@ -50,3 +50,18 @@ def test_generate_drafter_auto_and_none():
     assert parse_args(["bench", "--dataset", __file__]).drafter is None
     with pytest.raises(SystemExit):
         parse_args(["generate", "hi", "--drafter-args", '{"k": 1}'])
+
+
+def test_quantize_flag(chat_model, capsys):
+    from specdec.cli import parse_args
+    from specdec.cli.common import engine_kwargs
+
+    assert engine_kwargs(parse_args(["generate", "hi", "--quantize", "q4_k"]))["quantize"] == "q4_k"
+    assert engine_kwargs(parse_args(["generate", "hi"]))["quantize"] is None
+    with pytest.raises(SystemExit):
+        parse_args(["generate", "hi", "--quantize", "q4_0"])
+    assert "--quantize: invalid choice: 'q4_0'" in capsys.readouterr().err
+    argv = ["generate", "write a poem", "--model", chat_model, "--max-tokens", "4",
+            "--drafter", "none", "--quantize", "q8_0", "--activations", "q8"]
+    assert main(argv) == 0
+    assert "4 tokens" in capsys.readouterr().err

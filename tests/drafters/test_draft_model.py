@@ -1,9 +1,13 @@
 """The draft_model drafter: greedy losslessness (separate LM and early exit), mixed budgets
-including 0, aborts and preemption without leaks in either KV cache, bad arguments."""
+including 0, aborts and preemption without leaks in either KV cache, bad arguments; a draft
+model from a GGUF keeps no fp32 copy where the kernels run its blocks."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +17,12 @@ from safetensors.torch import load_file, save_file
 from specdec import LLM, SamplingParams
 from specdec.controllers.base import DraftBudget
 from specdec.hookspecs import hookimpl
+
+HELPERS = Path(__file__).resolve().parents[1] / "models" / "gguf_helpers.py"
+_spec = importlib.util.spec_from_file_location("gguf_helpers", HELPERS)
+gguf_helpers = sys.modules.setdefault("gguf_helpers", importlib.util.module_from_spec(_spec))
+if not hasattr(gguf_helpers, "write_tiny_gguf"):
+    _spec.loader.exec_module(gguf_helpers)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 13, [3, 1, 4, 1, 5],
            [60, 61, 62], list(range(70, 90)), [5]]
@@ -167,3 +177,38 @@ def test_no_kv_in_the_draft_cache_drafts_nothing_and_says_so(tiny_llama):
     for r in reqs:
         drafter.release(r.state)
     assert runner.kv.pool.num_free == 3
+
+
+@pytest.mark.parametrize("weights", ["auto", "dequantized"])
+def test_a_gguf_draft_model_keeps_no_fp32_copy(weights, tmp_path, monkeypatch):
+    """A draft model from a GGUF is loaded on the file's blocks (BlockWeight), as the target
+    is: where the kernels run them it keeps them (every matrix has its panels, none fp32);
+    where they do not (weights="dequantized", no kernels) they are dequantized once. Either
+    way speculation gives plain decoding's tokens."""
+    from specdec.models import native
+    from specdec.models.block_weight import BlockWeight
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    write = gguf_helpers.write_tiny_gguf
+    target = write(tmp_path / "target.gguf", kind="Q4_1", std=0.3)
+    # the same random values in Q8_0: a different model, whose drafts are mostly accepted
+    draft = write(tmp_path / "draft.gguf", kind="Q8_0", std=0.3)
+    kw = dict(model=str(target), max_model_len=64, weights=weights)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["hello", "abc!", "xyz"]
+    plain = [o.token_ids for o in LLM(**kw).generate(prompts, sp)]
+    spec = LLM(drafter="draft_model", drafter_args={"model": str(draft), "max_depth": 3},
+               controller="static", controller_args={"budget": 3}, **kw)
+    out = spec.generate(prompts, sp)
+    assert [o.token_ids for o in out] == plain
+    assert sum(sum(o.metrics.accepted_by_depth) for o in out) > 0
+    model = spec.engine.drafting.drafter.runner.model
+    assert model is not spec.engine.model
+    lean = weights == "auto" and native.load() is not None
+    assert all(isinstance(w, BlockWeight) == lean for w in [model.embed, *model.matrices()])
+    if lean:  # every matrix runs from panels made of its blocks, none prepared from fp32
+        kernels = spec.engine.kernels
+        n = kernels.num_prepared
+        assert all(kernels.prepared(w).fmt not in native.FORMATS.values()
+                   for w in model.matrices())
+        assert kernels.num_prepared == n

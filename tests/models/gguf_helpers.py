@@ -6,6 +6,7 @@ layers, its matrices quantized by gguf-py, a byte-level BPE tokenizer of printab
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,15 @@ def tensors(shape: TinyShape, arch: str, tied: bool) -> dict[str, tuple[int, ...
     out = {"token_embd.weight": (s.vocab, h), "output_norm.weight": (h,)}
     if not tied:
         out["output.weight"] = (s.vocab, h)
+    q, kv = s.heads * hd, s.kv_heads * hd
     for i in range(s.layers):
         p = f"blk.{i}."
+        if arch == "phi3":  # q|k|v and gate|up fused in the file
+            out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
+                        p + "attn_qkv.weight": (q + 2 * kv, h), p + "attn_output.weight": (h, q),
+                        p + "ffn_up.weight": (2 * s.intermediate, h),
+                        p + "ffn_down.weight": (h, s.intermediate)})
+            continue
         out.update({p + "attn_norm.weight": (h,), p + "ffn_norm.weight": (h,),
                     p + "attn_q.weight": (s.heads * hd, h), p + "attn_k.weight": (s.kv_heads * hd, h),
                     p + "attn_v.weight": (s.kv_heads * hd, h),
@@ -53,10 +61,13 @@ def tensors(shape: TinyShape, arch: str, tied: bool) -> dict[str, tuple[int, ...
 def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", tied: bool = True,
                     shape: TinyShape = TinyShape(), seed: int = 0, std: float = 0.1,
                     metadata: dict | None = None, kinds: dict[str, str] | None = None,
-                    quantize: bool = True) -> Path:
+                    quantize: bool = True, name: str = "tiny",
+                    tokenizer: Callable | None = None) -> Path:
     """A random model: matrices of ``kind`` (``kinds`` overrides by tensor name; quantized by
     gguf-py, or, not ``quantize``, random Q8_0 / Q4_1 blocks: 30x faster), vectors F32 (norms
-    near 1); ``metadata`` overrides keys (e.g. a wrong ``llama.feed_forward_length``)."""
+    near 1); ``metadata`` overrides keys (e.g. a wrong ``llama.feed_forward_length``);
+    ``tokenizer(writer)`` writes the tokenizer's keys (and any others) in place of the byte-level
+    ASCII one (``shape.vocab`` tokens)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -73,14 +84,10 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", tied: b
             f"{arch}.vocab_size": shape.vocab, **(metadata or {})}
     for k, v in keys.items():
         (w.add_float32 if isinstance(v, float) else w.add_uint32)(k, v)
-    w.add_name("tiny")
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([*CHARS, "<s>", "</s>"])
-    w.add_token_types([1] * len(CHARS) + [3, 3])
-    w.add_token_scores([0.0] * (len(CHARS) + 2))
-    w.add_bos_token_id(len(CHARS))
-    w.add_eos_token_id(len(CHARS) + 1)
+    w.add_name(name)
+    (tokenizer or ascii_tokenizer)(w)
+    if arch == "phi3":  # Phi3Config's default pad token (32000) is past a tiny vocabulary
+        w.add_pad_token_id(len(CHARS) + 1)
     for name, shp in tensors(shape, arch, tied).items():
         if len(shp) == 1:
             w.add_tensor(name, (1 + 0.1 * rng.standard_normal(shp)).astype(np.float32))
@@ -102,6 +109,17 @@ def write_tiny_gguf(path: Path, arch: str = "llama", kind: str = "Q8_0", tied: b
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def ascii_tokenizer(w) -> None:
+    """The default tokenizer: byte-level BPE of printable ASCII, <s> and </s>, no merges."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([*CHARS, "<s>", "</s>"])
+    w.add_token_types([1] * len(CHARS) + [3, 3])
+    w.add_token_scores([0.0] * (len(CHARS) + 2))
+    w.add_bos_token_id(len(CHARS))
+    w.add_eos_token_id(len(CHARS) + 1)
 
 
 def _random_blocks(rng, kind: str, shape: tuple[int, int], std: float) -> np.ndarray:

@@ -23,7 +23,8 @@ from specdec.models.loader import load_model, resolve_model_path
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 # qwen3: transformers' GGUF config keeps its class's head_dim (128); the oracle needs it so
 SHAPES = {"llama": TinyShape(), "qwen2": TinyShape(),
-          "qwen3": TinyShape(hidden=256, heads=2, kv_heads=1, intermediate=256)}
+          "qwen3": TinyShape(hidden=256, heads=2, kv_heads=1, intermediate=256),
+          "phi3": TinyShape()}
 
 
 @pytest.fixture
@@ -38,27 +39,119 @@ def _user_file(tmp_path: Path, **kw) -> Path:
 
 
 @pytest.mark.parametrize("arch, kind, tied", [("llama", "Q4_1", True), ("qwen2", "Q8_0", False),
-                                              ("qwen3", "Q4_1", False)])
+                                              ("qwen3", "Q4_1", False), ("phi3", "Q8_0", False),
+                                              ("phi3", "Q4_1", True)])
 def test_tiny_gguf_is_hf_on_the_same_file(arch, kind, tied, tmp_path, cache):
     """Matrices kept as blocks (no fp32 copy), dequantized on demand bitwise as transformers
-    does (q / k rows un-permuted for llama, not for qwen), logits HF's."""
+    does (q / k rows un-permuted for llama, not for qwen or phi3, whose file holds q|k|v and
+    gate|up fused), logits HF's."""
     from transformers import AutoModelForCausalLM
 
     path = _user_file(tmp_path, arch=arch, kind=kind, tied=tied, shape=SHAPES[arch])
     model, cfg, _ = load_model(resolve_model_path(str(path)), torch.float32, "cpu", 64,
                                blocks=True)
     assert cfg.model_type == arch and cfg.tie_word_embeddings == tied
+    assert cfg.sliding_window is None
     assert all(isinstance(w, BlockWeight) for w in [model.embed, *model.matrices()])
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                               dtype=torch.float32).eval()
+    assert hf.config.model_type == cfg.model_type
     sd = hf.state_dict()
-    qkv = torch.cat([sd[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"])
+    fused = {"phi3": ("qkv_proj", "gate_up_proj")}.get(arch)
+    qkv = (sd[f"model.layers.1.self_attn.{fused[0]}.weight"] if fused else
+           torch.cat([sd[f"model.layers.1.self_attn.{x}_proj.weight"] for x in "qkv"]))
+    gate_up = (sd[f"model.layers.1.mlp.{fused[1]}.weight"] if fused else
+               torch.cat([sd[f"model.layers.1.mlp.{x}_proj.weight"] for x in ("gate", "up")]))
     assert torch.equal(model.layers[1].qkv_weight.dequantize(), qkv)
+    assert torch.equal(model.layers[1].gate_up_weight.dequantize(), gate_up)
     assert torch.equal(model.head_weight.dequantize(), sd["lm_head.weight"])
     ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ours = model.compute_logits(model.forward_dense(ids).hidden[0])
         torch.testing.assert_close(ours, hf(ids).logits[0], atol=1e-5, rtol=0)
+
+
+def test_a_llama_file_named_mistral_is_a_mistral_inside_its_window(tmp_path, cache):
+    """transformers reads a "llama" file whose general.name is "mistral" as a Mistral, with
+    its class's sliding window (4096; llama.cpp applies none): the engine stays inside the
+    window, where Mistral is Llama. transformers cannot load such a file's weights (gguf-py
+    has no "mistral" architecture), so the oracle is HF's Mistral with the weights it reads
+    from the same file named otherwise."""
+    from transformers import AutoConfig, AutoModelForCausalLM, MistralForCausalLM
+
+    path = _user_file(tmp_path, kind="Q8_0", tied=False, name="mistral")
+    model, cfg, _ = load_model(resolve_model_path(str(path)), torch.float32, "cpu", 64,
+                               blocks=True)
+    assert cfg.model_type == "mistral" and cfg.sliding_window == 4096
+    sp = SamplingParams(temperature=0, max_tokens=12)
+    plain = LLM(model=str(path), max_model_len=64)
+    spec = LLM(model=str(path), max_model_len=64, drafter="ngram", controller="static",
+               controller_args={"budget": 3})
+    got = [o.token_ids for o in plain.generate(["hello", "abab"], sp)]
+    assert [o.token_ids for o in spec.generate(["hello", "abab"], sp)] == got
+    with pytest.raises(ValueError, match=r"max_model_len=5000 exceeds the model's limit 256"):
+        LLM(model=str(path), max_model_len=5000)
+    llama = write_tiny_gguf(tmp_path / "llama.gguf", kind="Q8_0", tied=False)
+    weights = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=llama.name,
+                                                   dtype=torch.float32).state_dict()
+    hf_cfg = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert hf_cfg.model_type == "mistral" and hf_cfg.sliding_window == 4096
+    hf = MistralForCausalLM(hf_cfg).eval()
+    hf.load_state_dict(weights)
+    ids = torch.randint(0, cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.compute_logits(model.forward_dense(ids).hidden[0])
+        torch.testing.assert_close(ours, hf(ids).logits[0], atol=1e-5, rtol=0)
+
+
+def _llama3_file(tmp_path: Path, factors=None) -> Path:
+    """A tiny llama file with Llama 3.1's rope scaling as llama.cpp's converter stores it
+    (rope_freqs.weight), over rope theta 500000: every regime (unscaled, smoothed, divided by
+    the factor) among its 8 frequencies."""
+    from specdec.models.gguf_model import LLAMA3, rope_factors
+
+    path = _user_file(tmp_path, tied=False, metadata={"llama.rope.freq_base": 500000.0})
+    if factors is None:
+        inv_freq = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+        factors = rope_factors(inv_freq, 8.0, *LLAMA3.values())
+        assert {1.0, 8.0} < set(factors.tolist())
+    _with_tensor(path, "rope_freqs.weight", factors.numpy())
+    return path
+
+
+def test_llama3_rope_scaling_is_read_from_its_factors(tmp_path, cache):
+    """transformers ignores rope_freqs.weight (its reading of such a file has plain RoPE);
+    config.json gets the llama3 rope parameters that give these very divisors, and the model
+    is transformers' Llama with them, on the weights transformers reads from the file."""
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
+
+    path = _llama3_file(tmp_path)
+    folder = resolve_model_path(str(path))
+    rope = json.loads((folder / "config.json").read_text())["rope_parameters"]
+    assert rope == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 8192}
+    model, cfg, _ = load_model(folder, torch.float32, "cpu", 64, blocks=True)
+    plain = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32).eval()
+    hf = LlamaForCausalLM(AutoConfig.from_pretrained(folder)).eval()
+    hf.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model.compute_logits(model.forward_dense(ids).hidden[0])
+        torch.testing.assert_close(ours, hf(ids).logits[0], atol=1e-5, rtol=0)
+        assert (ours - plain(ids).logits[0]).abs().max() > 1e-3  # the scaling matters here
+
+
+def test_rope_factors_that_are_not_llama3s_are_refused(tmp_path, cache):
+    import numpy as np
+
+    path = _llama3_file(tmp_path, torch.from_numpy(np.linspace(1, 4, 8, dtype=np.float32)))
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": tensor rope_freqs\.weight "
+                       r"\(8 rope frequency divisors\): not Llama 3's rope scaling"):
+        resolve_model_path(str(path))
 
 
 def test_float64_and_bfloat16_dequantize_once(tmp_path, cache):
@@ -73,9 +166,11 @@ def test_float64_and_bfloat16_dequantize_once(tmp_path, cache):
 
 
 @needs_kernels
-@pytest.mark.parametrize("activations", ["float", "q8"])
-def test_engine_runs_the_blocks_and_gives_the_dequantized_tokens(activations, tmp_path, cache):
-    path = _user_file(tmp_path, kind="Q4_1")
+@pytest.mark.parametrize("arch, activations", [("llama", "float"), ("llama", "q8"),
+                                               ("phi3", "float"), ("phi3", "q8")])
+def test_engine_runs_the_blocks_and_gives_the_dequantized_tokens(arch, activations, tmp_path,
+                                                                 cache):
+    path = _user_file(tmp_path, arch=arch, kind="Q4_1")
     kw = dict(model=str(path), max_model_len=64, activations=activations)
     nat = LLM(weights="native", **kw)
     assert nat.engine.weights == "native"
@@ -188,8 +283,59 @@ def _load(path: Path):
 def test_unsupported_architecture(tmp_path, cache):
     path = _user_file(tmp_path, arch="gpt2")
     with pytest.raises(ValueError, match=re.escape(str(path)) + r".*general\.architecture "
-                       r"'gpt2' is not supported; LlamaDecoder runs 'llama', 'qwen2', 'qwen3'"):
+                       r"'gpt2' is not supported; LlamaDecoder runs 'llama', 'qwen2', 'qwen3', "
+                       r"'phi3'"):
         resolve_model_path(str(path))
+
+
+def _with_tensor(path: Path, name: str, value) -> None:
+    """Rewrite the GGUF at ``path`` with one more F32 tensor (gguf-py's reader and writer)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(path) + ".new", r.fields["general.architecture"].contents())
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)  # uint8 blocks or float32
+    w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    Path(str(path) + ".new").replace(path)
+
+
+@pytest.mark.parametrize("what", ["longrope", "partial rotary"])
+def test_phi3_rope_the_decoder_does_not_run(what, tmp_path, cache):
+    """Phi-3 128k / Phi-3.5 (LongRoPE factors as tensors) and Phi-4-mini (partial rotary in
+    rope.dimension_count): transformers would drop either silently; refused from the header."""
+    import numpy as np
+
+    if what == "longrope":
+        path = _user_file(tmp_path, arch="phi3")
+        _with_tensor(path, "rope_factors_long.weight", np.ones(8, np.float32))
+        expect = r"tensor rope_factors_long\.weight holds LongRoPE factors .* plain RoPE only"
+    else:
+        path = _user_file(tmp_path, arch="phi3", metadata={"phi3.rope.dimension_count": 12})
+        expect = (r"phi3\.rope\.dimension_count 12 rotates part of each head \(16\); "
+                  r"LlamaDecoder rotates whole heads only")
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + expect):
+        resolve_model_path(str(path))
+
+
+def test_phi3_sliding_window_keeps_the_engine_inside_it(tmp_path, cache):
+    """transformers drops phi3's sliding window (llama.cpp does not apply it): config.json
+    keeps it, so a sequence stays where windowed and full attention agree."""
+    path = _user_file(tmp_path, arch="phi3", metadata={"phi3.attention.sliding_window": 48})
+    model, cfg, _ = _load(path)
+    assert cfg.sliding_window == 48
+    with pytest.raises(ValueError, match=r"max_model_len=64 exceeds the model's limit 48"):
+        LLM(model=str(path), max_model_len=64)
+    assert LLM(model=str(path), weights="dequantized").engine.max_model_len == 48
 
 
 @pytest.mark.parametrize("cut", ["header", "data"])
@@ -230,11 +376,14 @@ def test_corrupt_block(tmp_path, cache, kind, at, value):
     ("llama.feed_forward_length", 96, "blk.0.ffn_gate.weight"),
     ("llama.embedding_length", 48, "token_embd.weight"),
     ("llama.attention.head_count_kv", 4, "blk.0.attn_k.weight"),
+    ("phi3.feed_forward_length", 96, "blk.0.ffn_up.weight"),
+    ("phi3.attention.head_count_kv", 4, "blk.0.attn_qkv.weight"),
 ])
 def test_metadata_that_contradicts_the_tensors(tmp_path, cache, key, value, tensor):
-    path = _user_file(tmp_path, metadata={key: value})
+    arch = key.split(".")[0]
+    path = _user_file(tmp_path, arch=arch, metadata={key: value})
     with pytest.raises(ValueError, match=re.escape(str(path.name)) + r": the metadata \(.*"
-                       + re.escape(f"{key.removeprefix('llama.')} {value}") + r".*\) give tensor "
+                       + re.escape(f"{key.removeprefix(arch + '.')} {value}") + r".*\) give tensor "
                        + re.escape(tensor) + r" the shape \[.*\]; the file stores \["):
         _load(path)
 
@@ -264,6 +413,29 @@ def test_header_reader_agrees_with_gguf_py(tmp_path):
         assert mine.kind == t.tensor_type.name and mine.shape == tuple(reversed(t.shape.tolist()))
         stored = np.array(t.data).view(np.uint8).reshape(-1)
         assert torch.equal(ours.rows(t.name).reshape(-1), torch.from_numpy(stored))
+
+
+def test_header_arrays_are_read_on_demand_as_gguf_py_reads_them(tmp_path):
+    from gguf import GGUFReader
+
+    def more(w):
+        sentencepiece_like = ["\u2581a", "caf\u00e9", ""]
+        w.add_token_list(sentencepiece_like + [f"t{i}" for i in range(200)])
+        w.add_token_scores([float(i) / 3 for i in range(203)])
+        w.add_token_types([1, 3, 4] + [1] * 200)
+        w.add_array("test.bad", [b"ok", b"\xff"])
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", tokenizer=more)
+    ours, ref = open_gguf(path), GGUFReader(str(path))
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        assert ours.metadata[key][0] == "array"  # skipped by the header, read now
+        assert ours.array(key) == ref.fields[key].contents()
+    assert type(ours.array("tokenizer.ggml.scores")[1]) is float
+    with pytest.raises(ValueError, match=re.escape(str(path)) + r": metadata 'test.bad': "
+                       r"string 1 is not UTF-8"):
+        ours.array("test.bad")
+    with pytest.raises(ValueError, match=r"metadata 'general.name' is 'tiny', not an array"):
+        ours.array("general.name")
 
 
 def test_not_a_gguf_file(tmp_path):

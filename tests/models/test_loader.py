@@ -97,6 +97,29 @@ def test_unsupported_rope_type(llama_copy):
     assert "llama3" in str(info.value) and "linear" in str(info.value)
 
 
+def test_partial_rotary_is_refused(tmp_path):
+    """Phi-4-mini rotates 3/4 of each head; the decoder rotates whole heads."""
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "phi3", "phi3", partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match=r"partial_rotary_factor=0\.75; the decoder rotates "
+                                         r"whole heads only \(1\.0\)"):
+        _load(folder)
+
+
+def test_a_fused_tensor_of_the_wrong_size_is_named(tmp_path):
+    from conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "phi3", "phi3")
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.self_attn.qkv_proj.weight"
+    tensors[name] = tensors[name][:-8]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"tensor {re.escape(name)}: 56 rows, expected 64 "
+                                         r"\(32 \+ 16 \+ 16\)"):
+        _load(folder)
+
+
 def test_unsupported_activation(llama_copy):
     _edit_config(llama_copy, hidden_act="gelu")
     with pytest.raises(ValueError, match="hidden_act='gelu'"):

@@ -84,6 +84,29 @@ def test_prefill_and_decode_match_hf_float32(tiny_models, arch):
     torch.testing.assert_close(decode, ref[PROMPT_LEN:], atol=1e-4, rtol=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_phi3(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("phi3"), "phi3")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_phi3_checkpoint_matches_hf(tiny_phi3, dtype):
+    """A Phi-3 checkpoint stores q|k|v and gate|up fused (qkv_proj, gate_up_proj): the
+    decoder's own layout, read as it is."""
+    from safetensors.torch import load_file
+
+    assert "model.layers.0.self_attn.qkv_proj.weight" in load_file(
+        tiny_phi3 / "model.safetensors")
+    model, cfg, hf = _load_both(tiny_phi3, dtype)
+    assert cfg.model_type == "phi3"
+    sd = hf.state_dict()
+    assert torch.equal(model.layers[1].qkv_weight, sd["model.layers.1.self_attn.qkv_proj.weight"])
+    seq, prefill, decode = _prefill_then_decode(model, cfg, dtype)
+    ours, ref = torch.cat([prefill, decode]), _hf_logits(hf, seq)
+    torch.testing.assert_close(ours, ref, atol=1e-5 if dtype == torch.float64 else 1e-4, rtol=0)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float64_argmax_exact_every_row(tiny_models, arch):
     model, cfg, hf = _load_both(tiny_models[arch], torch.float64)
