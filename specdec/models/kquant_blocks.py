@@ -21,9 +21,10 @@ inputs its quants: Q4_K 320 + 8 x 256 = 2368 bytes (d[16], dmin[16] fp16; sc[8][
 m[8][16] uint8), Q6_K 288 + 8 x 384 = 3360 bytes (d[16] fp16, sc[16][16] int8; per sub-block
 the low 4 bits as Q4_K's quants, then the high 2 bits). The quants of a Q4_K sub-block are laid out as
 a block of Q4_F (gguf_blocks.prepare: per k one uint32 per panel; q8_activations.prepare:
-chunks of 8 rows x 4 k, a byte holding both panels). Q6_K's, q8: the low 4 bits as Q4_K's, then
-the high 2 bits as 4 vectors of 32 bytes, vector v's byte 4r + j holding, for chunk c = 2v + e,
-at bits 4e + 2p, those of row 8p + r at k = 4c + j; float: the elements e = 16k + row (the
+chunks of 8 rows x 4 k, a byte holding both panels). Q6_K's, q8: in chunks c of 64 elements
+t = 32p + 4r + j (q[row 8p + r][k = 4c + j]), 4 vectors of 64 bytes of the low 4 bits (vector
+u's byte t: chunk u's element t in the low nibble, chunk u + 4's in the high one), then 2 of the
+high 2 bits (vector v's byte t: chunk 2f + v's element t at bits 2f); float: the elements e = 16k + row (the
 order of I8_F16's quants), low 4 bits of e in byte e % 256 (bits 4 (e // 256)), high 2 bits in
 byte 256 + e % 128 (bits 2 (e // 128)), so the kernel makes 32 int8 q - 32 at a time with a
 few byte shifts and masks.
@@ -67,10 +68,7 @@ def prepare(kind: str, rows: torch.Tensor, in_features: int, activations: str) -
         head = [_rows_last(blk[..., 208:210]),  # d
                 _rows_last(blk[..., 192:208].unsqueeze(-1))]  # sc: [.., 16 groups, 16 rows]
         q = gguf_types.q6_k_quants(blk)  # [pairs, 16, n, 8, 32] 0..63
-        if q8:
-            quants = torch.cat([_nibbles(q & 15, q8), _high_bits(q >> 4, q8)], dim=-1)
-        else:
-            quants = _six_bits(q)
+        quants = _six_bits_q8(q) if q8 else _six_bits(q)
     data = torch.cat([*(h.reshape(pairs, n, -1) for h in head), quants.reshape(pairs, n, -1)],
                      dim=-1).contiguous()
     assert data.shape[-1] == PAIR_BYTES[kind], data.shape
@@ -114,16 +112,20 @@ def _nibbles(q: torch.Tensor, q8: bool) -> torch.Tensor:
     return (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(pairs, nb, -1)
 
 
-def _high_bits(h: torch.Tensor, q8: bool) -> torch.Tensor:
-    """Q6_K's high 2 bits [pairs, 16, n, 8, 32] -> [pairs, n * 8, 128] uint8, q8 (module
-    docstring): vector v byte 4r + j, chunk 2v + e and panel p at bits 4e + 2p."""
-    assert q8
-    h = _sub_blocks(h)
-    pairs, nb = h.shape[0], h.shape[2]
-    # [pairs, p, r, nb, v, e, j] -> [pairs, nb, v, r, j, e, p]
-    h = h.reshape(pairs, 2, PANEL, nb, 4, 2, 4).permute(0, 3, 4, 2, 6, 5, 1)
-    out = (h[..., 0, 0] | (h[..., 0, 1] << 2)) | ((h[..., 1, 0] << 4) | (h[..., 1, 1] << 6))
-    return out.reshape(pairs, nb, -1)
+def _six_bits_q8(q: torch.Tensor) -> torch.Tensor:
+    """Q6_K's 6-bit quants [pairs, 16, n, 8, 32] -> [pairs, n * 8, 384] uint8, q8 (module
+    docstring): per sub-block, chunks c of 64 elements t = 32p + 4r + j (q[8p + r][4c + j]);
+    low 4 bits: vector u byte t = chunk u's | chunk u + 4's << 4; high 2 bits: vector v byte
+    t = sum over f of chunk 2f + v's << 2f."""
+    q = _sub_blocks(q)
+    pairs, nb = q.shape[0], q.shape[2]
+    # [pairs, p, r, nb, c, j] -> [pairs, nb, c, p, r, j]
+    e = q.reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 4, 1, 2, 5).reshape(pairs, nb, 8, 64)
+    low = (e & 15).reshape(pairs, nb, 2, 4, 64)  # [.., c // 4, c % 4, t]
+    low = low[:, :, 0] | (low[:, :, 1] << 4)
+    h = (e >> 4).reshape(pairs, nb, 4, 2, 64)  # [.., f, v, t]: chunk 2f + v
+    high = (h[:, :, 0] | (h[:, :, 1] << 2)) | ((h[:, :, 2] << 4) | (h[:, :, 3] << 6))
+    return torch.cat([low.reshape(pairs, nb, -1), high.reshape(pairs, nb, -1)], dim=-1)
 
 
 def _six_bits(q: torch.Tensor) -> torch.Tensor:

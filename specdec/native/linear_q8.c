@@ -241,9 +241,12 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
 /* The super-block formats (Q4_K, Q6_K; kernels.h), per super-block of a pair: the header
  * (linear.c says where its scales are), then per sub-block j (32 k) the quants:
  *   Q4_K: 256 bytes as Q4_F's (the 4-bit chunks above).
- *   Q6_K: 384 bytes: the low 4 bits of q as Q4_K's, then the high 2 bits as 4 vectors of 32
- *         bytes: vector v's byte 4r + j holds, for chunks c = 2v and 2v + 1 (k = 4c + j), at
- *         bits 4 (c - 2v) + 2p those of q[row 8p + r][4c + j].
+ *   Q6_K: 384 bytes in chunks of 64 elements (c, p, r, j) = q[row 8p + r][k = 4c + j] (the
+ *         order of a 512-bit chunk of I8_F16): 4 vectors of 64 bytes of the low 4 bits,
+ *         vector u's byte t holding chunk u's element t (low nibble) and chunk u + 4's (high),
+ *         then 2 vectors of 64 bytes of the high 2 bits, vector v's byte t holding chunk
+ *         2f + v's element t at bits 2f (f = 0..3). A chunk's int8 q - 32 is then one or two
+ *         shifts, two masks, an or and a subtraction (the 256-bit kernels: a panel's half).
  * Each sub-block is a block of Q4_F (Q6_K: of I8_F16, q - 32 as its int8 quants) with its
  * scales made in registers as gguf-py makes them (dw = fl(d * sc), mw = -fl(dmin * m); Q6_K:
  * dw0, dw = fl(d * sc) of its two halves): the same isum and the same fp32 finish, so bitwise
@@ -289,7 +292,7 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
                                        int64_t K, int64_t nb, const uint8_t* b, int P,        \
                                        float* y, int64_t ldy) {                               \
         (void)s;                                                                               \
-        const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);                 \
+        const __m256i low = _mm256_set1_epi8(15), high = _mm256_set1_epi8(48);                 \
         const __m256i off = _mm256_set1_epi8(32), ones = _mm256_set1_epi16(1);                 \
         (void)ones;                                                                            \
         EACH(INIT)                                                                             \
@@ -306,15 +309,20 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
                 const uint8_t* qb = b + SD_Q6_K_HEAD + SD_Q6_K_SUB * jj;                       \
                 for (int c = 0; c < 8; c++) {                                                  \
                     if (c == 4) { EACH(HALF_LO) }                                              \
-                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
-                    const __m256i hv =                                                         \
-                        _mm256_loadu_si256((const __m256i*)(qb + 256 + 32 * (c >> 1)));        \
+                    const __m256i raw =                                                        \
+                        _mm256_loadu_si256((const __m256i*)(qb + 64 * (c & 3) + 32 * P));      \
+                    const __m256i hv = _mm256_loadu_si256(                                     \
+                        (const __m256i*)(qb + 256 + 64 * (c & 1) + 32 * P));                   \
+                    const int f = c >> 1; /* the field: bits 2f .. 2f + 1 to bits 4 .. 5 */    \
                     const __m256i hi = _mm256_and_si256(                                       \
-                        _mm256_srl_epi16(hv, _mm_cvtsi32_si128(4 * (c & 1) + 2 * P)), three);  \
+                        f < 3 ? _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - 2 * f))             \
+                              : _mm256_srli_epi16(hv, 2),                                      \
+                        high);                                                                 \
                     const __m256i w = _mm256_sub_epi8(                                         \
-                        _mm256_or_si256(_mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw,  \
+                        _mm256_or_si256(_mm256_and_si256(c >= 4 ? _mm256_srli_epi16(raw, 4)    \
+                                                                : raw,                         \
                                                          low),                                 \
-                                        _mm256_slli_epi16(hi, 4)),                             \
+                                        hi),                                                   \
                         off);                                                                  \
                     const __m256i u = _mm256_abs_epi8(w);                                      \
                     const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
@@ -507,7 +515,7 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
                                           int64_t ldy) {                                      \
         (void)s;                                                                               \
         const __m512i ones = _mm512_set1_epi8(1), low = _mm512_set1_epi8(15);                  \
-        const __m512i three = _mm512_set1_epi8(3), off = _mm512_set1_epi8(32);                 \
+        const __m512i high = _mm512_set1_epi8(48), off = _mm512_set1_epi8(32);                 \
         EACH(INIT16)                                                                           \
         for (int64_t h = 0; h < nb / 8; h++, b += SD_Q6_K_PAIR_BYTES) {                        \
             const __m512 dd = H16_D(b);                                                        \
@@ -522,21 +530,17 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
                 const uint8_t* qb = b + SD_Q6_K_HEAD + SD_Q6_K_SUB * jj;                       \
                 for (int c = 0; c < 8; c++) {                                                  \
                     if (c == 4) { I8_LO(EACH) }                                                \
-                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
-                    const __m256i hv =                                                         \
-                        _mm256_loadu_si256((const __m256i*)(qb + 256 + 32 * (c >> 1)));        \
-                    const __m128i sh = _mm_cvtsi32_si128(4 * (c & 1));                         \
-                    const __m128i sh2 = _mm_cvtsi32_si128(4 * (c & 1) + 2);                    \
-                    const __m512i lo = _mm512_and_si512(                                       \
-                        _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), \
-                                           1),                                                 \
-                        low);                                                                  \
+                    const __m512i raw = _mm512_loadu_si512((const void*)(qb + 64 * (c & 3)));  \
+                    const __m512i hv =                                                         \
+                        _mm512_loadu_si512((const void*)(qb + 256 + 64 * (c & 1)));            \
+                    const int f = c >> 1; /* the field: bits 2f .. 2f + 1 to bits 4 .. 5 */    \
+                    const __m512i lo =                                                         \
+                        _mm512_and_si512(c >= 4 ? _mm512_srli_epi16(raw, 4) : raw, low);      \
                     const __m512i hi = _mm512_and_si512(                                       \
-                        _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srl_epi16(hv, sh)),   \
-                                           _mm256_srl_epi16(hv, sh2), 1),                      \
-                        three);                                                                \
-                    const __m512i w =                                                          \
-                        _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), off);   \
+                        f < 3 ? _mm512_sll_epi16(hv, _mm_cvtsi32_si128(4 - 2 * f))             \
+                              : _mm512_srli_epi16(hv, 2),                                      \
+                        high);                                                                 \
+                    const __m512i w = _mm512_sub_epi8(_mm512_or_si512(lo, hi), off);           \
                     ws = _mm512_dpbusd_epi32(ws, ones, w);                                     \
                     const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
                     EACH(S_ROW16)                                                              \
