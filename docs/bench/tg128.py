@@ -4,7 +4,7 @@ decode only: the first token's time excluded), rounds interleaved so that drift 
 both.
 
     .venv/bin/python docs/bench/tg128.py --model runs/shapes/smollm2-1.7b_q4_k_m.gguf \\
-        [--activations q8,float] [--rounds 3] [--threads 2] [--json OUT]
+        [--activations q8,float] [--rounds 3] [--threads 2] [--tokens 128] [--json OUT]
 
 Per round: ``llama-bench -m FILE -t THREADS -p 0 -n 128 -r 1 -o json`` in a subprocess, then
 one 128-token greedy generation per activations mode on engines built once (one LLM per mode;
@@ -27,19 +27,17 @@ import torch
 
 from specdec import LLM, SamplingParams
 
-TOKENS = 128
 
-
-def llama_bench(model: str, threads: int) -> float:
+def llama_bench(model: str, threads: int, tokens: int) -> float:
     out = subprocess.run(["llama-bench", "-m", model, "-t", str(threads), "-p", "0", "-n",
-                          str(TOKENS), "-r", "1", "-o", "json"], check=True,
+                          str(tokens), "-r", "1", "-o", "json"], check=True,
                          capture_output=True, text=True).stdout
-    (row,) = [r for r in json.loads(out) if r.get("n_gen") == TOKENS]
+    (row,) = [r for r in json.loads(out) if r.get("n_gen") == tokens]
     return float(row["avg_ts"])
 
 
-def specdec_tg(llm: LLM) -> float:
-    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+def specdec_tg(llm: LLM, tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     bos = llm.tokenizer.bos_token_id
     prompt = [bos if bos is not None else 0]
     t0 = time.perf_counter()
@@ -55,6 +53,7 @@ def main() -> None:
     ap.add_argument("--activations", default="q8,float")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--tokens", type=int, default=128, help="tokens generated (tg128: 128)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if shutil.which("llama-bench") is None:
@@ -64,17 +63,17 @@ def main() -> None:
     engines = {m: LLM(model=args.model, activations=m) for m in modes}
     for llm in engines.values():  # warm-up: kernels, step costs, page cache
         llm.generate([[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    llama_bench(args.model, args.threads)
+    llama_bench(args.model, args.threads, args.tokens)
     rounds: dict[str, list[float]] = {"llama-bench": [], **{m: [] for m in modes}}
     for r in range(args.rounds):
-        rounds["llama-bench"].append(llama_bench(args.model, args.threads))
+        rounds["llama-bench"].append(llama_bench(args.model, args.threads, args.tokens))
         for m, llm in engines.items():
-            rounds[m].append(specdec_tg(llm))
+            rounds[m].append(specdec_tg(llm, args.tokens))
         print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rounds.items()),
               flush=True)
     med = {k: statistics.median(v) for k, v in rounds.items()}
     report = {"model": args.model, "threads": args.threads, "cpu": platform.processor(),
-              "tokens": TOKENS, "tokens_per_s": rounds, "median": med,
+              "tokens": args.tokens, "tokens_per_s": rounds, "median": med,
               "vs_llama_bench": {m: med[m] / med["llama-bench"] for m in modes},
               "weight_bytes_per_token": {
                   m: engines[m].engine.weight_bytes_per_forward for m in modes}}
