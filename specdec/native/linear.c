@@ -328,7 +328,8 @@ KQUANT_FORMAT(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
  * from y. The 4-bit formats keep the pair's rows interleaved in the lanes (panel 0's row i in
  * lane 2i, panel 1's in lane 2i + 1: one 64-bit broadcast of the two panels' words, one shift,
  * one and make all 16 quants); their scales and accumulators are permuted into those lanes
- * once per block / call and back at the store. The byte formats keep the column order. */
+ * once per block / call and back at the store. The byte formats keep the column order. More
+ * than 3 rows unpack with AVX2 (AVX-512 unpacking measured slower there: 8 rows, 2 threads). */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 typedef struct {
     __m512 d, m; /* a block's scales for the 16 rows: d and m (I8_F16, Q6_K: d of k 0-15, 16-31) */
@@ -370,13 +371,15 @@ AVX512 static inline scales16 f32_scales16(const uint8_t* b) {
 #define q5_f_scales16 f32_scales16
 #define i8_f16_scales16 f32_scales16
 /* step kk's 16 weights, interleaved: the two panels' uint32 (rows 0-7, rows 8-15) side by side
- * in each 64-bit lane, lane 2i shifted by 4i, lane 2i + 1 too */
+ * in each 64-bit lane, lane 2i shifted by 4i, lane 2i + 1 too; the float of the low 4 bits is
+ * looked up (a permute reads only an index's low 4 bits: no and, no convert; exact) */
 AVX512 static inline __m512 nibble_step16(const uint8_t* qb, const scales16* s, int kk) {
     const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
                                              28, 28);
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i both = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i*)(qb + 8 * kk)));
-    const __m512i q = _mm512_and_si512(_mm512_srlv_epi32(both, shifts), _mm512_set1_epi32(15));
-    return _mm512_add_ps(_mm512_mul_ps(s->d, _mm512_cvtepi32_ps(q)), s->m);
+    const __m512 q = _mm512_permutexvar_ps(_mm512_srlv_epi32(both, shifts), values);
+    return _mm512_add_ps(_mm512_mul_ps(s->d, q), s->m);
 }
 AVX512 static inline __m512 q4_1_step16(const uint8_t* b, const scales16* s, int kk) {
     return nibble_step16(b + 64, s, kk);
@@ -416,18 +419,6 @@ enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_
                                       : to_lanes(ilv, _mm512_loadu_ps(y + r * ldy));
 #define ROW16(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), v, c##r);
 #define STORE16(r) _mm512_storeu_ps(y + r * ldy, from_lanes(ilv, c##r));
-#define UNPACK16(KIND, BYTES)                                                                  \
-    AVX512 static void unpack16_##KIND(const uint8_t* b, int64_t nblk, float* buf) {          \
-        const int ilv = KIND##_ILV;                                                            \
-        for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
-            for (int o = 0; o < BYTES; o += 64)                                                \
-                _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
-            const scales16 s = scales_to_lanes(ilv, KIND##_scales16(b));                       \
-            for (int kk = 0; kk < SD_QBLOCK; kk++)                                             \
-                _mm512_storeu_ps(buf + (j * SD_QBLOCK + kk) * 2 * PW,                          \
-                                 from_lanes(ilv, KIND##_step16(b, &s, kk)));                   \
-        }                                                                                      \
-    }
 #define DIRECT16(KIND, BYTES, R, EACH)                                                         \
     AVX512 static void KIND##_z##R(const float* x, int64_t K, const uint8_t* b, int64_t nblk, \
                                    float* y, int64_t ldy, int first) {                         \
@@ -445,30 +436,38 @@ enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
+/* one row over two pairs at once (b and b + stride; y and y + 16): two independent fma chains
+ * (one alone waits on the fma latency every step) */
+#define DIRECT16_TWO(KIND, BYTES)                                                              \
+    AVX512 static void KIND##_two(const float* x, const uint8_t* b, int64_t stride,           \
+                                  int64_t nblk, float* y, int first) {                         \
+        const int ilv = KIND##_ILV;                                                            \
+        __m512 c0 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y)),          \
+               c1 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y + 2 * PW));  \
+        for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
+            for (int o = 0; o < BYTES; o += 64) {                                              \
+                _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
+                _mm_prefetch((const char*)b + stride + nblk * BYTES + o, _MM_HINT_T0);         \
+            }                                                                                  \
+            const scales16 s0 = scales_to_lanes(ilv, KIND##_scales16(b)),                      \
+                           s1 = scales_to_lanes(ilv, KIND##_scales16(b + stride));             \
+            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+                const __m512 xk = _mm512_set1_ps(x[j * SD_QBLOCK + kk]);                       \
+                c0 = _mm512_fmadd_ps(xk, KIND##_step16(b, &s0, kk), c0);                       \
+                c1 = _mm512_fmadd_ps(xk, KIND##_step16(b + stride, &s1, kk), c1);              \
+            }                                                                                  \
+        }                                                                                      \
+        _mm512_storeu_ps(y, from_lanes(ilv, c0));                                              \
+        _mm512_storeu_ps(y + 2 * PW, from_lanes(ilv, c1));                                     \
+    }
 #define GGUF_FORMAT16(KIND, BYTES)                                                             \
-    UNPACK16(KIND, BYTES)                                                                      \
     DIRECT16(KIND, BYTES, 1, EACH1) DIRECT16(KIND, BYTES, 2, EACH2)                            \
-    DIRECT16(KIND, BYTES, 3, EACH3)
+    DIRECT16(KIND, BYTES, 3, EACH3) DIRECT16_TWO(KIND, BYTES)
 GGUF_FORMAT16(q4_1, SD_Q4_1_PAIR_BYTES)
 GGUF_FORMAT16(q8_0, SD_Q8_0_PAIR_BYTES)
 GGUF_FORMAT16(q4_f, SD_Q4_F_PAIR_BYTES)
 GGUF_FORMAT16(q5_f, SD_Q5_F_PAIR_BYTES)
 GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
-#define KUNPACK16(KIND, BYTES, HEAD, SUB)                                                      \
-    AVX512 static void unpack16_##KIND(const uint8_t* b, int64_t nsb, float* buf) {           \
-        const int ilv = KIND##_ILV;                                                            \
-        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
-        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
-            for (int j = 0; j < 8; j++) {                                                      \
-                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
-                const scales16 s = scales_to_lanes(ilv, KIND##_scales16(b, j));                \
-                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
-                for (int kk = 0; kk < SD_QBLOCK; kk++)                                         \
-                    _mm512_storeu_ps(buf + ((h * 8 + j) * SD_QBLOCK + kk) * 2 * PW,            \
-                                     from_lanes(ilv, KIND##_step16(qb, &s, kk)));              \
-            }                                                                                  \
-        }                                                                                      \
-    }
 #define KDIRECT16(KIND, BYTES, HEAD, SUB, R, EACH)                                             \
     AVX512 static void KIND##_z##R(const float* x, int64_t K, const uint8_t* b, int64_t nsb,  \
                                    float* y, int64_t ldy, int first) {                         \
@@ -489,10 +488,35 @@ GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
+#define KDIRECT16_TWO(KIND, BYTES, HEAD, SUB)                                                  \
+    AVX512 static void KIND##_two(const float* x, const uint8_t* b, int64_t stride,           \
+                                  int64_t nsb, float* y, int first) {                          \
+        const int ilv = KIND##_ILV;                                                            \
+        uint8_t tmp0[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
+        uint8_t tmp1[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
+        __m512 c0 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y)),          \
+               c1 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y + 2 * PW));  \
+        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
+            for (int j = 0; j < 8; j++) {                                                      \
+                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
+                PREFETCH_SHARE(b + stride + nsb * BYTES, BYTES, j)                             \
+                const scales16 s0 = scales_to_lanes(ilv, KIND##_scales16(b, j)),               \
+                               s1 = scales_to_lanes(ilv, KIND##_scales16(b + stride, j));      \
+                const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \
+                const uint8_t* q1 = KIND##_sub(b + stride + HEAD + SUB * j, tmp1);             \
+                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
+                    const __m512 xk = _mm512_set1_ps(x[(h * 8 + j) * SD_QBLOCK + kk]);         \
+                    c0 = _mm512_fmadd_ps(xk, KIND##_step16(q0, &s0, kk), c0);                  \
+                    c1 = _mm512_fmadd_ps(xk, KIND##_step16(q1, &s1, kk), c1);                  \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        _mm512_storeu_ps(y, from_lanes(ilv, c0));                                              \
+        _mm512_storeu_ps(y + 2 * PW, from_lanes(ilv, c1));                                     \
+    }
 #define KQUANT_FORMAT16(KIND, BYTES, HEAD, SUB)                                                \
-    KUNPACK16(KIND, BYTES, HEAD, SUB)                                                          \
     KDIRECT16(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT16(KIND, BYTES, HEAD, SUB, 2, EACH2)     \
-    KDIRECT16(KIND, BYTES, HEAD, SUB, 3, EACH3)
+    KDIRECT16(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB)
 KQUANT_FORMAT16(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT16(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 
@@ -503,9 +527,11 @@ typedef struct {
     int64_t width, bytes;
     void (*unpack)(const uint8_t*, int64_t, float*);
     direct_fn direct[DIRECT_ROWS];
+    /* one row over two pairs (AVX-512; NULL: one pair at a time) */
+    void (*two)(const float*, const uint8_t*, int64_t, int64_t, float*, int);
 } gguf_kernels;
 #define GGUF_KERNELS(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                          \
-                                          {KIND##_r1, KIND##_r2, KIND##_r3}}
+                                          {KIND##_r1, KIND##_r2, KIND##_r3}, NULL}
 /* by format code (the float-activation GGUF formats; the others are never looked up here) */
 static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
@@ -515,8 +541,8 @@ static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_I8_F16] = GGUF_KERNELS(i8_f16, SD_QBLOCK, SD_I8_F16_PAIR_BYTES),
     [SD_Q4_K] = GGUF_KERNELS(q4_k, SD_QK, SD_Q4_K_PAIR_BYTES),
     [SD_Q6_K] = GGUF_KERNELS(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES)};
-#define GGUF_KERNELS16(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack16_##KIND,                      \
-                                            {KIND##_z1, KIND##_z2, KIND##_z3}}
+#define GGUF_KERNELS16(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                        \
+                                            {KIND##_z1, KIND##_z2, KIND##_z3}, KIND##_two}
 static const gguf_kernels GGUF_TABLE16[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS16(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
     [SD_Q8_0] = GGUF_KERNELS16(q8_0, SD_QBLOCK, SD_Q8_0_PAIR_BYTES),
@@ -551,6 +577,22 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
     /* k per step: KBLOCK, or a whole super-block */
     const int64_t step = width > KBLOCK ? width : KBLOCK;
     float buf[(KBLOCK > SD_QK ? KBLOCK : SD_QK) * 2 * PW] __attribute__((aligned(64)));
+    if (T == 1 && g->two) { /* pairs two at a time (the last alone when their number is odd) */
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (pairs + 1) / 2; p++) {
+            const int64_t q = 2 * p, stride = (K / width) * bytes;
+            const uint8_t* pair = (const uint8_t*)w->data + q * stride;
+            for (int64_t k0 = 0; k0 < K; k0 += step) {
+                const int64_t kn = K - k0 < step ? K - k0 : step;
+                const uint8_t* blocks = pair + (k0 / width) * bytes;
+                if (q + 1 < pairs)
+                    g->two(x + k0, blocks, stride, kn / width, y + 2 * q * PW, k0 == 0);
+                else
+                    g->direct[0](x + k0, K, blocks, kn / width, y + 2 * q * PW, ldy, k0 == 0);
+            }
+        }
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < pairs; q++) {
         const uint8_t* pair = (const uint8_t*)w->data + q * (K / width) * bytes;
