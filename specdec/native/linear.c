@@ -436,14 +436,23 @@ enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
-/* one row over two pairs at once (b and b + stride; y and y + 16): two independent fma chains
- * (one alone waits on the fma latency every step) */
-#define DIRECT16_TWO(KIND, BYTES)                                                              \
-    AVX512 static void KIND##_two(const float* x, const uint8_t* b, int64_t stride,           \
-                                  int64_t nblk, float* y, int first) {                         \
+/* R (1 or 2) rows over two pairs at once (b and b + stride; columns y and y + 16): twice the
+ * independent fma chains (with one or two a step waits on the fma latency) */
+#define INIT2(r) INIT16(r)                                                                     \
+    __m512 e##r = first ? _mm512_setzero_ps()                                                  \
+                        : to_lanes(ilv, _mm512_loadu_ps(y + r * ldy + 2 * PW));
+#define ROW2(r) {                                                                              \
+        const __m512 xr = _mm512_set1_ps(x[r * K + k]);                                        \
+        c##r = _mm512_fmadd_ps(xr, v, c##r);                                                   \
+        e##r = _mm512_fmadd_ps(xr, u, e##r);                                                   \
+    }
+#define STORE2(r) STORE16(r) _mm512_storeu_ps(y + r * ldy + 2 * PW, from_lanes(ilv, e##r));
+#define DIRECT16_TWO(KIND, BYTES, R, EACH)                                                     \
+    AVX512 static void KIND##_two##R(const float* x, int64_t K, const uint8_t* b,             \
+                                     int64_t stride, int64_t nblk, float* y, int64_t ldy,      \
+                                     int first) {                                              \
         const int ilv = KIND##_ILV;                                                            \
-        __m512 c0 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y)),          \
-               c1 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y + 2 * PW));  \
+        EACH(INIT2)                                                                            \
         for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
             for (int o = 0; o < BYTES; o += 64) {                                              \
                 _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
@@ -452,17 +461,18 @@ enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_
             const scales16 s0 = scales_to_lanes(ilv, KIND##_scales16(b)),                      \
                            s1 = scales_to_lanes(ilv, KIND##_scales16(b + stride));             \
             for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
-                const __m512 xk = _mm512_set1_ps(x[j * SD_QBLOCK + kk]);                       \
-                c0 = _mm512_fmadd_ps(xk, KIND##_step16(b, &s0, kk), c0);                       \
-                c1 = _mm512_fmadd_ps(xk, KIND##_step16(b + stride, &s1, kk), c1);              \
+                const __m512 v = KIND##_step16(b, &s0, kk);                                    \
+                const __m512 u = KIND##_step16(b + stride, &s1, kk);                           \
+                const int64_t k = j * SD_QBLOCK + kk;                                          \
+                EACH(ROW2)                                                                     \
             }                                                                                  \
         }                                                                                      \
-        _mm512_storeu_ps(y, from_lanes(ilv, c0));                                              \
-        _mm512_storeu_ps(y + 2 * PW, from_lanes(ilv, c1));                                     \
+        EACH(STORE2)                                                                           \
     }
 #define GGUF_FORMAT16(KIND, BYTES)                                                             \
     DIRECT16(KIND, BYTES, 1, EACH1) DIRECT16(KIND, BYTES, 2, EACH2)                            \
-    DIRECT16(KIND, BYTES, 3, EACH3) DIRECT16_TWO(KIND, BYTES)
+    DIRECT16(KIND, BYTES, 3, EACH3)                                                            \
+    DIRECT16_TWO(KIND, BYTES, 1, EACH1) DIRECT16_TWO(KIND, BYTES, 2, EACH2)
 GGUF_FORMAT16(q4_1, SD_Q4_1_PAIR_BYTES)
 GGUF_FORMAT16(q8_0, SD_Q8_0_PAIR_BYTES)
 GGUF_FORMAT16(q4_f, SD_Q4_F_PAIR_BYTES)
@@ -488,14 +498,14 @@ GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
-#define KDIRECT16_TWO(KIND, BYTES, HEAD, SUB)                                                  \
-    AVX512 static void KIND##_two(const float* x, const uint8_t* b, int64_t stride,           \
-                                  int64_t nsb, float* y, int first) {                          \
+#define KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, R, EACH)                                         \
+    AVX512 static void KIND##_two##R(const float* x, int64_t K, const uint8_t* b,             \
+                                     int64_t stride, int64_t nsb, float* y, int64_t ldy,       \
+                                     int first) {                                              \
         const int ilv = KIND##_ILV;                                                            \
         uint8_t tmp0[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
         uint8_t tmp1[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
-        __m512 c0 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y)),          \
-               c1 = first ? _mm512_setzero_ps() : to_lanes(ilv, _mm512_loadu_ps(y + 2 * PW));  \
+        EACH(INIT2)                                                                            \
         for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
             for (int j = 0; j < 8; j++) {                                                      \
                 PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
@@ -505,33 +515,36 @@ GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
                 const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \
                 const uint8_t* q1 = KIND##_sub(b + stride + HEAD + SUB * j, tmp1);             \
                 for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
-                    const __m512 xk = _mm512_set1_ps(x[(h * 8 + j) * SD_QBLOCK + kk]);         \
-                    c0 = _mm512_fmadd_ps(xk, KIND##_step16(q0, &s0, kk), c0);                  \
-                    c1 = _mm512_fmadd_ps(xk, KIND##_step16(q1, &s1, kk), c1);                  \
+                    const __m512 v = KIND##_step16(q0, &s0, kk);                               \
+                    const __m512 u = KIND##_step16(q1, &s1, kk);                               \
+                    const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
+                    EACH(ROW2)                                                                 \
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        _mm512_storeu_ps(y, from_lanes(ilv, c0));                                              \
-        _mm512_storeu_ps(y + 2 * PW, from_lanes(ilv, c1));                                     \
+        EACH(STORE2)                                                                           \
     }
 #define KQUANT_FORMAT16(KIND, BYTES, HEAD, SUB)                                                \
     KDIRECT16(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT16(KIND, BYTES, HEAD, SUB, 2, EACH2)     \
-    KDIRECT16(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB)
+    KDIRECT16(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 1, EACH1) \
+    KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 2, EACH2)
 KQUANT_FORMAT16(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT16(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
+#define TWO_ROWS 2    /* up to this many rows two pairs at a time (AVX-512) */
 #define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
 /* a format's kernels over units of `width` k (32: a block; 256: a super-block) of `bytes` */
 typedef struct {
     int64_t width, bytes;
     void (*unpack)(const uint8_t*, int64_t, float*);
     direct_fn direct[DIRECT_ROWS];
-    /* one row over two pairs (AVX-512; NULL: one pair at a time) */
-    void (*two)(const float*, const uint8_t*, int64_t, int64_t, float*, int);
+    /* 1 or 2 rows over two pairs, the second `stride` bytes on (AVX-512; NULL: a pair at a time) */
+    void (*two[TWO_ROWS])(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
+                          int);
 } gguf_kernels;
 #define GGUF_KERNELS(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                          \
-                                          {KIND##_r1, KIND##_r2, KIND##_r3}, NULL}
+                                          {KIND##_r1, KIND##_r2, KIND##_r3}, {NULL}}
 /* by format code (the float-activation GGUF formats; the others are never looked up here) */
 static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
@@ -542,7 +555,8 @@ static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q4_K] = GGUF_KERNELS(q4_k, SD_QK, SD_Q4_K_PAIR_BYTES),
     [SD_Q6_K] = GGUF_KERNELS(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES)};
 #define GGUF_KERNELS16(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                        \
-                                            {KIND##_z1, KIND##_z2, KIND##_z3}, KIND##_two}
+                                            {KIND##_z1, KIND##_z2, KIND##_z3},              \
+                                            {KIND##_two1, KIND##_two2}}
 static const gguf_kernels GGUF_TABLE16[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS16(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
     [SD_Q8_0] = GGUF_KERNELS16(q8_0, SD_QBLOCK, SD_Q8_0_PAIR_BYTES),
@@ -577,7 +591,8 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
     /* k per step: KBLOCK, or a whole super-block */
     const int64_t step = width > KBLOCK ? width : KBLOCK;
     float buf[(KBLOCK > SD_QK ? KBLOCK : SD_QK) * 2 * PW] __attribute__((aligned(64)));
-    if (T == 1 && g->two) { /* pairs two at a time (the last alone when their number is odd) */
+    /* AVX-512, 1 or 2 rows: pairs two at a time (the last alone when their number is odd) */
+    if (T >= 1 && T <= TWO_ROWS && g->two[0]) {
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < (pairs + 1) / 2; p++) {
             const int64_t q = 2 * p, stride = (K / width) * bytes;
@@ -586,9 +601,11 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
                 const int64_t kn = K - k0 < step ? K - k0 : step;
                 const uint8_t* blocks = pair + (k0 / width) * bytes;
                 if (q + 1 < pairs)
-                    g->two(x + k0, blocks, stride, kn / width, y + 2 * q * PW, k0 == 0);
+                    g->two[T - 1](x + k0, K, blocks, stride, kn / width, y + 2 * q * PW, ldy,
+                                  k0 == 0);
                 else
-                    g->direct[0](x + k0, K, blocks, kn / width, y + 2 * q * PW, ldy, k0 == 0);
+                    g->direct[T - 1](x + k0, K, blocks, kn / width, y + 2 * q * PW, ldy,
+                                     k0 == 0);
             }
         }
         return;
