@@ -42,9 +42,10 @@ from typing import NoReturn
 
 import torch
 
-ABI = 12
+ABI = 13
 PANEL = 8
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
+FLOAT_ISAS = ("avx2", "avx512")  # sd_float_isa's values, by index
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # bytes of one block (16 output rows x 32 inputs) of a panel pair, per GGUF format code
 # (kernels.h: SD_Q4_1, SD_Q8_0, SD_Q4_F, SD_Q5_F, SD_I8_F16, SD_Q4_K, SD_Q6_K, and their
@@ -257,6 +258,13 @@ class Kernels:
         on every one; ``SPECDEC_NATIVE_ISA=avx2``, ``avx-vnni`` or ``avx512-vnni`` in the
         environment caps it; ``amx`` is the widest)."""
         return Q8_ISAS[self.lib.sd_q8_isa()]
+
+    @property
+    def float_isa(self) -> str:
+        """The instruction set the float-activation GGUF kernels run here: ``avx512`` where the
+        CPU has AVX-512 F/BW/VL/DQ, else ``avx2`` (bitwise the same results;
+        ``SPECDEC_NATIVE_ISA=avx2`` or ``avx-vnni`` in the environment caps it)."""
+        return FLOAT_ISAS[self.lib.sd_float_isa()]
 
     @staticmethod
     def prepare(weight: torch.Tensor) -> Panels:

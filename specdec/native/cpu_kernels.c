@@ -15,6 +15,9 @@ int sd_cpu_features(void) {
     __builtin_cpu_init();
     int f = 0;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) f |= 1;
+    if ((f & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+        f |= 2;
     return f;
 }
 

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define SD_ABI 12
+#define SD_ABI 13
 #define PW 8 /* panel width: output rows per weight panel */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -62,7 +62,13 @@ static inline int sd_is_kquant(int64_t fmt) { return fmt >= SD_Q4_K && fmt < SD_
 /* a GGUF block format (K % 32 == 0; the super-block ones K % 256 == 0) */
 static inline int sd_is_gguf(int64_t fmt) { return fmt >= SD_Q4_1 && fmt < SD_NUM_FORMATS; }
 
-int sd_cpu_features(void); /* bit 0: AVX2 + FMA + F16C */
+int sd_cpu_features(void); /* bit 0: AVX2 + FMA + F16C; bit 1: AVX-512 F + BW + VL + DQ */
+
+/* the instruction set of the float-activation GGUF kernels (linear.c): AVX-512 where the CPU
+ * has it, unless SPECDEC_NATIVE_ISA is "avx2" or "avx-vnni" (read once per process); both give
+ * bitwise the same results */
+enum { SD_FLOAT_AVX2 = 0, SD_FLOAT_AVX512 = 1 };
+int sd_float_isa(void);
 
 /* the instruction set of the 8-bit-activation kernels (linear_q8.c): the best this CPU has, at
  * most the one SPECDEC_NATIVE_ISA names ("avx2", "avx-vnni", "avx512-vnni"; "amx" or unset: the

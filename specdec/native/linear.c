@@ -18,6 +18,8 @@
  * is the one its part's format gives, so each column is bitwise what its part alone gives.
  */
 #include <omp.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -320,16 +322,229 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
 KQUANT_FORMAT(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 
+/* AVX-512 (sd_float_isa): one __m512 holds a pair's 16 output rows, so a step dequantizes 16
+ * weights with the vector ops AVX2 spends on 8. Every element's operations are AVX2's: the
+ * same w = fl(d * q) (+ m, a second rounding), the same fma chain over ascending k from 0 or
+ * from y. The 4-bit formats keep the pair's rows interleaved in the lanes (panel 0's row i in
+ * lane 2i, panel 1's in lane 2i + 1: one 64-bit broadcast of the two panels' words, one shift,
+ * one and make all 16 quants); their scales and accumulators are permuted into those lanes
+ * once per block / call and back at the store. The byte formats keep the column order. More
+ * than 3 rows unpack with AVX2 (AVX-512 unpacking measured slower there: 8 rows, 2 threads). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
+typedef struct {
+    __m512 d, m; /* a block's scales for the 16 rows: d and m (I8_F16, Q6_K: d of k 0-15, 16-31) */
+} scales16;
+/* column order <-> the lanes of a format with interleaved lanes (ilv != 0) */
+AVX512 static inline __m512 to_lanes(int ilv, __m512 v) {
+    return ilv ? _mm512_permutexvar_ps(_mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13,
+                                                         6, 14, 7, 15), v)
+               : v;
+}
+AVX512 static inline __m512 from_lanes(int ilv, __m512 v) {
+    return ilv ? _mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7,
+                                                         9, 11, 13, 15), v)
+               : v;
+}
+AVX512 static inline scales16 scales_to_lanes(int ilv, scales16 s) {
+    return (scales16){to_lanes(ilv, s.d), to_lanes(ilv, s.m)};
+}
+AVX512 static inline __m512 f16x16(const uint8_t* b) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)b));
+}
+AVX512 static inline __m512 i8x16(const uint8_t* q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)q)));
+}
+AVX512 static inline __m512 u8x16(const uint8_t* q) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)q)));
+}
+AVX512 static inline scales16 q4_1_scales16(const uint8_t* b) {
+    return (scales16){f16x16(b), f16x16(b + 32)};
+}
+AVX512 static inline scales16 q8_0_scales16(const uint8_t* b) {
+    return (scales16){f16x16(b), _mm512_setzero_ps()};
+}
+AVX512 static inline scales16 f32_scales16(const uint8_t* b) {
+    const float* f = (const float*)b;
+    return (scales16){_mm512_loadu_ps(f), _mm512_loadu_ps(f + 16)};
+}
+#define q4_f_scales16 f32_scales16
+#define q5_f_scales16 f32_scales16
+#define i8_f16_scales16 f32_scales16
+/* step kk's 16 weights, interleaved: the two panels' uint32 (rows 0-7, rows 8-15) side by side
+ * in each 64-bit lane, lane 2i shifted by 4i, lane 2i + 1 too; the float of the low 4 bits is
+ * looked up (a permute reads only an index's low 4 bits: no and, no convert; exact) */
+AVX512 static inline __m512 nibble_step16(const uint8_t* qb, const scales16* s, int kk) {
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
+                                             28, 28);
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i both = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i*)(qb + 8 * kk)));
+    const __m512 q = _mm512_permutexvar_ps(_mm512_srlv_epi32(both, shifts), values);
+    return _mm512_add_ps(_mm512_mul_ps(s->d, q), s->m);
+}
+AVX512 static inline __m512 q4_1_step16(const uint8_t* b, const scales16* s, int kk) {
+    return nibble_step16(b + 64, s, kk);
+}
+AVX512 static inline __m512 q4_f_step16(const uint8_t* b, const scales16* s, int kk) {
+    return nibble_step16(b + 128, s, kk);
+}
+AVX512 static inline __m512 q8_0_step16(const uint8_t* b, const scales16* s, int kk) {
+    return _mm512_mul_ps(i8x16(b + 32 + 16 * kk), s->d);
+}
+AVX512 static inline __m512 q5_f_step16(const uint8_t* b, const scales16* s, int kk) {
+    return _mm512_add_ps(_mm512_mul_ps(s->d, u8x16(b + 128 + 16 * kk)), s->m);
+}
+AVX512 static inline __m512 i8_f16_step16(const uint8_t* b, const scales16* s, int kk) {
+    return _mm512_mul_ps(i8x16(b + 128 + 16 * kk), kk < 16 ? s->d : s->m);
+}
+/* the super-block formats' sub-block scales and steps, as q4_k_scales / q6_k_scales above */
+AVX512 static inline scales16 q4_k_scales16(const uint8_t* h, int j) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    return (scales16){_mm512_mul_ps(f16x16(h), u8x16(h + 64 + 16 * j)),
+                      _mm512_xor_ps(_mm512_mul_ps(f16x16(h + 32), u8x16(h + 192 + 16 * j)),
+                                    sign)};
+}
+#define q4_k_step16 nibble_step16
+AVX512 static inline scales16 q6_k_scales16(const uint8_t* h, int j) {
+    const uint8_t* sc = h + 32 + 32 * j;
+    const __m512 d = f16x16(h);
+    return (scales16){_mm512_mul_ps(d, i8x16(sc)), _mm512_mul_ps(d, i8x16(sc + 16))};
+}
+AVX512 static inline __m512 q6_k_step16(const uint8_t* q, const scales16* s, int kk) {
+    return _mm512_mul_ps(i8x16(q + 16 * kk), kk < 16 ? s->d : s->m);
+}
+/* interleaved lanes, by format */
+enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_f16_ILV = 0,
+       q6_k_ILV = 0 };
+#define INIT16(r) __m512 c##r = first ? _mm512_setzero_ps()                                    \
+                                      : to_lanes(ilv, _mm512_loadu_ps(y + r * ldy));
+#define ROW16(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), v, c##r);
+#define STORE16(r) _mm512_storeu_ps(y + r * ldy, from_lanes(ilv, c##r));
+#define DIRECT16(KIND, BYTES, R, EACH)                                                         \
+    AVX512 static void KIND##_z##R(const float* x, int64_t K, const uint8_t* b, int64_t nblk, \
+                                   float* y, int64_t ldy, int first) {                         \
+        const int ilv = KIND##_ILV;                                                            \
+        EACH(INIT16)                                                                           \
+        for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
+            for (int o = 0; o < BYTES; o += 64)                                                \
+                _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
+            const scales16 s = scales_to_lanes(ilv, KIND##_scales16(b));                       \
+            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+                const __m512 v = KIND##_step16(b, &s, kk);                                     \
+                const int64_t k = j * SD_QBLOCK + kk;                                          \
+                EACH(ROW16)                                                                    \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE16)                                                                          \
+    }
+/* R (1 or 2) rows over two pairs at once (b and b + stride; columns y and y + 16): twice the
+ * independent fma chains (with one or two a step waits on the fma latency) */
+#define INIT2(r) INIT16(r)                                                                     \
+    __m512 e##r = first ? _mm512_setzero_ps()                                                  \
+                        : to_lanes(ilv, _mm512_loadu_ps(y + r * ldy + 2 * PW));
+#define ROW2(r) {                                                                              \
+        const __m512 xr = _mm512_set1_ps(x[r * K + k]);                                        \
+        c##r = _mm512_fmadd_ps(xr, v, c##r);                                                   \
+        e##r = _mm512_fmadd_ps(xr, u, e##r);                                                   \
+    }
+#define STORE2(r) STORE16(r) _mm512_storeu_ps(y + r * ldy + 2 * PW, from_lanes(ilv, e##r));
+#define DIRECT16_TWO(KIND, BYTES, R, EACH)                                                     \
+    AVX512 static void KIND##_two##R(const float* x, int64_t K, const uint8_t* b,             \
+                                     int64_t stride, int64_t nblk, float* y, int64_t ldy,      \
+                                     int first) {                                              \
+        const int ilv = KIND##_ILV;                                                            \
+        EACH(INIT2)                                                                            \
+        for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
+            for (int o = 0; o < BYTES; o += 64) {                                              \
+                _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
+                _mm_prefetch((const char*)b + stride + nblk * BYTES + o, _MM_HINT_T0);         \
+            }                                                                                  \
+            const scales16 s0 = scales_to_lanes(ilv, KIND##_scales16(b)),                      \
+                           s1 = scales_to_lanes(ilv, KIND##_scales16(b + stride));             \
+            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+                const __m512 v = KIND##_step16(b, &s0, kk);                                    \
+                const __m512 u = KIND##_step16(b + stride, &s1, kk);                           \
+                const int64_t k = j * SD_QBLOCK + kk;                                          \
+                EACH(ROW2)                                                                     \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE2)                                                                           \
+    }
+#define GGUF_FORMAT16(KIND, BYTES)                                                             \
+    DIRECT16(KIND, BYTES, 1, EACH1) DIRECT16(KIND, BYTES, 2, EACH2)                            \
+    DIRECT16(KIND, BYTES, 3, EACH3)                                                            \
+    DIRECT16_TWO(KIND, BYTES, 1, EACH1) DIRECT16_TWO(KIND, BYTES, 2, EACH2)
+GGUF_FORMAT16(q4_1, SD_Q4_1_PAIR_BYTES)
+GGUF_FORMAT16(q8_0, SD_Q8_0_PAIR_BYTES)
+GGUF_FORMAT16(q4_f, SD_Q4_F_PAIR_BYTES)
+GGUF_FORMAT16(q5_f, SD_Q5_F_PAIR_BYTES)
+GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
+#define KDIRECT16(KIND, BYTES, HEAD, SUB, R, EACH)                                             \
+    AVX512 static void KIND##_z##R(const float* x, int64_t K, const uint8_t* b, int64_t nsb,  \
+                                   float* y, int64_t ldy, int first) {                         \
+        const int ilv = KIND##_ILV;                                                            \
+        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
+        EACH(INIT16)                                                                           \
+        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
+            for (int j = 0; j < 8; j++) {                                                      \
+                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
+                const scales16 s = scales_to_lanes(ilv, KIND##_scales16(b, j));                \
+                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
+                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
+                    const __m512 v = KIND##_step16(qb, &s, kk);                                \
+                    const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
+                    EACH(ROW16)                                                                \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE16)                                                                          \
+    }
+#define KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, R, EACH)                                         \
+    AVX512 static void KIND##_two##R(const float* x, int64_t K, const uint8_t* b,             \
+                                     int64_t stride, int64_t nsb, float* y, int64_t ldy,       \
+                                     int first) {                                              \
+        const int ilv = KIND##_ILV;                                                            \
+        uint8_t tmp0[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
+        uint8_t tmp1[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
+        EACH(INIT2)                                                                            \
+        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
+            for (int j = 0; j < 8; j++) {                                                      \
+                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
+                PREFETCH_SHARE(b + stride + nsb * BYTES, BYTES, j)                             \
+                const scales16 s0 = scales_to_lanes(ilv, KIND##_scales16(b, j)),               \
+                               s1 = scales_to_lanes(ilv, KIND##_scales16(b + stride, j));      \
+                const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \
+                const uint8_t* q1 = KIND##_sub(b + stride + HEAD + SUB * j, tmp1);             \
+                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
+                    const __m512 v = KIND##_step16(q0, &s0, kk);                               \
+                    const __m512 u = KIND##_step16(q1, &s1, kk);                               \
+                    const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
+                    EACH(ROW2)                                                                 \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE2)                                                                           \
+    }
+#define KQUANT_FORMAT16(KIND, BYTES, HEAD, SUB)                                                \
+    KDIRECT16(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT16(KIND, BYTES, HEAD, SUB, 2, EACH2)     \
+    KDIRECT16(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 1, EACH1) \
+    KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 2, EACH2)
+KQUANT_FORMAT16(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
+KQUANT_FORMAT16(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
+
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
+#define TWO_ROWS 2    /* up to this many rows two pairs at a time (AVX-512) */
 #define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
 /* a format's kernels over units of `width` k (32: a block; 256: a super-block) of `bytes` */
 typedef struct {
     int64_t width, bytes;
     void (*unpack)(const uint8_t*, int64_t, float*);
     direct_fn direct[DIRECT_ROWS];
+    /* 1 or 2 rows over two pairs, the second `stride` bytes on (AVX-512; NULL: a pair at a time) */
+    void (*two[TWO_ROWS])(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
+                          int);
 } gguf_kernels;
 #define GGUF_KERNELS(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                          \
-                                          {KIND##_r1, KIND##_r2, KIND##_r3}}
+                                          {KIND##_r1, KIND##_r2, KIND##_r3}, {NULL}}
 /* by format code (the float-activation GGUF formats; the others are never looked up here) */
 static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
@@ -339,17 +554,62 @@ static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_I8_F16] = GGUF_KERNELS(i8_f16, SD_QBLOCK, SD_I8_F16_PAIR_BYTES),
     [SD_Q4_K] = GGUF_KERNELS(q4_k, SD_QK, SD_Q4_K_PAIR_BYTES),
     [SD_Q6_K] = GGUF_KERNELS(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES)};
+#define GGUF_KERNELS16(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                        \
+                                            {KIND##_z1, KIND##_z2, KIND##_z3},              \
+                                            {KIND##_two1, KIND##_two2}}
+static const gguf_kernels GGUF_TABLE16[SD_NUM_FORMATS] = {
+    [SD_Q4_1] = GGUF_KERNELS16(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
+    [SD_Q8_0] = GGUF_KERNELS16(q8_0, SD_QBLOCK, SD_Q8_0_PAIR_BYTES),
+    [SD_Q4_F] = GGUF_KERNELS16(q4_f, SD_QBLOCK, SD_Q4_F_PAIR_BYTES),
+    [SD_Q5_F] = GGUF_KERNELS16(q5_f, SD_QBLOCK, SD_Q5_F_PAIR_BYTES),
+    [SD_I8_F16] = GGUF_KERNELS16(i8_f16, SD_QBLOCK, SD_I8_F16_PAIR_BYTES),
+    [SD_Q4_K] = GGUF_KERNELS16(q4_k, SD_QK, SD_Q4_K_PAIR_BYTES),
+    [SD_Q6_K] = GGUF_KERNELS16(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES)};
+
+int sd_float_isa(void) {
+    /* decided once per process, as sd_q8_isa: AVX-512 unless the CPU lacks it or the
+     * environment caps the instruction set below it */
+    static int isa = -1;
+    int got = __atomic_load_n(&isa, __ATOMIC_RELAXED);
+    if (got < 0) {
+        const char* want = getenv("SPECDEC_NATIVE_ISA");
+        const int capped = want && (!strcmp(want, "avx2") || !strcmp(want, "avx-vnni"));
+        got = !capped && (sd_cpu_features() & 2) ? SD_FLOAT_AVX512 : SD_FLOAT_AVX2;
+        __atomic_store_n(&isa, got, __ATOMIC_RELAXED);
+    }
+    return got;
+}
 
 /* the quantized path: 1-3 rows dequantize in registers; more rows unpack each k-block of a
  * pair once into fp32 (L1) and run every row tile over it. The weights, and so every fma chain,
  * are the same either way. */
 static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                         int64_t ldy, int64_t tiles, int64_t base, int64_t extra) {
-    const gguf_kernels* g = &GGUF_TABLE[w->fmt];
+    const gguf_kernels* g =
+        &(sd_float_isa() == SD_FLOAT_AVX512 ? GGUF_TABLE16 : GGUF_TABLE)[w->fmt];
     const int64_t pairs = w->panels / 2, width = g->width, bytes = g->bytes;
     /* k per step: KBLOCK, or a whole super-block */
     const int64_t step = width > KBLOCK ? width : KBLOCK;
     float buf[(KBLOCK > SD_QK ? KBLOCK : SD_QK) * 2 * PW] __attribute__((aligned(64)));
+    /* AVX-512, 1 or 2 rows: pairs two at a time (the last alone when their number is odd) */
+    if (T >= 1 && T <= TWO_ROWS && g->two[0]) {
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < (pairs + 1) / 2; p++) {
+            const int64_t q = 2 * p, stride = (K / width) * bytes;
+            const uint8_t* pair = (const uint8_t*)w->data + q * stride;
+            for (int64_t k0 = 0; k0 < K; k0 += step) {
+                const int64_t kn = K - k0 < step ? K - k0 : step;
+                const uint8_t* blocks = pair + (k0 / width) * bytes;
+                if (q + 1 < pairs)
+                    g->two[T - 1](x + k0, K, blocks, stride, kn / width, y + 2 * q * PW, ldy,
+                                  k0 == 0);
+                else
+                    g->direct[T - 1](x + k0, K, blocks, kn / width, y + 2 * q * PW, ldy,
+                                     k0 == 0);
+            }
+        }
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < pairs; q++) {
         const uint8_t* pair = (const uint8_t*)w->data + q * (K / width) * bytes;

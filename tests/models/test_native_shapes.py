@@ -246,6 +246,72 @@ def test_every_row_count_every_format_every_isa(isa):
     assert "fuzzed" in done.stdout
 
 
+# the float-activation GGUF kernels, one case per kernel format: (GGUF type, repacked to its
+# per-32 format first, out, in): odd out (padded panels), in not a multiple of the 64-k block
+FLOAT_GGUF = {"Q4_1": ("Q4_1", False, 203, 160), "Q8_0": ("Q8_0", False, 33, 96),
+              "Q4_F": ("Q4_K", True, 37, 288), "Q5_F": ("Q5_1", False, 21, 224),
+              "I8_F16": ("Q6_K", True, 19, 544), "Q4_K": ("Q4_K", False, 203, 768),
+              "Q6_K": ("Q6_K", False, 45, 512)}
+
+
+def _float_gguf_case(fmt: str) -> tuple[Panels, gb.Blocks, torch.Tensor]:
+    kind, per_32, out, inp = FLOAT_GGUF[fmt]
+    if per_32:
+        inp = 256 * -(-inp // 256)
+    b = random_blocks(kind, out, inp, seed=len(fmt) + out)
+    w = gb.prepare_repacked(gb.repack(b), out, inp) if per_32 else gb.prepare(b)
+    assert w.fmt == gb.FORMATS[fmt], (fmt, w.fmt)
+    return w, b, torch.randn(BATCH, inp, generator=torch.Generator().manual_seed(out))
+
+
+def float_gguf_outputs(path: str) -> None:
+    """Every FLOAT_GGUF format's outputs for 0..64 rows (rows picked from one x) -> path."""
+    got = {}
+    for fmt in FLOAT_GGUF:
+        w, _, x = _float_gguf_case(fmt)
+        g = torch.Generator().manual_seed(7)
+        got[fmt] = [(rows, KERNELS.linear(x[rows].contiguous(), w))
+                    for rows in (torch.randint(0, BATCH, (t,), generator=g)
+                                 for t in range(BATCH + 1))]
+    torch.save(got, path)
+
+
+@needs_kernels
+def test_float_gguf_kernels_are_bitwise_on_every_isa(tmp_path):
+    """The AVX-512 float-activation GGUF kernels (1-3 rows direct, more unpacked) against the
+    AVX2 ones (SPECDEC_NATIVE_ISA=avx2), each in a process of its own (the choice is made once
+    per process), and both against the dequantized weights' fp32 kernel: bitwise, every row
+    count 0..64, every row what it is alone."""
+    here = Path(__file__).parent
+    got, isas = {}, {}
+    for cap in ("avx2", None):
+        code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
+                "import torch; torch.set_num_threads(1)\n"
+                "import test_native_shapes as t\n"
+                "print(t.KERNELS.float_isa, flush=True)\n"
+                f"t.float_gguf_outputs({str(tmp_path / f'{cap}.pt')!r})\n")
+        env = {k: v for k, v in os.environ.items() if k != "SPECDEC_NATIVE_ISA"}
+        if cap:
+            env["SPECDEC_NATIVE_ISA"] = cap
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        isas[cap] = done.stdout.split()[0]
+        got[cap] = torch.load(tmp_path / f"{cap}.pt")
+    assert isas["avx2"] == "avx2"
+    if isas[None] != "avx512":
+        pytest.skip(f"this CPU runs {isas[None]} float kernels: no AVX-512 to compare")
+    for fmt in FLOAT_GGUF:
+        w, b, x = _float_gguf_case(fmt)
+        ref = KERNELS.linear(x, KERNELS.prepare(gb.dequantize(b)))
+        assert ref.isfinite().all() and (ref != 0).all(), fmt
+        for (rows, old), (rows_new, new) in zip(got["avx2"][fmt], got[None][fmt]):
+            assert torch.equal(rows, rows_new)
+            assert torch.equal(new.view(torch.int32), old.view(torch.int32)), (fmt, len(rows))
+            assert torch.equal(new.view(torch.int32), ref[rows].view(torch.int32)), (
+                fmt, len(rows))
+
+
 # ---- malformed arguments: a Python exception naming the shape, before any kernel runs ----
 
 
