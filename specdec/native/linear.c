@@ -276,43 +276,34 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
 #define PREFETCH_SHARE(p, BYTES, j)                                                            \
     for (int o = ((BYTES) * (j) / 8) & ~63; o < (BYTES) * ((j) + 1) / 8; o += 64)               \
         _mm_prefetch((const char*)(p) + o, _MM_HINT_T0);
-/* nsb super-blocks of a pair unpacked to buf [256 * nsb][16], the ones after them prefetched */
-#define KUNPACK(KIND, BYTES, HEAD, SUB)                                                        \
-    AVX2 static void unpack_##KIND(const uint8_t* b, int64_t nsb, float* buf) {               \
-        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
-        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
-            for (int j = 0; j < 8; j++) {                                                      \
-                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
-                const scales s = KIND##_scales(b, j);                                          \
-                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
-                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
-                    __m256 w0, w1;                                                             \
-                    KIND##_step(qb, &s, kk, &w0, &w1);                                         \
-                    float* at = buf + ((h * 8 + j) * SD_QBLOCK + kk) * 2 * PW;                 \
-                    _mm256_storeu_ps(at, w0);                                                  \
-                    _mm256_storeu_ps(at + PW, w1);                                             \
-                }                                                                              \
+/* the steps of nsb super-blocks of a pair (the ones after them prefetched): at input k, the
+ * 16 weights of the step in v0, v1 (one vector per panel), then BODY */
+#define KSTEPS(KIND, BYTES, HEAD, SUB, BODY)                                                   \
+    uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                              \
+    for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                            \
+        for (int j = 0; j < 8; j++) {                                                          \
+            PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                          \
+            const scales s = KIND##_scales(b, j);                                              \
+            const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                           \
+            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+                __m256 v0, v1;                                                                 \
+                KIND##_step(qb, &s, kk, &v0, &v1);                                             \
+                const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                                \
+                BODY                                                                           \
             }                                                                                  \
         }                                                                                      \
+    }
+/* nsb super-blocks of a pair unpacked to buf [256 * nsb][16] */
+#define KUNPACK(KIND, BYTES, HEAD, SUB)                                                        \
+    AVX2 static void unpack_##KIND(const uint8_t* b, int64_t nsb, float* buf) {               \
+        KSTEPS(KIND, BYTES, HEAD, SUB, _mm256_storeu_ps(buf + k * 2 * PW, v0);                 \
+               _mm256_storeu_ps(buf + k * 2 * PW + PW, v1);)                                   \
     }
 #define KDIRECT(KIND, BYTES, HEAD, SUB, R, EACH)                                               \
     AVX2 static void KIND##_r##R(const float* x, int64_t K, const uint8_t* b, int64_t nsb,    \
                                  float* y, int64_t ldy, int first) {                           \
-        uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                          \
         EACH(INIT)                                                                             \
-        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
-            for (int j = 0; j < 8; j++) {                                                      \
-                PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
-                const scales s = KIND##_scales(b, j);                                          \
-                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
-                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
-                    __m256 v0, v1;                                                             \
-                    KIND##_step(qb, &s, kk, &v0, &v1);                                         \
-                    const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
-                    EACH(ROW)                                                                  \
-                }                                                                              \
-            }                                                                                  \
-        }                                                                                      \
+        KSTEPS(KIND, BYTES, HEAD, SUB, EACH(ROW))                                              \
         EACH(STORE)                                                                            \
     }
 #define KQUANT_FORMAT(KIND, BYTES, HEAD, SUB)                                                  \
