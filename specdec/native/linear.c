@@ -118,7 +118,14 @@ AVX2 static inline scales f32_scales(const uint8_t* b) {
 #define q4_f_scales f32_scales
 #define q5_f_scales f32_scales
 #define i8_f16_scales f32_scales
-/* the 16 weights of step kk of a block, dequantized (one vector per panel) */
+/* the 16 weights of step kk of a block, dequantized (one vector per panel).
+ * EXACT_DQ: where a format adds m (Q4_1, Q4_F, Q5_F, Q4_K), d * q is exact in float32, so
+ * fma(d, q, m) rounds once to the very value of fl(d * q) + m (gguf-py's two roundings), one
+ * instruction fewer: d is an fp16 (11 significant bits) or a K-quant sub-block scale
+ * fl(fp16 d * 6-bit sc) (at most 17 bits: that product is exact too), q has at most 5 bits, so
+ * d * q has at most 22 significant bits, and no product can overflow or leave the normal range
+ * (fp16 magnitudes times at most 63 * 31). The bitwise tests against the mul-then-add
+ * reference (tests/models/test_native*.py, test_kquant_formats.py) hold it. */
 AVX2 static inline void nibble_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
                                     __m256* w1) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
@@ -126,8 +133,8 @@ AVX2 static inline void nibble_step(const uint8_t* qb, const scales* s, int kk, 
     const int32_t* q = (const int32_t*)qb + 2 * kk;
     const __m256i q0 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[0]), shifts), low4);
     const __m256i q1 = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[1]), shifts), low4);
-    *w0 = _mm256_add_ps(_mm256_mul_ps(s->d0, _mm256_cvtepi32_ps(q0)), s->m0);
-    *w1 = _mm256_add_ps(_mm256_mul_ps(s->d1, _mm256_cvtepi32_ps(q1)), s->m1);
+    *w0 = _mm256_fmadd_ps(s->d0, _mm256_cvtepi32_ps(q0), s->m0); /* = fl(d * q) + m: EXACT_DQ */
+    *w1 = _mm256_fmadd_ps(s->d1, _mm256_cvtepi32_ps(q1), s->m1);
 }
 AVX2 static inline void q4_1_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
                                   __m256* w1) {
@@ -152,8 +159,8 @@ AVX2 static inline void q8_0_step(const uint8_t* b, const scales* s, int kk, __m
 AVX2 static inline void q5_f_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
                                   __m256* w1) {
     const uint8_t* q = b + 128 + 16 * kk;
-    *w0 = _mm256_add_ps(_mm256_mul_ps(s->d0, u8x8(q)), s->m0);
-    *w1 = _mm256_add_ps(_mm256_mul_ps(s->d1, u8x8(q + 8)), s->m1);
+    *w0 = _mm256_fmadd_ps(s->d0, u8x8(q), s->m0); /* EXACT_DQ */
+    *w1 = _mm256_fmadd_ps(s->d1, u8x8(q + 8), s->m1);
 }
 AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, __m256* w0,
                                     __m256* w1) {
@@ -370,7 +377,7 @@ AVX512 static inline __m512 nibble_step16(const uint8_t* qb, const scales16* s, 
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i both = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i*)(qb + 8 * kk)));
     const __m512 q = _mm512_permutexvar_ps(_mm512_srlv_epi32(both, shifts), values);
-    return _mm512_add_ps(_mm512_mul_ps(s->d, q), s->m);
+    return _mm512_fmadd_ps(s->d, q, s->m); /* EXACT_DQ */
 }
 AVX512 static inline __m512 q4_1_step16(const uint8_t* b, const scales16* s, int kk) {
     return nibble_step16(b + 64, s, kk);
@@ -382,7 +389,7 @@ AVX512 static inline __m512 q8_0_step16(const uint8_t* b, const scales16* s, int
     return _mm512_mul_ps(i8x16(b + 32 + 16 * kk), s->d);
 }
 AVX512 static inline __m512 q5_f_step16(const uint8_t* b, const scales16* s, int kk) {
-    return _mm512_add_ps(_mm512_mul_ps(s->d, u8x16(b + 128 + 16 * kk)), s->m);
+    return _mm512_fmadd_ps(s->d, u8x16(b + 128 + 16 * kk), s->m); /* EXACT_DQ */
 }
 AVX512 static inline __m512 i8_f16_step16(const uint8_t* b, const scales16* s, int kk) {
     return _mm512_mul_ps(i8x16(b + 128 + 16 * kk), kk < 16 ? s->d : s->m);
