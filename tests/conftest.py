@@ -212,3 +212,10 @@ def prompts_file(tmp_path_factory):
     rows = [{"turns": [" ".join(rng.choice(WORDS) for _ in range(5))]} for _ in range(24)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty SPECDEC_CACHE of the test's own (the GGUF loading tests)."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
