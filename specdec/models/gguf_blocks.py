@@ -13,14 +13,14 @@ every GGUF type is repacked into one whose arithmetic gives gguf-py's float32 we
     Q8_0    fp16 d            int8               fl(d * q)            Q8_0; Q5_0 (q - 16)
     Q4_F    f32 d, m          4-bit 0..15        fl(d * q) + m        Q4_0 where -8d overflows fp16
                                                                       (Q4_K's values: d = D, m = -M)
-    Q5_F    f32 d, m          5-bit, one a byte  fl(d * q) + m        Q5_K; Q5_1
+    Q5_F    f32 d, m          5-bit, one a byte  fl(d * q) + m        Q5_1 (Q5_K's values)
     I8_F16  f32 d per 16      int8               fl(d * q)            (Q6_K's values: q - 32)
 
-and two super-block formats (per 256 inputs; specdec.models.kquant_blocks), Q4_K and Q6_K as
-the file holds them (fp16 d, dmin per 256, integer sub-block scales), whose kernels make each
-sub-block's float32 scales as gguf-py does and then compute exactly as Q4_F / I8_F16 over those
-values (``repack`` gives them: the references), streaming 4.625 / 6.5625 bits a weight
-instead of 6 / 10.
+and three super-block formats (per 256 inputs; specdec.models.kquant_blocks), Q4_K, Q5_K and
+Q6_K as the file holds them (fp16 d, dmin per 256, integer sub-block scales), whose kernels make
+each sub-block's float32 scales as gguf-py does and then compute exactly as Q4_F / Q5_F /
+I8_F16 over those values (``repack`` gives them: the references), streaming 4.625 / 5.625 /
+6.5625 bits a weight instead of 6 / 10 / 10.
 
 Why exact: fp16 d times a 4- or 5-bit q is exact in float32 (11 + 5 bits), so Q4_0's
 d * (q - 8) = d * q - 8d has no rounding either way; a K-quant's sub-block scale D = fl(d * sc)
@@ -44,7 +44,7 @@ BLOCK_WIDTH = {kind: t.width for kind, t in TYPES.items()}  # inputs of one bloc
 FORMATS = {"Q4_1": 3, "Q8_0": 4, "Q4_F": 7, "Q5_F": 8, "I8_F16": 9, **kquant_blocks.FORMATS}
 # the format ``prepare`` lays each GGUF type out in
 KERNEL_FORMAT = {"Q4_0": "Q4_1", "Q4_1": "Q4_1", "Q5_0": "Q8_0", "Q5_1": "Q5_F",
-                 "Q8_0": "Q8_0", "Q4_K": "Q4_K", "Q5_K": "Q5_F", "Q6_K": "Q6_K"}
+                 "Q8_0": "Q8_0", "Q4_K": "Q4_K", "Q5_K": "Q5_K", "Q6_K": "Q6_K"}
 NIBBLES = ("Q4_1", "Q4_F")  # the formats whose quants are 4-bit (two a byte)
 
 
@@ -126,7 +126,7 @@ def prepare(b: Blocks) -> Panels:
     """The float kernels' layout (linear.c): per pair of 8-row panels and block of 32 inputs,
     the 16 rows' scales (``scale_bytes``), then their quants k-major (4-bit formats: per k one
     uint32 per panel, row i at bits 4i; 8-bit ones: per k the 16 rows' bytes). Rows are padded
-    with zero blocks to a multiple of 16. Q4_K, Q6_K: their super-block format
+    with zero blocks to a multiple of 16. Q4_K, Q5_K, Q6_K: their super-block format
     (kquant_blocks)."""
     if KERNEL_FORMAT[b.kind] in kquant_blocks.FORMATS:
         return kquant_blocks.prepare(b.kind, b.rows, b.in_features, "float")

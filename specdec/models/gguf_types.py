@@ -110,11 +110,17 @@ def _q4_k(blk):
     return _by_32(d.unsqueeze(-1)), _by_32(m), _by_32(_k_low(blk[..., 16:144]))
 
 
+def q5_k_quants(blk: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [out, n, 176] -> q [out, n, 8, 32] int16 0..31, per sub-block of 32: the
+    nibbles as Q4_K's (qs), bit 4 from qh (sub-block j: bit j of each of its 32 bytes)."""
+    qh = blk[..., 16:48].to(torch.int16).unsqueeze(-2)
+    high = ((qh >> torch.arange(8, dtype=torch.int16).unsqueeze(-1)) & 1) << 4
+    return _k_low(blk[..., 48:176]) | high
+
+
 def _q5_k(blk):
     d, m = _k_scales(blk)
-    qh = blk[..., 16:48].to(torch.int16).unsqueeze(-2)  # sub-block j: bit j of each byte
-    high = ((qh >> torch.arange(8, dtype=torch.int16).unsqueeze(-1)) & 1) << 4
-    return _by_32(d.unsqueeze(-1)), _by_32(m), _by_32(_k_low(blk[..., 48:176]) | high)
+    return _by_32(d.unsqueeze(-1)), _by_32(m), _by_32(q5_k_quants(blk))
 
 
 def q6_k_quants(blk: torch.Tensor) -> torch.Tensor:

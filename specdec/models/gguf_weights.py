@@ -124,8 +124,8 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
 CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
 # of the prepare functions' output and the file's names: a cache of another layout is made
 # again (2: a matrix in parts, PanelParts, is stored as "<name>#<i>" per part, "parts:<n>";
-# 3: Q4_K, Q6_K in their super-block formats)
-LAYOUT = 3
+# 3: Q4_K, Q6_K in their super-block formats; 4: Q5_K in its super-block format)
+LAYOUT = 4
 
 
 def panel_cache(gguf: Path, activations: str) -> Path:

@@ -1,16 +1,19 @@
-"""Q4_K and Q6_K in the kernels' super-block formats (kernels.h: SD_Q4_K, SD_Q6_K and their
-8-bit-activation layouts): the file's own fields, so a decoded token streams about the file's
+"""Q4_K, Q5_K and Q6_K in the kernels' super-block formats (kernels.h: SD_Q4_K, SD_Q5_K,
+SD_Q6_K and their 8-bit-activation layouts): the file's own fields, so a decoded token streams about the file's
 bytes, laid out per panel pair (16 output rows) and super-block of 256 inputs.
 
     format  per row and super-block (256 k)            bytes / 256   file      bits / weight
     Q4_K    fp16 d, dmin; 8 x (sc, m) a byte each;     148           144       4.625 (+2.8 %)
             4-bit q
+    Q5_K    Q4_K's, and the 5th bit of q: a bit plane  180           176       5.625 (+2.3 %)
     Q6_K    fp16 d; 16 x int8 sc; 6-bit q (4 + 2 bits) 210           210       6.5625 (+0 %)
 
-(the per-32 formats they replace: Q4_F 6.0 bits a weight, +33 %; I8_F16 10.0, +52 %). The
+(the per-32 formats they replace: Q4_F 6.0 bits a weight, +33 %; Q5_F 10.0, +82 %; I8_F16
+10.0, +52 %). The
 kernels make each sub-block's scales as gguf-py does, in float32 (D = fl(d * sc),
 M = fl(dmin * m); Q6_K: D = fl(d * sc) per 16), then run the sub-block exactly as a block of the
-per-32 format holding those values (``PER_32``: Q4_F with m = -M, I8_F16 with q - 32), so the
+per-32 format holding those values (``PER_32``: Q4_F / Q5_F with m = -M, I8_F16 with q - 32),
+so the
 results are bitwise those of the per-32 layout of the same file, in both activation modes (the
 references: gguf_blocks.repack's values). Q6_K keeps the file's 6-bit packing (4 + 2 bits)
 rather than int8 quants (8.5 bits): the 2-bit fields cost a few shifts per 32 bytes, shared by
@@ -18,10 +21,16 @@ every row of a call, and the bytes are the decode time.
 
 A pair's super-block (linear.c / linear_q8.c read it): the header, then per sub-block j of 32
 inputs its quants: Q4_K 320 + 8 x 256 = 2368 bytes (d[16], dmin[16] fp16; sc[8][16],
-m[8][16] uint8), Q6_K 288 + 8 x 384 = 3360 bytes (d[16] fp16, sc[16][16] int8; per sub-block
+m[8][16] uint8), Q5_K 320 + 8 x (256 + 64) = 2880 (Q4_K's header; per sub-block the low 4 bits
+as Q4_K's quants, then 64 bytes of the 5th bits), Q6_K 288 + 8 x 384 = 3360 bytes (d[16] fp16, sc[16][16] int8; per sub-block
 the low 4 bits as Q4_K's quants, then the high 2 bits). The quants of a Q4_K sub-block are laid out as
 a block of Q4_F (gguf_blocks.prepare: per k one uint32 per panel; q8_activations.prepare:
-chunks of 8 rows x 4 k, a byte holding both panels). Q6_K's, q8: in chunks c of 64 elements
+chunks of 8 rows x 4 k, a byte holding both panels). Q5_K's 5th bits (``_fifth_bits``): float,
+per k a uint16 whose bit 2i + p is row 8p + i's (the lanes of the AVX-512 nibble step: one
+masked add of 16; AVX2 shifts it into place); q8, a byte per element t = 32p + 4r + j of a
+chunk (q[row 8p + r][k = 4c + j], the order of the 512-bit kernel's 64 weight bytes) whose bit
+c is chunk c's, so chunk c's bits are one shift and a mask away, in place (bit 4) in every byte
+(a plane per chunk would need a shuffle, an or and a compare per 32 bytes on AVX2). Q6_K's, q8: in chunks c of 64 elements
 t = 32p + 4r + j (q[row 8p + r][k = 4c + j]), 4 vectors of 64 bytes of the low 4 bits (vector
 u's byte t: chunk u's element t in the low nibble, chunk u + 4's in the high one), then 2 of the
 high 2 bits (vector v's byte t: chunk 2f + v's element t at bits 2f); float: the elements e = 16k + row (the
@@ -39,15 +48,16 @@ from specdec.models.native import PANEL, Panels
 
 QK = gguf_types.QK_K  # inputs of a super-block
 SUB = gguf_types.BLOCK  # inputs of a sub-block
-FORMATS = {"Q4_K": 13, "Q6_K": 14}  # kernels.h format codes, float activations
-Q8_FORMATS = {"Q4_K": 15, "Q6_K": 16}  # ... and 8-bit activations
-PAIR_BYTES = {"Q4_K": 2368, "Q6_K": 3360}  # one super-block of a panel pair
-PER_32 = {"Q4_K": "Q4_F", "Q6_K": "I8_F16"}  # the per-32 format computing the same values
+FORMATS = {"Q4_K": 13, "Q6_K": 14, "Q5_K": 17}  # kernels.h format codes, float activations
+Q8_FORMATS = {"Q4_K": 15, "Q6_K": 16, "Q5_K": 18}  # ... and 8-bit activations
+PAIR_BYTES = {"Q4_K": 2368, "Q6_K": 3360, "Q5_K": 2880}  # one super-block of a panel pair
+# the per-32 format computing the same values
+PER_32 = {"Q4_K": "Q4_F", "Q6_K": "I8_F16", "Q5_K": "Q5_F"}
 ACTIVATIONS = ("float", "q8")
 
 
 def prepare(kind: str, rows: torch.Tensor, in_features: int, activations: str) -> Panels:
-    """rows [out, in / 256 * block bytes] uint8 of ``kind`` (Q4_K | Q6_K, as the file holds
+    """rows [out, in / 256 * block bytes] uint8 of ``kind`` (Q4_K | Q5_K | Q6_K, as the file holds
     them) -> the kernels' panels for ``activations`` ("float" | "q8"); rows are padded with
     zero blocks to a multiple of 16. ValueError for another kind, mode, or a shape that does
     not fit the kind (gguf_types.blocks)."""
@@ -57,13 +67,16 @@ def prepare(kind: str, rows: torch.Tensor, in_features: int, activations: str) -
     blk = _pad(gguf_types.blocks(kind, rows, in_features))  # [pairs, 16, n, nbytes]
     pairs, n = blk.shape[0], blk.shape[2]
     q8 = activations == "q8"
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         sc, m = gguf_types.k_scale_ints(blk)
         head = [_rows_last(blk[..., 0:2]), _rows_last(blk[..., 2:4]),  # d, dmin
                 _rows_last(sc.to(torch.uint8).unsqueeze(-1)),  # [.., 8 sub-blocks, 16 rows]
                 _rows_last(m.to(torch.uint8).unsqueeze(-1))]
-        q = gguf_types._k_low(blk[..., 16:144])  # [pairs, 16, n, 8, 32] 0..15
-        quants = _nibbles(q, q8)
+        if kind == "Q4_K":
+            quants = _nibbles(gguf_types._k_low(blk[..., 16:144]), q8)  # q [pairs, 16, n, 8, 32]
+        else:
+            q = _sub_blocks(gguf_types.q5_k_quants(blk))  # 0..31, [pairs, 16, n * 8, 32]
+            quants = torch.cat([_nibbles(q & 15, q8), _fifth_bits(q >> 4, q8)], dim=-1)
     else:
         head = [_rows_last(blk[..., 208:210]),  # d
                 _rows_last(blk[..., 192:208].unsqueeze(-1))]  # sc: [.., 16 groups, 16 rows]
@@ -110,6 +123,27 @@ def _nibbles(q: torch.Tensor, q8: bool) -> torch.Tensor:
     q = q.permute(0, 2, 3, 1).reshape(pairs, nb, SUB, 2, PANEL)  # [.., k, panel, row]
     # the uint32 of a (k, panel) little-endian: byte b holds row 2b (low nibble), 2b + 1 (high)
     return (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(pairs, nb, -1)
+
+
+def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """[.., 8] uint8 0 / 1 -> [..] uint8, element i at bit i (or-ed in uint8: no int64 copy)."""
+    out = bits[..., 0].clone()
+    for i in range(1, 8):
+        out |= bits[..., i] << i
+    return out
+
+
+def _fifth_bits(h: torch.Tensor, q8: bool) -> torch.Tensor:
+    """Q5_K's 5th bits [pairs, 16, nb, 32] uint8 0 / 1 (per sub-block) -> [pairs, nb, 64] uint8
+    (module docstring): float, per k a uint16 (little-endian) whose bit 2i + p is row 8p + i's;
+    q8, byte t = 32p + 4r + j holding at bit c the bit of q[8p + r][4c + j]."""
+    pairs, nb = h.shape[0], h.shape[2]
+    if q8:  # [pairs, p, r, nb, c, j] -> [pairs, nb, t, c]
+        h = h.reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 2, 5, 4)
+        return _pack_bits(h.reshape(pairs, nb, 64, 8))
+    # [pairs, p, i, nb, k] -> [pairs, nb, k, i, p]: bit 2i + p, 8 bits a byte
+    h = h.reshape(pairs, 2, PANEL, nb, SUB).permute(0, 3, 4, 2, 1)
+    return _pack_bits(h.reshape(pairs, nb, SUB * 2, 8)).reshape(pairs, nb, -1)
 
 
 def _six_bits_q8(q: torch.Tensor) -> torch.Tensor:

@@ -47,7 +47,7 @@ from specdec.models.panels import (  # noqa: F401  (native.Panels etc. for calle
     Weight,
 )
 
-ABI = 13
+ABI = 14
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
 FLOAT_ISAS = ("avx2", "avx512")  # sd_float_isa's values, by index
 logger = logging.getLogger("specdec")

@@ -25,15 +25,16 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 PANEL = 8
 FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # bytes of one block (16 output rows x 32 inputs) of a panel pair, per GGUF format code
-# (kernels.h: SD_Q4_1, SD_Q8_0, SD_Q4_F, SD_Q5_F, SD_I8_F16, SD_Q4_K, SD_Q6_K, and their
+# (kernels.h: SD_Q4_1, SD_Q8_0, SD_Q4_F, SD_Q5_F, SD_I8_F16, SD_Q4_K, SD_Q6_K, SD_Q5_K, and their
 # 8-bit-activation layouts SD_*_Q8; specdec.models.gguf_blocks.FORMATS /
 # q8_activations.FORMATS); the super-block formats (SUPER_BLOCK: in_features % 256 == 0) a
 # super-block's bytes / 8
 PAIR_BYTES = {3: 320, 4: 544, 5: 320, 6: 544, 7: 384, 8: 640, 9: 640, 10: 384, 11: 640,
-              12: 640, 13: 296, 14: 420, 15: 296, 16: 420}
-Q8_FORMATS = (5, 6, 10, 11, 12, 15, 16)  # the codes laid out for 8-bit activations (kernels.h sd_is_q8)
+              12: 640, 13: 296, 14: 420, 15: 296, 16: 420, 17: 360, 18: 360}
+# the codes laid out for 8-bit activations (kernels.h sd_is_q8)
+Q8_FORMATS = (5, 6, 10, 11, 12, 15, 16, 18)
 PARTS, MAX_PARTS = -1, 8  # kernels.h: SD_PARTS (the format of a weight in parts), SD_MAX_PARTS
-SUPER_BLOCK = frozenset({13, 14, 15, 16})
+SUPER_BLOCK = frozenset({13, 14, 15, 16, 17, 18})
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ fp32 model's (each activation is off by at most 1/254 of its block's largest), i
 rows that cost a fraction of an fp32 row's FMAs.
 
 Every GGUF type runs in its kernel format (gguf_blocks.KERNEL_FORMAT: Q4_1, Q8_0, Q5_F, and
-the super-block formats Q4_K, Q6_K, which give bitwise what Q4_F / I8_F16 give over the same
-values), the K-quants too, against the same activation blocks of 32 (llama.cpp quantizes a
+the super-block formats Q4_K, Q5_K, Q6_K, which give bitwise what Q4_F / Q5_F / I8_F16 give over
+the same values), the K-quants too, against the same activation blocks of 32 (llama.cpp quantizes a
 K-quant's activations to Q8_K, 256 wide, to multiply its integer sub-block scales into the
 integer sums). Why 32: one rounding of a layer's input serves every matrix whatever its type (a
 Q4_K_M file mixes Q4_K, Q6_K and, where in_features % 256 != 0, Q5_0 / Q8_0), a scale per 32
@@ -46,7 +46,7 @@ def prepare(b: Blocks) -> Panels:
     """The layout linear_q8.c reads: per pair of 8-row panels and block of 32 inputs, the 16
     rows' scales (gguf_blocks.scale_bytes), then chunks of 8 rows x 4 inputs (4-bit formats:
     chunk c, byte 4r + j = q[r][4c + j] | q[8 + r][4c + j] << 4; 8-bit ones: chunk (c, panel
-    p), byte 4r + j = q[8p + r][4c + j]). Q4_K, Q6_K: their super-block format
+    p), byte 4r + j = q[8p + r][4c + j]). Q4_K, Q5_K, Q6_K: their super-block format
     (kquant_blocks)."""
     if gguf_blocks.KERNEL_FORMAT[b.kind] in kquant_blocks.Q8_FORMATS:
         return kquant_blocks.prepare(b.kind, b.rows, b.in_features, "q8")

@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define SD_ABI 13
+#define SD_ABI 14
 #define PW 8 /* panel width: output rows per weight panel */
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -29,11 +29,12 @@
  *              w = fl(D * q) + (-M), D = fl(d * sc), M = fl(dmin * m)
  *   SD_Q6_K    fp16 d per 256, int8 sc per 16, 6-bit q (4 + 2 bits): w = fl(D * (q - 32)),
  *              D = fl(d * sc)
+ *   SD_Q5_K    Q4_K's, with 5-bit q (4 bits + a bit plane): w = fl(D * q) + (-M)
  * and each laid out for 8-bit activations (SD_*_Q8: linear_q8.c) */
 enum { SD_F32 = 0, SD_BF16 = 1, SD_F16 = 2, SD_NUM_FLOAT_FORMATS = 3, SD_Q4_1 = 3, SD_Q8_0 = 4,
        SD_Q4_1_Q8 = 5, SD_Q8_0_Q8 = 6, SD_Q4_F = 7, SD_Q5_F = 8, SD_I8_F16 = 9,
        SD_Q4_F_Q8 = 10, SD_Q5_F_Q8 = 11, SD_I8_F16_Q8 = 12, SD_Q4_K = 13, SD_Q6_K = 14,
-       SD_Q4_K_Q8 = 15, SD_Q6_K_Q8 = 16, SD_NUM_FORMATS = 17 };
+       SD_Q4_K_Q8 = 15, SD_Q6_K_Q8 = 16, SD_Q5_K = 17, SD_Q5_K_Q8 = 18, SD_NUM_FORMATS = 19 };
 #define SD_QBLOCK 32 /* weights per GGUF block (along K) */
 /* bytes of one block of a panel pair (16 output rows x 32 k): the scales, then the quants */
 #define SD_Q4_1_PAIR_BYTES (16 * 2 + 16 * 2 + 32 * 8)
@@ -42,20 +43,24 @@ enum { SD_F32 = 0, SD_BF16 = 1, SD_F16 = 2, SD_NUM_FLOAT_FORMATS = 3, SD_Q4_1 = 
 #define SD_Q5_F_PAIR_BYTES (16 * 4 + 16 * 4 + 32 * 16)
 #define SD_I8_F16_PAIR_BYTES (2 * 16 * 4 + 32 * 16)
 #define SD_QK 256 /* weights per K-quant super-block (along K) */
-/* bytes of one super-block of a panel pair (16 output rows x 256 k): the header (Q4_K: d[16],
- * dmin[16] fp16, sc[8][16], m[8][16] uint8; Q6_K: d[16] fp16, sc[16][16] int8), then per
- * sub-block of 32 k its quants (Q4_K: 4-bit, 256 bytes; Q6_K: the low 4 bits as Q4_K's, then
- * the high 2 bits, 128 bytes); linear.c and linear_q8.c say how the quants are laid out */
+/* bytes of one super-block of a panel pair (16 output rows x 256 k): the header (Q4_K, Q5_K:
+ * d[16], dmin[16] fp16, sc[8][16], m[8][16] uint8; Q6_K: d[16] fp16, sc[16][16] int8), then per
+ * sub-block of 32 k its quants (Q4_K: 4-bit, 256 bytes; Q5_K: the low 4 bits as Q4_K's, then
+ * the 5th bits, 64 bytes; Q6_K: the low 4 bits as Q4_K's, then the high 2 bits, 128 bytes);
+ * linear.c and linear_q8.c say how the quants are laid out */
 #define SD_Q4_K_HEAD (16 * 2 * 2 + 2 * 8 * 16)
 #define SD_Q4_K_PAIR_BYTES (SD_Q4_K_HEAD + 8 * 32 * 8)
 #define SD_Q6_K_HEAD (16 * 2 + 16 * 16)
 #define SD_Q6_K_SUB (32 * 8 + 32 * 4)
 #define SD_Q6_K_PAIR_BYTES (SD_Q6_K_HEAD + 8 * SD_Q6_K_SUB)
+#define SD_Q5_K_HEAD SD_Q4_K_HEAD
+#define SD_Q5_K_SUB (32 * 8 + 32 * 2)
+#define SD_Q5_K_PAIR_BYTES (SD_Q5_K_HEAD + 8 * SD_Q5_K_SUB)
 
 /* the formats laid out for 8-bit activations (linear_q8.c) */
 static inline int sd_is_q8(int64_t fmt) {
     return fmt == SD_Q4_1_Q8 || fmt == SD_Q8_0_Q8 || (fmt >= SD_Q4_F_Q8 && fmt <= SD_I8_F16_Q8)
-           || fmt == SD_Q4_K_Q8 || fmt == SD_Q6_K_Q8;
+           || fmt == SD_Q4_K_Q8 || fmt == SD_Q6_K_Q8 || fmt == SD_Q5_K_Q8;
 }
 /* a super-block format (K % 256 == 0) */
 static inline int sd_is_kquant(int64_t fmt) { return fmt >= SD_Q4_K && fmt < SD_NUM_FORMATS; }

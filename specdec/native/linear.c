@@ -119,7 +119,7 @@ AVX2 static inline scales f32_scales(const uint8_t* b) {
 #define q5_f_scales f32_scales
 #define i8_f16_scales f32_scales
 /* the 16 weights of step kk of a block, dequantized (one vector per panel).
- * EXACT_DQ: where a format adds m (Q4_1, Q4_F, Q5_F, Q4_K), d * q is exact in float32, so
+ * EXACT_DQ: where a format adds m (Q4_1, Q4_F, Q5_F, Q4_K, Q5_K), d * q is exact in float32, so
  * fma(d, q, m) rounds once to the very value of fl(d * q) + m (gguf-py's two roundings), one
  * instruction fewer: d is an fp16 (11 significant bits) or a K-quant sub-block scale
  * fl(fp16 d * 6-bit sc) (at most 17 bits: that product is exact too), q has at most 5 bits, so
@@ -212,10 +212,13 @@ GGUF_FORMAT(q4_f, SD_Q4_F_PAIR_BYTES)
 GGUF_FORMAT(q5_f, SD_Q5_F_PAIR_BYTES)
 GGUF_FORMAT(i8_f16, SD_I8_F16_PAIR_BYTES)
 
-/* The super-block formats (SD_Q4_K, SD_Q6_K: kernels.h), per super-block of a pair (16 rows x
- * 256 k): the header, then sub-block j's quants (32 k) at HEAD + j * SUB:
+/* The super-block formats (SD_Q4_K, SD_Q5_K, SD_Q6_K: kernels.h), per super-block of a pair
+ * (16 rows x 256 k): the header, then sub-block j's quants (32 k) at HEAD + j * SUB:
  *   Q4_K (2368 bytes): d[16] fp16, dmin[16] fp16, sc[8][16] uint8 (sub-block j's 16 rows at
  *        64 + 16j), m[8][16] uint8 (at 192 + 16j); per sub-block (256 bytes) Q4_F's quants.
+ *   Q5_K (2880 bytes): Q4_K's header; per sub-block (320 bytes) the low 4 bits of q as Q4_K's
+ *        quants, then per k a uint16 of the 16 rows' 5th bits (bit 2i + p: row 8p + i, the
+ *        lanes of the AVX-512 step), so q is 0..31 and the sub-block is Q5_F's block.
  *   Q6_K (3360 bytes): d[16] fp16, sc[16][16] int8 (k 16g .. 16g + 15 at 32 + 16g); per
  *        sub-block (384 bytes) the 512 quants q[k][row] (element e = 16k + row): 256 bytes
  *        of low 4 bits (e in the low nibble of byte e % 256 if e < 256, else the high one), 128
@@ -268,12 +271,34 @@ AVX2 static inline const uint8_t* q6_k_bytes(const uint8_t* qb, uint8_t* out) {
     }
     return out;
 }
-/* the sub-block's quants as its step reads them: Q4_K's as stored, Q6_K's as int8 in `tmp` */
+/* the sub-block's quants as its step reads them: Q4_K's, Q5_K's as stored, Q6_K's as int8 in
+ * `tmp` */
 static inline const uint8_t* q4_k_sub(const uint8_t* qb, uint8_t* tmp) {
     (void)tmp;
     return qb;
 }
+#define q5_k_sub q4_k_sub
 #define q6_k_sub q6_k_bytes
+/* Q5_K: Q4_K's scales; a step's nibbles as Q4_K's, each panel's 5th bits shifted from the k's
+ * uint16 (lane i of panel p: bit 2i + p) to bit 4 and or-ed in: q 0..31, EXACT_DQ */
+#define q5_k_scales q4_k_scales
+AVX2 static inline void q5_k_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
+                                  __m256* w1) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i hshifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i low4 = _mm256_set1_epi32(15), bit4 = _mm256_set1_epi32(16);
+    const int32_t* q = (const int32_t*)qb + 2 * kk;
+    const __m256i h = _mm256_set1_epi32((int32_t)((const uint16_t*)(qb + 256))[kk] << 4);
+    const __m256i q0 = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[0]), shifts), low4),
+        _mm256_and_si256(_mm256_srlv_epi32(h, hshifts), bit4));
+    const __m256i q1 = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[1]), shifts), low4),
+        _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_add_epi32(hshifts, _mm256_set1_epi32(1))),
+                         bit4));
+    *w0 = _mm256_fmadd_ps(s->d0, _mm256_cvtepi32_ps(q0), s->m0); /* EXACT_DQ */
+    *w1 = _mm256_fmadd_ps(s->d1, _mm256_cvtepi32_ps(q1), s->m1);
+}
 AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m256* w0,
                                   __m256* w1) {
     *w0 = _mm256_mul_ps(i8x8(q + 16 * kk), kk < 16 ? s->d0 : s->m0);
@@ -319,6 +344,7 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
     KDIRECT(KIND, BYTES, HEAD, SUB, 3, EACH3)
 KQUANT_FORMAT(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
+KQUANT_FORMAT(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
 
 /* AVX-512 (sd_float_isa): one __m512 holds a pair's 16 output rows, so a step dequantizes 16
  * weights with the vector ops AVX2 spends on 8. Every element's operations are AVX2's: the
@@ -402,6 +428,23 @@ AVX512 static inline scales16 q4_k_scales16(const uint8_t* h, int j) {
                                     sign)};
 }
 #define q4_k_step16 nibble_step16
+/* Q5_K: Q4_K's step, then the lanes whose 5th bit is set (the k's uint16 is the lane mask)
+ * take their float from 16..31 instead of 0..15 (a merge-masked permute of the same index:
+ * exact, no arithmetic) */
+#define q5_k_scales16 q4_k_scales16
+AVX512 static inline __m512 q5_k_step16(const uint8_t* qb, const scales16* s, int kk) {
+    const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
+                                             28, 28);
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
+                                       30, 31);
+    const __m512i both = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i*)(qb + 8 * kk)));
+    const __mmask16 fifth = ((const uint16_t*)(qb + 256))[kk];
+    const __m512i idx = _mm512_srlv_epi32(both, shifts);
+    const __m512 q = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx, values), fifth, idx,
+                                                high);
+    return _mm512_fmadd_ps(s->d, q, s->m); /* EXACT_DQ */
+}
 AVX512 static inline scales16 q6_k_scales16(const uint8_t* h, int j) {
     const uint8_t* sc = h + 32 + 32 * j;
     const __m512 d = f16x16(h);
@@ -411,8 +454,8 @@ AVX512 static inline __m512 q6_k_step16(const uint8_t* q, const scales16* s, int
     return _mm512_mul_ps(i8x16(q + 16 * kk), kk < 16 ? s->d : s->m);
 }
 /* interleaved lanes, by format */
-enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_f16_ILV = 0,
-       q6_k_ILV = 0 };
+enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q5_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0,
+       i8_f16_ILV = 0, q6_k_ILV = 0 };
 #define INIT16(r) __m512 c##r = first ? _mm512_setzero_ps()                                    \
                                       : to_lanes(ilv, _mm512_loadu_ps(y + r * ldy));
 #define ROW16(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), v, c##r);
@@ -528,6 +571,7 @@ GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
     KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 2, EACH2)
 KQUANT_FORMAT16(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT16(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
+KQUANT_FORMAT16(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
 
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
 #define TWO_ROWS 2    /* up to this many rows two pairs at a time (AVX-512) */
@@ -551,7 +595,8 @@ static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q5_F] = GGUF_KERNELS(q5_f, SD_QBLOCK, SD_Q5_F_PAIR_BYTES),
     [SD_I8_F16] = GGUF_KERNELS(i8_f16, SD_QBLOCK, SD_I8_F16_PAIR_BYTES),
     [SD_Q4_K] = GGUF_KERNELS(q4_k, SD_QK, SD_Q4_K_PAIR_BYTES),
-    [SD_Q6_K] = GGUF_KERNELS(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES)};
+    [SD_Q6_K] = GGUF_KERNELS(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES),
+    [SD_Q5_K] = GGUF_KERNELS(q5_k, SD_QK, SD_Q5_K_PAIR_BYTES)};
 #define GGUF_KERNELS16(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                        \
                                             {KIND##_z1, KIND##_z2, KIND##_z3},              \
                                             {KIND##_two1, KIND##_two2}}
@@ -562,7 +607,8 @@ static const gguf_kernels GGUF_TABLE16[SD_NUM_FORMATS] = {
     [SD_Q5_F] = GGUF_KERNELS16(q5_f, SD_QBLOCK, SD_Q5_F_PAIR_BYTES),
     [SD_I8_F16] = GGUF_KERNELS16(i8_f16, SD_QBLOCK, SD_I8_F16_PAIR_BYTES),
     [SD_Q4_K] = GGUF_KERNELS16(q4_k, SD_QK, SD_Q4_K_PAIR_BYTES),
-    [SD_Q6_K] = GGUF_KERNELS16(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES)};
+    [SD_Q6_K] = GGUF_KERNELS16(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES),
+    [SD_Q5_K] = GGUF_KERNELS16(q5_k, SD_QK, SD_Q5_K_PAIR_BYTES)};
 
 int sd_float_isa(void) {
     /* decided once per process, as sd_q8_isa: AVX-512 unless the CPU lacks it or the
@@ -700,8 +746,8 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
 }
 
 /* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
- * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 7 Q4_F, 8 Q5_F, 9 I8_F16, 13 Q4_K, 14 Q6_K, and those
- * blocks laid out for 8-bit activations: 5, 6, 10, 11, 12, 15, 16; kernels.h); columns up
+ * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 7 Q4_F, 8 Q5_F, 9 I8_F16, 13 Q4_K, 14 Q6_K, 17 Q5_K,
+ * and those blocks laid out for 8-bit activations: 5, 6, 10, 11, 12, 15, 16, 18; kernels.h); columns up
  * to 8 * panels are written (ldy >= 8 * panels). T == 0 writes nothing and succeeds. Returns 0,
  * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The
  * lengths of x, w and y are not known here: the caller checks them (specdec/models/native.py).

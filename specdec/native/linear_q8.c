@@ -7,7 +7,8 @@
  *   Q4_1, Q4_F, Q5_F (w = dw * qw + mw):  y += ((dw * d) * isum + mw * s)
  *   Q8_0 (w = dw * qw):                   y += (dw * d) * isum
  *   I8_F16 (dw0 for k 0-15, dw1 16-31):   y += ((dw0 * d) * isum0 + (dw1 * d) * isum1)
- *   Q4_K, Q6_K (super-blocks of 256 k): per sub-block of 32, Q4_F's / I8_F16's, with dw, mw
+ *   Q4_K, Q5_K, Q6_K (super-blocks of 256 k): per sub-block of 32, Q4_F's / Q5_F's / I8_F16's,
+ *   with dw, mw
  *   made from the super-block's d, dmin and integer sc, m as gguf-py makes them (below)
  * isum = sum_k qw_k * q_k over the block (I8_F16: isum0, isum1 over its halves), every
  * product and sum rounded as written (no fma), isum exact in int32. A row's result
@@ -107,8 +108,8 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
  *   vnni: vpdpbusd adds four products into int32 in one instruction (AVX-VNNI): one
  *         instruction per row and step instead of two (4-bit) or three (8-bit);
  *   512:  AVX512-VNNI, both panels of a pair at once, up to 8 rows a tile (below);
- *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, I8_F16, Q4_K and Q6_K
- *         run the 512 kernels). */
+ *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, I8_F16, Q4_K, Q5_K and
+ *         Q6_K run the 512 kernels). */
 #define INIT(r) __m256 f##r = _mm256_setzero_ps();
 #define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
 #define IZERO(r) __m256i i##r = _mm256_setzero_si256();
@@ -227,7 +228,9 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
     Q4_K_KERNEL(1, EACH1, ISA, SUF, ATTR) Q4_K_KERNEL(2, EACH2, ISA, SUF, ATTR)                \
     Q4_K_KERNEL(3, EACH3, ISA, SUF, ATTR) Q4_K_KERNEL(4, EACH4, ISA, SUF, ATTR)                \
     Q6_K_KERNEL(1, EACH1, ISA, SUF, ATTR) Q6_K_KERNEL(2, EACH2, ISA, SUF, ATTR)                \
-    Q6_K_KERNEL(3, EACH3, ISA, SUF, ATTR) Q6_K_KERNEL(4, EACH4, ISA, SUF, ATTR)
+    Q6_K_KERNEL(3, EACH3, ISA, SUF, ATTR) Q6_K_KERNEL(4, EACH4, ISA, SUF, ATTR)                \
+    Q5_K_KERNEL(1, EACH1, ISA, SUF, ATTR) Q5_K_KERNEL(2, EACH2, ISA, SUF, ATTR)                \
+    Q5_K_KERNEL(3, EACH3, ISA, SUF, ATTR) Q5_K_KERNEL(4, EACH4, ISA, SUF, ATTR)
 #define Q8_0_K(R, EACH, ISA, SUF, ATTR)                                                        \
     BYTE_KERNEL(q8_0, SD_Q8_0_PAIR_BYTES, 32, NO_SCALE, F16_D, NO_SCALE, S8, NOTHING,          \
                 FIN_SCALE, R, EACH, ISA, SUF, ATTR)
@@ -238,19 +241,24 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
     BYTE_KERNEL(i8_f16, SD_I8_F16_PAIR_BYTES, 128, F32_D, F32_M, NO_SCALE, S8, HALF_LO,        \
                 FIN_HALVES, R, EACH, ISA, SUF, ATTR)
 
-/* The super-block formats (Q4_K, Q6_K; kernels.h), per super-block of a pair: the header
+/* The super-block formats (Q4_K, Q5_K, Q6_K; kernels.h), per super-block of a pair: the header
  * (linear.c says where its scales are), then per sub-block j (32 k) the quants:
  *   Q4_K: 256 bytes as Q4_F's (the 4-bit chunks above).
+ *   Q5_K: the low 4 bits of q as Q4_K's, then 64 bytes of 5th bits, byte t = 32p + 4r + j
+ *         holding at bit c the bit of q[row 8p + r][k = 4c + j] (t: the byte of chunk c's
+ *         64-byte vector of both panels, as the 512-bit kernel makes it; the 256-bit kernels
+ *         read panel p's 32 bytes): a chunk's 5th bits are one shift and a mask to bit 4 of
+ *         every byte, or-ed into the nibbles: q 0..31, one byte each, as Q5_F's.
  *   Q6_K: 384 bytes in chunks of 64 elements (c, p, r, j) = q[row 8p + r][k = 4c + j] (the
  *         order of a 512-bit chunk of I8_F16): 4 vectors of 64 bytes of the low 4 bits,
  *         vector u's byte t holding chunk u's element t (low nibble) and chunk u + 4's (high),
  *         then 2 vectors of 64 bytes of the high 2 bits, vector v's byte t holding chunk
  *         2f + v's element t at bits 2f (f = 0..3). A chunk's int8 q - 32 is then one or two
  *         shifts, two masks, an or and a subtraction (the 256-bit kernels: a panel's half).
- * Each sub-block is a block of Q4_F (Q6_K: of I8_F16, q - 32 as its int8 quants) with its
+ * Each sub-block is a block of Q4_F (Q5_K: of Q5_F; Q6_K: of I8_F16, q - 32 as its int8 quants) with its
  * scales made in registers as gguf-py makes them (dw = fl(d * sc), mw = -fl(dmin * m); Q6_K:
  * dw0, dw = fl(d * sc) of its two halves): the same isum and the same fp32 finish, so bitwise
- * the result of the Q4_F / I8_F16 layout of the same file. KAHEAD super-blocks ahead are
+ * the result of the Q4_F / Q5_F / I8_F16 layout of the same file. KAHEAD super-blocks ahead are
  * prefetched, a sub-block's share of one at a time. */
 #define KAHEAD 4
 #define KPREFETCH(p, BYTES, jj)                                                                \
@@ -333,6 +341,44 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
+/* the 5th bits of chunk c (bit c of each byte of h) at bit 4 of each byte (16-bit shifts: bit 4
+ * of a byte comes from its own bit c either way) */
+#define FIFTH(h, c, SLL, SRL) ((c) < 4 ? SLL(h, _mm_cvtsi32_si128(4 - (c)))                     \
+                                       : SRL(h, _mm_cvtsi32_si128((c) - 4)))
+#define Q5_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
+    ATTR static void q5_k_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
+                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
+                                       float* y, int64_t ldy) {                               \
+        const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);                 \
+        const __m256i ones = _mm256_set1_epi16(1);                                             \
+        const __m256 sign = _mm256_set1_ps(-0.0f);                                             \
+        (void)ones;                                                                            \
+        EACH(INIT)                                                                             \
+        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q5_K_PAIR_BYTES) {                        \
+            const __m256 dd = F16_D(b, P), dm = F16_M(b, P);                                   \
+            for (int jj = 0; jj < 8; jj++) {                                                   \
+                const int64_t j = 8 * h + jj;                                                  \
+                if (P == 0) KPREFETCH(b, SD_Q5_K_PAIR_BYTES, jj)                               \
+                EACH(IZERO)                                                                    \
+                const uint8_t* qb = b + SD_Q5_K_HEAD + SD_Q5_K_SUB * jj;                       \
+                const __m256i hv = _mm256_loadu_si256((const __m256i*)(qb + 256 + 32 * P));    \
+                for (int c = 0; c < 8; c++) {                                                  \
+                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
+                    const __m256i hi =                                                         \
+                        _mm256_and_si256(FIFTH(hv, c, _mm256_sll_epi16, _mm256_srl_epi16), bit4); \
+                    const __m256i w = _mm256_or_si256(                                         \
+                        _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low), hi);       \
+                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
+                    EACH(U8_ROW_##ISA)                                                         \
+                }                                                                              \
+                const __m256 dw = _mm256_mul_ps(dd, KSC_U8(b + 64 + 16 * jj + 8 * P));         \
+                const __m256 mw = _mm256_xor_ps(                                               \
+                    _mm256_mul_ps(dm, KSC_U8(b + 192 + 16 * jj + 8 * P)), sign);               \
+                EACH(AFFINE_I)                                                                 \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE)                                                                            \
+    }
 #define TABLE_ROWS(NAME, SUF) {NAME##_q8_r1##SUF, NAME##_q8_r2##SUF, NAME##_q8_r3##SUF,        \
                                NAME##_q8_r4##SUF}
 /* [format][rows - 1], by format code */
@@ -341,7 +387,7 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
         [SD_Q4_1_Q8] = TABLE_ROWS(q4_1, SUF), [SD_Q8_0_Q8] = TABLE_ROWS(q8_0, SUF),            \
         [SD_Q4_F_Q8] = TABLE_ROWS(q4_f, SUF), [SD_Q5_F_Q8] = TABLE_ROWS(q5_f, SUF),            \
         [SD_I8_F16_Q8] = TABLE_ROWS(i8_f16, SUF), [SD_Q4_K_Q8] = TABLE_ROWS(q4_k, SUF),         \
-        [SD_Q6_K_Q8] = TABLE_ROWS(q6_k, SUF)};
+        [SD_Q6_K_Q8] = TABLE_ROWS(q6_k, SUF), [SD_Q5_K_Q8] = TABLE_ROWS(q5_k, SUF)};
 
 KERNELS(avx2, _avx2, AVX2)
 TABLE_OF(_avx2)
@@ -552,7 +598,40 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
-#define KFORMAT16(R, EACH) Q4_K_KERNEL16(R, EACH) Q6_K_KERNEL16(R, EACH)
+/* Q5_K: Q4_K's nibbles, the chunk's 5th bits or-ed in (one ternary-logic op: lo | (h & 16)) */
+#define Q5_K_KERNEL16(R, EACH)                                                                 \
+    AVX512 static void q5_k_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
+                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
+                                          int64_t ldy) {                                      \
+        const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);                 \
+        EACH(INIT16)                                                                           \
+        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q5_K_PAIR_BYTES) {                        \
+            const __m512 dd = H16_D(b), dm = H16_M(b);                                         \
+            for (int jj = 0; jj < 8; jj++) {                                                   \
+                const int64_t j = 8 * h + jj;                                                  \
+                KPREFETCH(b, SD_Q5_K_PAIR_BYTES, jj)                                           \
+                EACH(IZERO16)                                                                  \
+                const uint8_t* qb = b + SD_Q5_K_HEAD + SD_Q5_K_SUB * jj;                       \
+                const __m512i hv = _mm512_loadu_si512((const void*)(qb + 256));                \
+                for (int c = 0; c < 8; c++) {                                                  \
+                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
+                    const __m512i lo = _mm512_and_si512(                                       \
+                        _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), \
+                                           1),                                                 \
+                        low);                                                                  \
+                    const __m512i w = _mm512_ternarylogic_epi32(                               \
+                        lo, FIFTH(hv, c, _mm512_sll_epi16, _mm512_srl_epi16), bit4, 0xF8);     \
+                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
+                    EACH(U_ROW16)                                                              \
+                }                                                                              \
+                const __m512 dw = _mm512_mul_ps(dd, KSC_U8_16(b + 64 + 16 * jj));              \
+                const __m512 mw = NEG16(_mm512_mul_ps(dm, KSC_U8_16(b + 192 + 16 * jj)));      \
+                EACH(AFFINE16)                                                                 \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE16)                                                                          \
+    }
+#define KFORMAT16(R, EACH) Q4_K_KERNEL16(R, EACH) Q6_K_KERNEL16(R, EACH) Q5_K_KERNEL16(R, EACH)
 KFORMAT16(1, EACH1) KFORMAT16(2, EACH2) KFORMAT16(3, EACH3) KFORMAT16(4, EACH4)
 KFORMAT16(5, EACH5) KFORMAT16(6, EACH6) KFORMAT16(7, EACH7) KFORMAT16(8, EACH8)
 FORMAT16(1, EACH1) FORMAT16(2, EACH2) FORMAT16(3, EACH3) FORMAT16(4, EACH4)
@@ -562,7 +641,7 @@ FORMAT16(5, EACH5) FORMAT16(6, EACH6) FORMAT16(7, EACH7) FORMAT16(8, EACH8)
 static const q8_pair_fn TABLE_512[SD_NUM_FORMATS][TILE512] = {
     [SD_Q4_1_Q8] = ROWS8(q4_1), [SD_Q8_0_Q8] = ROWS8(q8_0), [SD_Q4_F_Q8] = ROWS8(q4_f),
     [SD_Q5_F_Q8] = ROWS8(q5_f), [SD_I8_F16_Q8] = ROWS8(i8_f16), [SD_Q4_K_Q8] = ROWS8(q4_k),
-    [SD_Q6_K_Q8] = ROWS8(q6_k)};
+    [SD_Q6_K_Q8] = ROWS8(q6_k), [SD_Q5_K_Q8] = ROWS8(q5_k)};
 
 /* what the drivers need to know of a format: its pair block's bytes, where its quants start,
  * whether they are 4-bit (nibbles) / signed, its scales fp32 (else fp16), its block finish
@@ -580,7 +659,8 @@ static const q8_format Q8_FORMATS[SD_NUM_FORMATS] = {
     /* the super-block formats: bytes per block of 32 k on average (a pair's super-block is 8
      * of them); no AMX kernel (their per-sub-block scales: the 512 kernels) */
     [SD_Q4_K_Q8] = {SD_Q4_K_PAIR_BYTES / 8, SD_Q4_K_HEAD, 1, 0, 0, 1, 0},
-    [SD_Q6_K_Q8] = {SD_Q6_K_PAIR_BYTES / 8, SD_Q6_K_HEAD, 0, 1, 0, 0, 0}};
+    [SD_Q6_K_Q8] = {SD_Q6_K_PAIR_BYTES / 8, SD_Q6_K_HEAD, 0, 1, 0, 0, 0},
+    [SD_Q5_K_Q8] = {SD_Q5_K_PAIR_BYTES / 8, SD_Q5_K_HEAD, 0, 0, 0, 1, 0}};
 
 /* AMX-INT8 (Sapphire Rapids and later): a block's integer sums for up to 16 rows and both
  * panels of a pair in one tile multiply. A = the rows' quants of the block [M rows][32 bytes]
