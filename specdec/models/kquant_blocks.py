@@ -48,11 +48,11 @@ from specdec.models.native import PANEL, Panels
 
 QK = gguf_types.QK_K  # inputs of a super-block
 SUB = gguf_types.BLOCK  # inputs of a sub-block
-FORMATS = {"Q4_K": 13, "Q6_K": 14, "Q5_K": 17}  # kernels.h format codes, float activations
-Q8_FORMATS = {"Q4_K": 15, "Q6_K": 16, "Q5_K": 18}  # ... and 8-bit activations
-PAIR_BYTES = {"Q4_K": 2368, "Q6_K": 3360, "Q5_K": 2880}  # one super-block of a panel pair
+FORMATS = {"Q4_K": 13, "Q5_K": 17, "Q6_K": 14}  # kernels.h format codes, float activations
+Q8_FORMATS = {"Q4_K": 15, "Q5_K": 18, "Q6_K": 16}  # ... and 8-bit activations
+PAIR_BYTES = {"Q4_K": 2368, "Q5_K": 2880, "Q6_K": 3360}  # one super-block of a panel pair
 # the per-32 format computing the same values
-PER_32 = {"Q4_K": "Q4_F", "Q6_K": "I8_F16", "Q5_K": "Q5_F"}
+PER_32 = {"Q4_K": "Q4_F", "Q5_K": "Q5_F", "Q6_K": "I8_F16"}
 ACTIVATIONS = ("float", "q8")
 
 

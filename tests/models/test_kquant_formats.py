@@ -1,15 +1,17 @@
-"""Q4_K and Q6_K in their super-block formats (specdec/models/kquant_blocks.py; kernels.h:
-SD_Q4_K, SD_Q6_K and their 8-bit-activation layouts).
+"""Q4_K, Q5_K and Q6_K in their super-block formats (specdec/models/kquant_blocks.py;
+kernels.h: SD_Q4_K, SD_Q5_K, SD_Q6_K and their 8-bit-activation layouts).
 
 The strongest check: for the same blocks, the new formats give bitwise the outputs of the
-per-32 formats they replace (Q4_F, I8_F16 over gguf_blocks.repack's values) and of the
+per-32 formats they replace (Q4_F, Q5_F, I8_F16 over gguf_blocks.repack's values) and of the
 references (float: the fp32 panels of the dequantized weights, themselves bitwise gguf-py's;
 q8: q8_activations.reference_linear), for every number of rows from 0 to 64, odd out_features,
 realistic blocks (specdec.bench.random_blocks), random bytes, and extreme ones (sc = m = 63,
-d at fp16's largest and smallest, dmin = 0, negative d, Q6_K's sc = -128 / 127); each row
+d at fp16's largest and smallest, dmin = 0, negative d, Q5_K's q = 31 / 0 throughout, Q6_K's
+sc = -128 / 127); each row
 checked against the reference's row, so no row depends on the others of its call. Every
 narrower q8 instruction set runs in a process of its own. And the bytes: the file's, +2.8 %
-(Q4_K) and +0 % (Q6_K).
+(Q4_K), +2.3 % (Q5_K) and +0 % (Q6_K); the layouts themselves, element by element, against the
+file's quants (the pack / unpack round trip).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from specdec.models import kquant_blocks as kb
 from specdec.models import q8_activations as qa
 from specdec.models.native import PANEL, Q8_ISAS, Panels
 
-KINDS = ["Q4_K", "Q6_K"]
+KINDS = ["Q4_K", "Q5_K", "Q6_K"]
 SOURCES = ["bench", "bytes", "extreme"]
 FP16_EXTREMES = np.array([65504.0, -65504.0, 2.0**-24, -(2.0**-24), 2.0**-14, 0.0, 1.0, -3.5])
 
@@ -54,10 +56,13 @@ def extreme_blocks(kind: str, out: int, inp: int, seed: int) -> gb.Blocks:
     def f16(values):
         return g.choice(values, (out, n, 1)).astype(np.float16).view(np.uint8)
 
-    if kind == "Q4_K":
+    if kind in ("Q4_K", "Q5_K"):
         blk[..., 0:2] = f16(FP16_EXTREMES)
         blk[..., 2:4] = f16(np.array([0.0, 0.0, 65504.0, 2.0**-24, 1.0]))
         blk[::3, :, 4:16] = 255  # every sc and m = 63
+        if kind == "Q5_K":
+            blk[::3, :, 16:] = 255  # q = 31 throughout (with the largest sc, m)
+            blk[1::3, :, 16:] = 0  # q = 0
     else:
         blk[..., 208:210] = f16(FP16_EXTREMES)
         blk[::3, :, 192:208] = 127
@@ -71,9 +76,10 @@ def make_blocks(source: str, kind: str, out: int, inp: int, seed: int) -> gb.Blo
 
 
 def test_bytes_are_the_files():
-    """Per panel pair and super-block: Q4_K 148 bytes a row (the file's 144 + 4), Q6_K the
-    file's 210; against 192 (Q4_F) and 320 (I8_F16) before."""
-    for kind, per_row, old in (("Q4_K", 148, 192), ("Q6_K", 210, 320)):
+    """Per panel pair and super-block: Q4_K 148 bytes a row (the file's 144 + 4), Q5_K 180
+    (5.625 bits a weight: the file's 176 + 4), Q6_K the file's 210; against 192 (Q4_F), 320
+    (Q5_F) and 320 (I8_F16) before."""
+    for kind, per_row, old in (("Q4_K", 148, 192), ("Q5_K", 180, 320), ("Q6_K", 210, 320)):
         b = random_blocks(kind, 32, 512)
         for mode in ("float", "q8"):
             p = kb.prepare(kind, b.rows, 512, mode)
@@ -81,6 +87,58 @@ def test_bytes_are_the_files():
             assert p.nbytes <= 1.03 * b.nbytes
         r = gb.repack(b)
         assert gb.prepare_repacked(r, 32, 512).nbytes == 32 * 2 * old
+
+
+def unpack_q5_k(p: Panels, mode: str) -> tuple[torch.Tensor, ...]:
+    """The fields of prepared Q5_K panels read back as kquant_blocks' docstring lays them out,
+    per row and super-block (rows padded to whole pairs): d, dmin [rows, n] fp16, sc, m
+    [rows, n, 8] uint8, q [rows, n, 8, 32] 0..31."""
+    pairs, n = p.panels // 2, p.in_features // kb.QK
+    data = p.data.reshape(pairs, n, kb.PAIR_BYTES["Q5_K"])
+
+    d = data[..., 0:32].contiguous().view(torch.float16)  # [pairs, n, 16]
+    dmin = data[..., 32:64].contiguous().view(torch.float16)
+    sc, m = data[..., 64:192].reshape(pairs, n, 8, 16), data[..., 192:320].reshape(pairs, n, 8, 16)
+    sub = data[..., 320:].reshape(pairs, n, 8, 320).long()
+    nib, hb = sub[..., :256], sub[..., 256:]
+    q = torch.empty(pairs, 16, n, 8, 32, dtype=torch.long)  # [pair, row, n, sub-block, k]
+    for row in range(16):
+        p_, i = divmod(row, PANEL)
+        for k in range(32):
+            if mode == "float":
+                low = (nib[..., 8 * k + 4 * p_ + i // 2] >> (4 * (i % 2))) & 15
+                word = hb[..., 2 * k] | (hb[..., 2 * k + 1] << 8)
+                high = (word >> (2 * i + p_)) & 1
+            else:
+                c, j = divmod(k, 4)
+                low = (nib[..., 32 * c + 4 * i + j] >> (4 * p_)) & 15
+                high = (hb[..., 32 * p_ + 4 * i + j] >> c) & 1
+            q[:, row, :, :, k] = low | (high << 4)
+    return (d.transpose(1, 2).reshape(-1, n), dmin.transpose(1, 2).reshape(-1, n),
+            sc.permute(0, 3, 1, 2).reshape(-1, n, 8), m.permute(0, 3, 1, 2).reshape(-1, n, 8),
+            q.reshape(-1, n, 8, 32))
+
+
+@pytest.mark.parametrize("mode", ["float", "q8"])
+def test_q5_k_layout_round_trips(mode):
+    """Every field of the prepared Q5_K panels is the file's, where the kernels read it: d,
+    dmin, the integer sc, m, and each weight's 5-bit q (nibble and 5th bit), padding rows 0."""
+    from specdec.models import gguf_types as gt
+
+    out, inp = 37, 768
+    b = make_blocks("bytes", "Q5_K", out, inp, seed=3)
+    d, dmin, sc, m, q = unpack_q5_k(kb.prepare("Q5_K", b.rows, inp, mode), mode)
+    blk = gt.blocks("Q5_K", b.rows, inp)
+    want_sc, want_m = gt.k_scale_ints(blk)
+    assert torch.equal(d[:out].view(torch.int16), blk[..., 0:2].contiguous().view(torch.int16)
+                       .squeeze(-1))
+    assert torch.equal(dmin[:out].view(torch.int16), blk[..., 2:4].contiguous().view(
+        torch.int16).squeeze(-1))
+    assert torch.equal(sc[:out].long(), want_sc.long()) and torch.equal(m[:out].long(),
+                                                                        want_m.long())
+    assert torch.equal(q[:out], gt.q5_k_quants(blk).long())
+    assert not q[out:].any() and not sc[out:].any() and not d[out:].view(torch.int16).any()
+    assert (q >= 16).any() and (q < 16).any()
 
 
 @needs_kernels
@@ -163,9 +221,9 @@ def test_prepare_picks_the_super_block_formats():
 
 def test_what_does_not_fit_is_named():
     b = random_blocks("Q4_K", 8, 256)
-    with pytest.raises(ValueError, match="super-block formats take Q4_K, Q6_K with activations "
-                                         "float or q8, got Q5_K with 'float'"):
-        kb.prepare("Q5_K", b.rows, 256, "float")
+    with pytest.raises(ValueError, match="super-block formats take Q4_K, Q5_K, Q6_K with "
+                                         "activations float or q8, got Q5_1 with 'float'"):
+        kb.prepare("Q5_1", b.rows, 256, "float")
     with pytest.raises(ValueError, match="got Q4_K with 'int4'"):
         kb.prepare("Q4_K", b.rows, 256, "int4")
     with pytest.raises(ValueError, match="Q4_K blocks need in_features a multiple of 256"):

@@ -248,7 +248,7 @@ def test_every_row_count_every_format_every_isa(isa):
 FLOAT_GGUF = {"Q4_1": ("Q4_1", False, 203, 160), "Q8_0": ("Q8_0", False, 33, 96),
               "Q4_F": ("Q4_K", True, 37, 288), "Q5_F": ("Q5_1", False, 21, 224),
               "I8_F16": ("Q6_K", True, 19, 544), "Q4_K": ("Q4_K", False, 203, 768),
-              "Q6_K": ("Q6_K", False, 45, 512)}
+              "Q6_K": ("Q6_K", False, 45, 512), "Q5_K": ("Q5_K", False, 37, 512)}
 
 
 def _float_gguf_case(fmt: str) -> tuple[Panels, gb.Blocks, torch.Tensor]:
