@@ -60,7 +60,7 @@ def test_linear_refuses_what_is_not_panels(panels):
                          (dict(panels=3), "an even number (>= 2) of panels"),
                          (dict(out_features=17, panels=2), "covering 17 rows"),
                          (dict(out_features=0), "at least one input and one output"),
-                         (dict(fmt=17), "format 17 is not one of"),
+                         (dict(fmt=19), "format 19 is not one of"),
                          (dict(data=p.data.view(-1)[::2]), "contiguous on the CPU")]:
         fields = dict(data=p.data, out_features=p.out_features, in_features=p.in_features,
                       fmt=p.fmt, panels=p.panels) | change
