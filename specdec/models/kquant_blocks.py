@@ -1,42 +1,47 @@
 """Q4_K, Q5_K and Q6_K in the kernels' super-block formats (kernels.h: SD_Q4_K, SD_Q5_K,
-SD_Q6_K and their 8-bit-activation layouts): the file's own fields, so a decoded token streams about the file's
-bytes, laid out per panel pair (16 output rows) and super-block of 256 inputs.
+SD_Q6_K and their 8-bit-activation layouts): the file's own fields, so a decoded token streams
+about the file's bytes, laid out per panel pair (16 output rows) and super-block of 256 inputs.
 
     format  per row and super-block (256 k)            bytes / 256   file      bits / weight
     Q4_K    fp16 d, dmin; 8 x (sc, m) a byte each;     148           144       4.625 (+2.8 %)
             4-bit q
-    Q5_K    Q4_K's, and the 5th bit of q: a bit plane  180           176       5.625 (+2.3 %)
+    Q5_K    Q4_K's header; 5-bit q (4 bits + 1)        180           176       5.625 (+2.3 %)
     Q6_K    fp16 d; 16 x int8 sc; 6-bit q (4 + 2 bits) 210           210       6.5625 (+0 %)
 
 (the per-32 formats they replace: Q4_F 6.0 bits a weight, +33 %; Q5_F 10.0, +82 %; I8_F16
-10.0, +52 %). The
-kernels make each sub-block's scales as gguf-py does, in float32 (D = fl(d * sc),
-M = fl(dmin * m); Q6_K: D = fl(d * sc) per 16), then run the sub-block exactly as a block of the
-per-32 format holding those values (``PER_32``: Q4_F / Q5_F with m = -M, I8_F16 with q - 32),
-so the
-results are bitwise those of the per-32 layout of the same file, in both activation modes (the
-references: gguf_blocks.repack's values). Q6_K keeps the file's 6-bit packing (4 + 2 bits)
-rather than int8 quants (8.5 bits): the 2-bit fields cost a few shifts per 32 bytes, shared by
-every row of a call, and the bytes are the decode time.
+10.0, +52 %). The kernels make each sub-block's scales as gguf-py does, in float32
+(D = fl(d * sc), M = fl(dmin * m); Q6_K: D = fl(d * sc) per 16), then run the sub-block exactly
+as a block of the per-32 format holding those values (``PER_32``: Q4_F / Q5_F with m = -M,
+I8_F16 with q - 32), so the results are bitwise those of the per-32 layout of the same file, in
+both activation modes (the references: gguf_blocks.repack's values). Q5_K and Q6_K keep the
+file's bits (4 + 1, 4 + 2) rather than a byte a quant (+45 %, +30 %): the extra bits cost a few
+shifts and masks per 32 bytes, shared by every row of a call, and the bytes are the decode time.
 
 A pair's super-block (linear.c / linear_q8.c read it): the header, then per sub-block j of 32
 inputs its quants: Q4_K 320 + 8 x 256 = 2368 bytes (d[16], dmin[16] fp16; sc[8][16],
-m[8][16] uint8), Q5_K 320 + 8 x (256 + 64) = 2880 (Q4_K's header; per sub-block the low 4 bits
-as Q4_K's quants, then 64 bytes of the 5th bits), Q6_K 288 + 8 x 384 = 3360 bytes (d[16] fp16, sc[16][16] int8; per sub-block
-the low 4 bits as Q4_K's quants, then the high 2 bits). The quants of a Q4_K sub-block are laid out as
-a block of Q4_F (gguf_blocks.prepare: per k one uint32 per panel; q8_activations.prepare:
-chunks of 8 rows x 4 k, a byte holding both panels). Q5_K's 5th bits (``_fifth_bits``): float,
-per k a uint16 whose bit 2i + p is row 8p + i's (the lanes of the AVX-512 nibble step: one
-masked add of 16; AVX2 shifts it into place); q8, a byte per element t = 32p + 4r + j of a
-chunk (q[row 8p + r][k = 4c + j], the order of the 512-bit kernel's 64 weight bytes) whose bit
-c is chunk c's, so chunk c's bits are one shift and a mask away, in place (bit 4) in every byte
-(a plane per chunk would need a shuffle, an or and a compare per 32 bytes on AVX2). Q6_K's, q8: in chunks c of 64 elements
-t = 32p + 4r + j (q[row 8p + r][k = 4c + j]), 4 vectors of 64 bytes of the low 4 bits (vector
-u's byte t: chunk u's element t in the low nibble, chunk u + 4's in the high one), then 2 of the
-high 2 bits (vector v's byte t: chunk 2f + v's element t at bits 2f); float: the elements e = 16k + row (the
-order of I8_F16's quants), low 4 bits of e in byte e % 256 (bits 4 (e // 256)), high 2 bits in
-byte 256 + e % 128 (bits 2 (e // 128)), so the kernel makes 32 int8 q - 32 at a time with a
-few byte shifts and masks.
+m[8][16] uint8), Q5_K 320 + 8 x 320 = 2880 (Q4_K's header; per sub-block 256 bytes of the low
+4 bits, then 64 of the 5th bits), Q6_K 288 + 8 x 384 = 3360 (d[16] fp16, sc[16][16] int8; per
+sub-block 256 bytes of the low 4 bits, then 128 of the high 2 bits). Per sub-block:
+
+  Q4_K    as a block of Q4_F (gguf_blocks.prepare: per k one uint32 per panel;
+          q8_activations.prepare: chunks c of 8 rows x 4 k, a byte holding both panels).
+  Q5_K    q8: the low 4 bits as Q4_K's; then byte t of the 5th bits holds at bit c the bit of
+          chunk c's element t = 32p + 4r + j (q[row 8p + r][k = 4c + j], the order of the
+          512-bit kernel's 64 weight bytes of a chunk), so a chunk's bits are one shift and a
+          mask from bit 4 of every byte (a bit plane per chunk, as llama.cpp's, would need a
+          shuffle, an or and a compare per 32 bytes on AVX2). Float: the elements e = 16k + row
+          (the order of Q5_F's quants), low 4 bits of e in byte e % 256 (bits 4 (e // 256)),
+          5th bit in byte 256 + e % 64 (bit e // 64): the kernel makes a sub-block's uint8 q 32
+          at a time with a shift and a few masks, then runs Q5_F's step over them (Q4_K's
+          per-k nibble words with a 16-bit mask of 5th bits per k measured slower: 4 and 8
+          rows 1.35 x / 1.2 x Q5_F's time, one 8192 x 2048 matrix).
+  Q6_K    q8: in chunks c of 64 elements t = 32p + 4r + j (q[row 8p + r][k = 4c + j]), 4
+          vectors of 64 bytes of the low 4 bits (vector u's byte t: chunk u's element t in the
+          low nibble, chunk u + 4's in the high one), then 2 of the high 2 bits (vector v's
+          byte t: chunk 2f + v's element t at bits 2f). Float: the elements e = 16k + row (the
+          order of I8_F16's quants), low 4 bits of e in byte e % 256 (bits 4 (e // 256)), high
+          2 bits in byte 256 + e % 128 (bits 2 (e // 128)), so the kernel makes 32 int8 q - 32
+          at a time with a few byte shifts and masks.
 """
 
 from __future__ import annotations
@@ -75,8 +80,8 @@ def prepare(kind: str, rows: torch.Tensor, in_features: int, activations: str) -
         if kind == "Q4_K":
             quants = _nibbles(gguf_types._k_low(blk[..., 16:144]), q8)  # q [pairs, 16, n, 8, 32]
         else:
-            q = _sub_blocks(gguf_types.q5_k_quants(blk))  # 0..31, [pairs, 16, n * 8, 32]
-            quants = torch.cat([_nibbles(q & 15, q8), _fifth_bits(q >> 4, q8)], dim=-1)
+            q = gguf_types.q5_k_quants(blk)  # [pairs, 16, n, 8, 32] 0..31
+            quants = _five_bits_q8(q) if q8 else _five_bits(q)
     else:
         head = [_rows_last(blk[..., 208:210]),  # d
                 _rows_last(blk[..., 192:208].unsqueeze(-1))]  # sc: [.., 16 groups, 16 rows]
@@ -133,17 +138,27 @@ def _pack_bits(bits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _fifth_bits(h: torch.Tensor, q8: bool) -> torch.Tensor:
-    """Q5_K's 5th bits [pairs, 16, nb, 32] uint8 0 / 1 (per sub-block) -> [pairs, nb, 64] uint8
-    (module docstring): float, per k a uint16 (little-endian) whose bit 2i + p is row 8p + i's;
-    q8, byte t = 32p + 4r + j holding at bit c the bit of q[8p + r][4c + j]."""
-    pairs, nb = h.shape[0], h.shape[2]
-    if q8:  # [pairs, p, r, nb, c, j] -> [pairs, nb, t, c]
-        h = h.reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 2, 5, 4)
-        return _pack_bits(h.reshape(pairs, nb, 64, 8))
-    # [pairs, p, i, nb, k] -> [pairs, nb, k, i, p]: bit 2i + p, 8 bits a byte
-    h = h.reshape(pairs, 2, PANEL, nb, SUB).permute(0, 3, 4, 2, 1)
-    return _pack_bits(h.reshape(pairs, nb, SUB * 2, 8)).reshape(pairs, nb, -1)
+def _five_bits_q8(q: torch.Tensor) -> torch.Tensor:
+    """Q5_K's 5-bit quants [pairs, 16, n, 8, 32] -> [pairs, n * 8, 320] uint8, q8 (module
+    docstring): per sub-block the low 4 bits as Q4_K's (``_nibbles``), then 64 bytes of 5th
+    bits, byte t = 32p + 4r + j holding at bit c the bit of q[8p + r][4c + j]."""
+    q = _sub_blocks(q)
+    pairs, nb = q.shape[0], q.shape[2]
+    # [pairs, p, r, nb, c, j] -> [pairs, nb, t, c]
+    h = (q >> 4).reshape(pairs, 2, PANEL, nb, 8, 4).permute(0, 3, 1, 2, 5, 4)
+    return torch.cat([_nibbles(q & 15, True), _pack_bits(h.reshape(pairs, nb, 64, 8))], dim=-1)
+
+
+def _five_bits(q: torch.Tensor) -> torch.Tensor:
+    """Q5_K's 5-bit quants [pairs, 16, n, 8, 32] -> [pairs, n * 8, 320] uint8, float (module
+    docstring): per sub-block the elements e = 16k + row, low 4 bits of e in byte e % 256 (bits
+    4 (e // 256)), then 5th bits in byte 256 + e % 64 (bit e // 64)."""
+    q = _sub_blocks(q)
+    pairs, nb = q.shape[0], q.shape[2]
+    e = q.permute(0, 2, 3, 1).reshape(pairs, nb, 2, 256)  # [.., e // 256, e % 256]
+    low = (e[:, :, 0] & 15) | ((e[:, :, 1] & 15) << 4)
+    h = (e >> 4).reshape(pairs, nb, 8, 64).transpose(-1, -2)  # [.., e % 64, e // 64]
+    return torch.cat([low, _pack_bits(h)], dim=-1)
 
 
 def _six_bits_q8(q: torch.Tensor) -> torch.Tensor:

@@ -216,9 +216,10 @@ GGUF_FORMAT(i8_f16, SD_I8_F16_PAIR_BYTES)
  * (16 rows x 256 k): the header, then sub-block j's quants (32 k) at HEAD + j * SUB:
  *   Q4_K (2368 bytes): d[16] fp16, dmin[16] fp16, sc[8][16] uint8 (sub-block j's 16 rows at
  *        64 + 16j), m[8][16] uint8 (at 192 + 16j); per sub-block (256 bytes) Q4_F's quants.
- *   Q5_K (2880 bytes): Q4_K's header; per sub-block (320 bytes) the low 4 bits of q as Q4_K's
- *        quants, then per k a uint16 of the 16 rows' 5th bits (bit 2i + p: row 8p + i, the
- *        lanes of the AVX-512 step), so q is 0..31 and the sub-block is Q5_F's block.
+ *   Q5_K (2880 bytes): Q4_K's header; per sub-block (320 bytes) the 512 quants q[k][row]
+ *        (element e = 16k + row): 256 bytes of low 4 bits (as Q6_K's), 64 bytes of 5th bits
+ *        (byte e % 64, bit e / 64); they are made uint8 q a sub-block at a time (q5_k_bytes),
+ *        32 at once, then read as Q5_F's quants.
  *   Q6_K (3360 bytes): d[16] fp16, sc[16][16] int8 (k 16g .. 16g + 15 at 32 + 16g); per
  *        sub-block (384 bytes) the 512 quants q[k][row] (element e = 16k + row): 256 bytes
  *        of low 4 bits (e in the low nibble of byte e % 256 if e < 256, else the high one), 128
@@ -271,33 +272,40 @@ AVX2 static inline const uint8_t* q6_k_bytes(const uint8_t* qb, uint8_t* out) {
     }
     return out;
 }
-/* the sub-block's quants as its step reads them: Q4_K's, Q5_K's as stored, Q6_K's as int8 in
- * `tmp` */
+/* the sub-block's quants as its step reads them: Q4_K's as stored, Q5_K's as uint8 and Q6_K's as
+ * int8 in `tmp` */
 static inline const uint8_t* q4_k_sub(const uint8_t* qb, uint8_t* tmp) {
     (void)tmp;
     return qb;
 }
-#define q5_k_sub q4_k_sub
 #define q6_k_sub q6_k_bytes
-/* Q5_K: Q4_K's scales; a step's nibbles as Q4_K's, each panel's 5th bits shifted from the k's
- * uint16 (lane i of panel p: bit 2i + p) to bit 4 and or-ed in: q 0..31, EXACT_DQ */
+/* Q5_K's quants of a sub-block -> q 0..31 as uint8 [32 k][16 rows] in `out` (Q5_F's quants),
+ * 32 bytes at a time: element e = 16k + row has its low 4 bits in byte e % 256 (low nibble for
+ * e < 256, else high), its 5th bit in byte 256 + e % 64 at bit e / 64, shifted to bit 4 (16-bit
+ * shifts: a byte's bit 4 comes from its own bit e / 64 either way) */
+AVX2 static inline const uint8_t* q5_k_bytes(const uint8_t* qb, uint8_t* out) {
+    const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);
+    for (int o = 0; o < 256; o += 32) {
+        const __m256i l = _mm256_loadu_si256((const __m256i*)(qb + o));
+        const __m256i h = _mm256_loadu_si256((const __m256i*)(qb + 256 + o % 64));
+        const int c = o / 64; /* the bit of elements o ..; 4 + c: of 256 + o .. */
+        const __m256i h0 = _mm256_sll_epi16(h, _mm_cvtsi32_si128(4 - c));
+        const __m256i h1 = _mm256_srl_epi16(h, _mm_cvtsi32_si128(c));
+        _mm256_storeu_si256((__m256i*)(out + o),
+                            _mm256_or_si256(_mm256_and_si256(l, low), _mm256_and_si256(h0, bit4)));
+        _mm256_storeu_si256((__m256i*)(out + 256 + o),
+                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), low),
+                                            _mm256_and_si256(h1, bit4)));
+    }
+    return out;
+}
+#define q5_k_sub q5_k_bytes
+/* Q5_K: Q4_K's scales, Q5_F's step over the sub-block's bytes (EXACT_DQ) */
 #define q5_k_scales q4_k_scales
-AVX2 static inline void q5_k_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
+AVX2 static inline void q5_k_step(const uint8_t* q, const scales* s, int kk, __m256* w0,
                                   __m256* w1) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-    const __m256i hshifts = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256i low4 = _mm256_set1_epi32(15), bit4 = _mm256_set1_epi32(16);
-    const int32_t* q = (const int32_t*)qb + 2 * kk;
-    const __m256i h = _mm256_set1_epi32((int32_t)((const uint16_t*)(qb + 256))[kk] << 4);
-    const __m256i q0 = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[0]), shifts), low4),
-        _mm256_and_si256(_mm256_srlv_epi32(h, hshifts), bit4));
-    const __m256i q1 = _mm256_or_si256(
-        _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(q[1]), shifts), low4),
-        _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_add_epi32(hshifts, _mm256_set1_epi32(1))),
-                         bit4));
-    *w0 = _mm256_fmadd_ps(s->d0, _mm256_cvtepi32_ps(q0), s->m0); /* EXACT_DQ */
-    *w1 = _mm256_fmadd_ps(s->d1, _mm256_cvtepi32_ps(q1), s->m1);
+    *w0 = _mm256_fmadd_ps(s->d0, u8x8(q + 16 * kk), s->m0); /* EXACT_DQ */
+    *w1 = _mm256_fmadd_ps(s->d1, u8x8(q + 16 * kk + 8), s->m1);
 }
 AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m256* w0,
                                   __m256* w1) {
@@ -428,22 +436,29 @@ AVX512 static inline scales16 q4_k_scales16(const uint8_t* h, int j) {
                                     sign)};
 }
 #define q4_k_step16 nibble_step16
-/* Q5_K: Q4_K's step, then the lanes whose 5th bit is set (the k's uint16 is the lane mask)
- * take their float from 16..31 instead of 0..15 (a merge-masked permute of the same index:
- * exact, no arithmetic) */
+/* the sub-block's quants as the AVX-512 steps read them: q4_k_sub's, q6_k_sub's; Q5_K's made
+ * 64 bytes at a time (q5_k_bytes' layout: the 5th bits of elements o .. o + 63 are bit o / 64 of
+ * the 64 bytes after the nibbles; one ternary-logic op puts them in) */
+#define q4_k_sub16 q4_k_sub
+#define q6_k_sub16 q6_k_sub
+AVX512 static inline const uint8_t* q5_k_sub16(const uint8_t* qb, uint8_t* out) {
+    const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
+    const __m512i h = _mm512_loadu_si512((const void*)(qb + 256));
+    for (int c = 0; c < 4; c++) { /* elements 64c .. (bit c) and 256 + 64c .. (bit 4 + c) */
+        const __m512i l = _mm512_loadu_si512((const void*)(qb + 64 * c));
+        const __m512i h0 = _mm512_sll_epi16(h, _mm_cvtsi32_si128(4 - c));
+        const __m512i h1 = _mm512_srl_epi16(h, _mm_cvtsi32_si128(c));
+        _mm512_storeu_si512((void*)(out + 64 * c),
+                            _mm512_ternarylogic_epi32(_mm512_and_si512(l, low), h0, bit4, 0xF8));
+        _mm512_storeu_si512((void*)(out + 256 + 64 * c),
+                            _mm512_ternarylogic_epi32(
+                                _mm512_and_si512(_mm512_srli_epi16(l, 4), low), h1, bit4, 0xF8));
+    }
+    return out;
+}
 #define q5_k_scales16 q4_k_scales16
-AVX512 static inline __m512 q5_k_step16(const uint8_t* qb, const scales16* s, int kk) {
-    const __m512i shifts = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24,
-                                             28, 28);
-    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29,
-                                       30, 31);
-    const __m512i both = _mm512_broadcastq_epi64(_mm_loadl_epi64((const __m128i*)(qb + 8 * kk)));
-    const __mmask16 fifth = ((const uint16_t*)(qb + 256))[kk];
-    const __m512i idx = _mm512_srlv_epi32(both, shifts);
-    const __m512 q = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx, values), fifth, idx,
-                                                high);
-    return _mm512_fmadd_ps(s->d, q, s->m); /* EXACT_DQ */
+AVX512 static inline __m512 q5_k_step16(const uint8_t* q, const scales16* s, int kk) {
+    return _mm512_fmadd_ps(s->d, u8x16(q + 16 * kk), s->m); /* EXACT_DQ */
 }
 AVX512 static inline scales16 q6_k_scales16(const uint8_t* h, int j) {
     const uint8_t* sc = h + 32 + 32 * j;
@@ -454,8 +469,8 @@ AVX512 static inline __m512 q6_k_step16(const uint8_t* q, const scales16* s, int
     return _mm512_mul_ps(i8x16(q + 16 * kk), kk < 16 ? s->d : s->m);
 }
 /* interleaved lanes, by format */
-enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q5_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0,
-       i8_f16_ILV = 0, q6_k_ILV = 0 };
+enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_f16_ILV = 0,
+       q6_k_ILV = 0, q5_k_ILV = 0 };
 #define INIT16(r) __m512 c##r = first ? _mm512_setzero_ps()                                    \
                                       : to_lanes(ilv, _mm512_loadu_ps(y + r * ldy));
 #define ROW16(r) c##r = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), v, c##r);
@@ -529,7 +544,7 @@ GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
             for (int j = 0; j < 8; j++) {                                                      \
                 PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                      \
                 const scales16 s = scales_to_lanes(ilv, KIND##_scales16(b, j));                \
-                const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                       \
+                const uint8_t* qb = KIND##_sub16(b + HEAD + SUB * j, tmp);                     \
                 for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
                     const __m512 v = KIND##_step16(qb, &s, kk);                                \
                     const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
@@ -553,8 +568,8 @@ GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
                 PREFETCH_SHARE(b + stride + nsb * BYTES, BYTES, j)                             \
                 const scales16 s0 = scales_to_lanes(ilv, KIND##_scales16(b, j)),               \
                                s1 = scales_to_lanes(ilv, KIND##_scales16(b + stride, j));      \
-                const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \
-                const uint8_t* q1 = KIND##_sub(b + stride + HEAD + SUB * j, tmp1);             \
+                const uint8_t* q0 = KIND##_sub16(b + HEAD + SUB * j, tmp0);                    \
+                const uint8_t* q1 = KIND##_sub16(b + stride + HEAD + SUB * j, tmp1);           \
                 for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
                     const __m512 v = KIND##_step16(q0, &s0, kk);                               \
                     const __m512 u = KIND##_step16(q1, &s1, kk);                               \

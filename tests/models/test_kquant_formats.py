@@ -105,10 +105,10 @@ def unpack_q5_k(p: Panels, mode: str) -> tuple[torch.Tensor, ...]:
     for row in range(16):
         p_, i = divmod(row, PANEL)
         for k in range(32):
-            if mode == "float":
-                low = (nib[..., 8 * k + 4 * p_ + i // 2] >> (4 * (i % 2))) & 15
-                word = hb[..., 2 * k] | (hb[..., 2 * k + 1] << 8)
-                high = (word >> (2 * i + p_)) & 1
+            if mode == "float":  # element e = 16k + row
+                e = 16 * k + row
+                low = (nib[..., e % 256] >> (4 * (e // 256))) & 15
+                high = (hb[..., e % 64] >> (e // 64)) & 1
             else:
                 c, j = divmod(k, 4)
                 low = (nib[..., 32 * c + 4 * i + j] >> (4 * p_)) & 15
