@@ -147,7 +147,7 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
         for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
             if (P == 0)                                                                        \
                 for (int o = 0; o < BYTES; o += 64)                                            \
-                    _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);             \
+                    _mm_prefetch((const char*)b + AHEAD * BYTES + o, SD_STREAM_HINT);             \
             EACH(IZERO)                                                                        \
             /* 8 steps of <= 2 * 15 * 127 per int16 lane (avx2): <= 30480, no overflow */      \
             for (int c = 0; c < 8; c++) {                                                      \
@@ -186,7 +186,7 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
         for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
             if (P == 0)                                                                        \
                 for (int o = 0; o < BYTES; o += 64)                                            \
-                    _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);             \
+                    _mm_prefetch((const char*)b + AHEAD * BYTES + o, SD_STREAM_HINT);             \
             EACH(IZERO)                                                                        \
             EACH(TDECL)                                                                        \
             const __m256 dw0 = LD0(b, P);                                                      \
@@ -263,7 +263,7 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
 #define KAHEAD 4
 #define KPREFETCH(p, BYTES, jj)                                                                \
     for (int o = ((BYTES) * (jj) / 8) & ~63; o < (BYTES) * ((jj) + 1) / 8; o += 64)             \
-        _mm_prefetch((const char*)(p) + KAHEAD * (BYTES) + o, _MM_HINT_T0);
+        _mm_prefetch((const char*)(p) + KAHEAD * (BYTES) + o, SD_STREAM_HINT);
 #define KSC_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #define KSC_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #define Q4_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
@@ -449,7 +449,7 @@ TABLE_OF(_avxvnni)
         EACH(INIT16)                                                                           \
         for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
             for (int o = 0; o < BYTES; o += 64)                                                \
-                _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);                 \
+                _mm_prefetch((const char*)b + AHEAD * BYTES + o, SD_STREAM_HINT);                 \
             EACH(IZERO16)                                                                      \
             for (int c = 0; c < 8; c++) {                                                      \
                 const __m256i raw = _mm256_loadu_si256((const __m256i*)(b + QOFF + 32 * c));   \
@@ -475,7 +475,7 @@ TABLE_OF(_avxvnni)
         EACH(INIT16)                                                                           \
         for (int64_t j = 0; j < nb; j++, b += BYTES) {                                         \
             for (int o = 0; o < BYTES; o += 64)                                                \
-                _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);                 \
+                _mm_prefetch((const char*)b + AHEAD * BYTES + o, SD_STREAM_HINT);                 \
             EACH(IZERO16)                                                                      \
             EACH(TDECL16)                                                                      \
             const __m512 dw0 = LD0(b);                                                         \
@@ -727,7 +727,7 @@ AMX static void q8_amx(const q8_format* fm, const int8_t* q, const float* d, con
         const uint8_t* run = b + j0 * bytes;
         if (first)
             for (int o = 0; o < n * bytes; o += 64)
-                _mm_prefetch((const char*)run + AHEAD * bytes + o, _MM_HINT_T0);
+                _mm_prefetch((const char*)run + AHEAD * bytes + o, SD_STREAM_HINT);
         if (q4) /* the run's weights as bytes first: stored before a tile reads them */
             for (int jj = 0; jj < n; jj++)
                 for (int c = 0; c < 8; c++) {
