@@ -762,8 +762,8 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
 
 /* y[T, ldy] = x[T, K] @ W.T for W prepared as `panels` panels (an even number) of format `fmt`
  * (0 f32, 1 bf16, 2 f16, 3 Q4_1, 4 Q8_0, 7 Q4_F, 8 Q5_F, 9 I8_F16, 13 Q4_K, 14 Q6_K, 17 Q5_K,
- * and those blocks laid out for 8-bit activations: 5, 6, 10, 11, 12, 15, 16, 18; kernels.h); columns up
- * to 8 * panels are written (ldy >= 8 * panels). T == 0 writes nothing and succeeds. Returns 0,
+ * and those blocks laid out for 8-bit activations: 5, 6, 10, 11, 12, 15, 16, 18; kernels.h);
+ * columns up to 8 * panels are written (ldy >= 8 * panels). T == 0 writes nothing and succeeds. Returns 0,
  * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The
  * lengths of x, w and y are not known here: the caller checks them (specdec/models/native.py).
  */

@@ -8,8 +8,8 @@
  *   Q8_0 (w = dw * qw):                   y += (dw * d) * isum
  *   I8_F16 (dw0 for k 0-15, dw1 16-31):   y += ((dw0 * d) * isum0 + (dw1 * d) * isum1)
  *   Q4_K, Q5_K, Q6_K (super-blocks of 256 k): per sub-block of 32, Q4_F's / Q5_F's / I8_F16's,
- *   with dw, mw
- *   made from the super-block's d, dmin and integer sc, m as gguf-py makes them (below)
+ *   with dw, mw made from the super-block's d, dmin and integer sc, m as gguf-py makes them
+ *   (below)
  * isum = sum_k qw_k * q_k over the block (I8_F16: isum0, isum1 over its halves), every
  * product and sum rounded as written (no fma), isum exact in int32. A row's result
  * depends only on that row, whatever shares the call (the contract of kernels.h), and a
@@ -255,8 +255,8 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
  *         then 2 vectors of 64 bytes of the high 2 bits, vector v's byte t holding chunk
  *         2f + v's element t at bits 2f (f = 0..3). A chunk's int8 q - 32 is then one or two
  *         shifts, two masks, an or and a subtraction (the 256-bit kernels: a panel's half).
- * Each sub-block is a block of Q4_F (Q5_K: of Q5_F; Q6_K: of I8_F16, q - 32 as its int8 quants) with its
- * scales made in registers as gguf-py makes them (dw = fl(d * sc), mw = -fl(dmin * m); Q6_K:
+ * Each sub-block is a block of Q4_F (Q5_K: of Q5_F; Q6_K: of I8_F16, q - 32 as its int8
+ * quants) with its scales made in registers as gguf-py makes them (dw = fl(d * sc), mw = -fl(dmin * m); Q6_K:
  * dw0, dw = fl(d * sc) of its two halves): the same isum and the same fp32 finish, so bitwise
  * the result of the Q4_F / Q5_F / I8_F16 layout of the same file. KAHEAD super-blocks ahead are
  * prefetched, a sub-block's share of one at a time. */
