@@ -63,6 +63,8 @@
 #define EACH4(F) F(0) F(1) F(2) F(3)
 #define EACH5(F) F(0) F(1) F(2) F(3) F(4)
 #define EACH6(F) F(0) F(1) F(2) F(3) F(4) F(5)
+#define EACH7(F) EACH6(F) F(6)
+#define EACH8(F) EACH7(F) F(7)
 #define MICROS(NAME, LOADW, ES)                                                                \
     MICRO(NAME, LOADW, ES, 1, EACH1) MICRO(NAME, LOADW, ES, 2, EACH2)                          \
     MICRO(NAME, LOADW, ES, 3, EACH3) MICRO(NAME, LOADW, ES, 4, EACH4)                          \
@@ -360,8 +362,9 @@ KQUANT_FORMAT(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
  * from y. The 4-bit formats keep the pair's rows interleaved in the lanes (panel 0's row i in
  * lane 2i, panel 1's in lane 2i + 1: one 64-bit broadcast of the two panels' words, one shift,
  * one and make all 16 quants); their scales and accumulators are permuted into those lanes
- * once per block / call and back at the store. The byte formats keep the column order. More
- * than 3 rows unpack with AVX2 (AVX-512 unpacking measured slower there: 8 rows, 2 threads). */
+ * once per block / call and back at the store. The byte formats keep the column order. Every
+ * row count runs in tiles of at most TWO_ROWS rows over two pairs at once, dequantizing in
+ * registers (see linear_gguf); AVX-512 unpacking into a buffer measured slower (8 rows). */
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")))
 typedef struct {
     __m512 d, m; /* a block's scales for the 16 rows: d and m (I8_F16, Q6_K: d of k 0-15, 16-31) */
@@ -492,8 +495,9 @@ enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
-/* R (1 or 2) rows over two pairs at once (b and b + stride; columns y and y + 16): twice the
- * independent fma chains (with one or two a step waits on the fma latency) */
+/* R (1 to 8) rows over two pairs at once (b and b + stride; columns y and y + 16): twice the
+ * independent fma chains (with one or two a step waits on the fma latency), and each step's
+ * dequantized weights used by every row */
 #define INIT2(r) INIT16(r)                                                                     \
     __m512 e##r = first ? _mm512_setzero_ps()                                                  \
                         : to_lanes(ilv, _mm512_loadu_ps(y + r * ldy + 2 * PW));
@@ -527,8 +531,13 @@ enum { q4_1_ILV = 1, q4_f_ILV = 1, q4_k_ILV = 1, q8_0_ILV = 0, q5_f_ILV = 0, i8_
     }
 #define GGUF_FORMAT16(KIND, BYTES)                                                             \
     DIRECT16(KIND, BYTES, 1, EACH1) DIRECT16(KIND, BYTES, 2, EACH2)                            \
-    DIRECT16(KIND, BYTES, 3, EACH3)                                                            \
-    DIRECT16_TWO(KIND, BYTES, 1, EACH1) DIRECT16_TWO(KIND, BYTES, 2, EACH2)
+    DIRECT16(KIND, BYTES, 3, EACH3) DIRECT16(KIND, BYTES, 4, EACH4)                            \
+    DIRECT16(KIND, BYTES, 5, EACH5) DIRECT16(KIND, BYTES, 6, EACH6)                            \
+    DIRECT16_TWO(KIND, BYTES, 1, EACH1) DIRECT16_TWO(KIND, BYTES, 2, EACH2)                    \
+    DIRECT16_TWO(KIND, BYTES, 3, EACH3) DIRECT16_TWO(KIND, BYTES, 4, EACH4)                    \
+    DIRECT16_TWO(KIND, BYTES, 5, EACH5) DIRECT16_TWO(KIND, BYTES, 6, EACH6)                    \
+    DIRECT16(KIND, BYTES, 7, EACH7) DIRECT16(KIND, BYTES, 8, EACH8)                            \
+    DIRECT16_TWO(KIND, BYTES, 7, EACH7) DIRECT16_TWO(KIND, BYTES, 8, EACH8)
 GGUF_FORMAT16(q4_1, SD_Q4_1_PAIR_BYTES)
 GGUF_FORMAT16(q8_0, SD_Q8_0_PAIR_BYTES)
 GGUF_FORMAT16(q4_f, SD_Q4_F_PAIR_BYTES)
@@ -582,21 +591,26 @@ GGUF_FORMAT16(i8_f16, SD_I8_F16_PAIR_BYTES)
     }
 #define KQUANT_FORMAT16(KIND, BYTES, HEAD, SUB)                                                \
     KDIRECT16(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT16(KIND, BYTES, HEAD, SUB, 2, EACH2)     \
-    KDIRECT16(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 1, EACH1) \
-    KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 2, EACH2)
+    KDIRECT16(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT16(KIND, BYTES, HEAD, SUB, 4, EACH4)     \
+    KDIRECT16(KIND, BYTES, HEAD, SUB, 5, EACH5) KDIRECT16(KIND, BYTES, HEAD, SUB, 6, EACH6)     \
+    KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 2, EACH2) \
+    KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 4, EACH4) \
+    KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 5, EACH5) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 6, EACH6) \
+    KDIRECT16(KIND, BYTES, HEAD, SUB, 7, EACH7) KDIRECT16(KIND, BYTES, HEAD, SUB, 8, EACH8)     \
+    KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 7, EACH7) KDIRECT16_TWO(KIND, BYTES, HEAD, SUB, 8, EACH8)
 KQUANT_FORMAT16(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT16(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 KQUANT_FORMAT16(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
 
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
-#define TWO_ROWS 2    /* up to this many rows two pairs at a time (AVX-512) */
+#define TWO_ROWS 8    /* most rows of a tile over two pairs at a time (AVX-512) */
 #define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
 /* a format's kernels over units of `width` k (32: a block; 256: a super-block) of `bytes` */
 typedef struct {
     int64_t width, bytes;
     void (*unpack)(const uint8_t*, int64_t, float*);
-    direct_fn direct[DIRECT_ROWS];
-    /* 1 or 2 rows over two pairs, the second `stride` bytes on (AVX-512; NULL: a pair at a time) */
+    direct_fn direct[TWO_ROWS]; /* AVX2: 1 to DIRECT_ROWS rows */
+    /* 1 to TWO_ROWS rows over two pairs, the second `stride` bytes on (AVX-512; NULL: AVX2) */
     void (*two[TWO_ROWS])(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
                           int);
 } gguf_kernels;
@@ -613,8 +627,11 @@ static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q6_K] = GGUF_KERNELS(q6_k, SD_QK, SD_Q6_K_PAIR_BYTES),
     [SD_Q5_K] = GGUF_KERNELS(q5_k, SD_QK, SD_Q5_K_PAIR_BYTES)};
 #define GGUF_KERNELS16(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                        \
-                                            {KIND##_z1, KIND##_z2, KIND##_z3},              \
-                                            {KIND##_two1, KIND##_two2}}
+                                            {KIND##_z1, KIND##_z2, KIND##_z3, KIND##_z4,    \
+                                             KIND##_z5, KIND##_z6, KIND##_z7, KIND##_z8},   \
+                                            {KIND##_two1, KIND##_two2, KIND##_two3,         \
+                                             KIND##_two4, KIND##_two5, KIND##_two6,         \
+                                             KIND##_two7, KIND##_two8}}
 static const gguf_kernels GGUF_TABLE16[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS16(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
     [SD_Q8_0] = GGUF_KERNELS16(q8_0, SD_QBLOCK, SD_Q8_0_PAIR_BYTES),
@@ -639,9 +656,12 @@ int sd_float_isa(void) {
     return got;
 }
 
-/* the quantized path: 1-3 rows dequantize in registers; more rows unpack each k-block of a
- * pair once into fp32 (L1) and run every row tile over it. The weights, and so every fma chain,
- * are the same either way. */
+/* the quantized path. AVX-512: the rows in tiles of at most TWO_ROWS (as even as possible),
+ * each dequantizing two pairs in registers, a step's blocks read again from L1 by the next tile
+ * (one 2048 x 2048 Q4_K matrix, hot, 2 threads: 4 rows 294 -> 152 us, 8 rows 494 -> 234, 64
+ * rows 2468 -> 2029 against unpacking once into a buffer). AVX2: 1-3 rows dequantize in
+ * registers; more rows unpack each k-block of a pair once into fp32 (L1) and run every row tile
+ * over it. The weights, and so every fma chain, are the same either way. */
 static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                         int64_t ldy, int64_t tiles, int64_t base, int64_t extra) {
     const gguf_kernels* g =
@@ -650,8 +670,10 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
     /* k per step: KBLOCK, or a whole super-block */
     const int64_t step = width > KBLOCK ? width : KBLOCK;
     float buf[(KBLOCK > SD_QK ? KBLOCK : SD_QK) * 2 * PW] __attribute__((aligned(64)));
-    /* AVX-512, 1 or 2 rows: pairs two at a time (the last alone when their number is odd) */
-    if (T >= 1 && T <= TWO_ROWS && g->two[0]) {
+    /* AVX-512: pairs two at a time (the last alone when their number is odd), each step's
+     * blocks run by every row tile while they are in L1 */
+    if (g->two[0]) {
+        const int64_t nt = (T + TWO_ROWS - 1) / TWO_ROWS, tb = T / nt, te = T % nt;
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < (pairs + 1) / 2; p++) {
             const int64_t q = 2 * p, stride = (K / width) * bytes;
@@ -659,12 +681,16 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
             for (int64_t k0 = 0; k0 < K; k0 += step) {
                 const int64_t kn = K - k0 < step ? K - k0 : step;
                 const uint8_t* blocks = pair + (k0 / width) * bytes;
-                if (q + 1 < pairs)
-                    g->two[T - 1](x + k0, K, blocks, stride, kn / width, y + 2 * q * PW, ldy,
-                                  k0 == 0);
-                else
-                    g->direct[T - 1](x + k0, K, blocks, kn / width, y + 2 * q * PW, ldy,
-                                     k0 == 0);
+                for (int64_t i = 0, t = 0; i < nt; i++) {
+                    const int64_t r = tb + (i < te);
+                    if (q + 1 < pairs)
+                        g->two[r - 1](x + t * K + k0, K, blocks, stride, kn / width,
+                                      y + t * ldy + 2 * q * PW, ldy, k0 == 0);
+                    else
+                        g->direct[r - 1](x + t * K + k0, K, blocks, kn / width,
+                                         y + t * ldy + 2 * q * PW, ldy, k0 == 0);
+                    t += r;
+                }
             }
         }
         return;
