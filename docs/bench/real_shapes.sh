@@ -6,30 +6,30 @@
 #  1. cold start (empty cache, file out of the page cache) and warm start in fresh processes:
 #     seconds to ready, peak RSS against file + KV, time to first token (cold_start.py);
 #  2. plain decode: `specdec bench` (q8 and float activations) beside llama.cpp on the same file
-#     through llama-cpp-python (--baseline llama.cpp) if importable, and `llama-bench` tg128 if on
-#     PATH;
+#     through llama-cpp-python (--baseline llama.cpp) if importable, and beside `llama-bench`
+#     tg128 (tg128.py: the two alternating round by round) if it is on PATH;
 #  3. T(rows) of the forward beside the memory- and compute-bound times (forward_rows.py);
-#  4. the oracle drafter at tau = 1.5, 2, 3 beside plain (oracle_speedup.py): what speculation
-#     can give at that size on this CPU.
+#  4. the oracle drafter at tau = 1.5, 2, 3 (a chain of 4) and 1.5, 1.8 (depth 1) beside plain
+#     (oracle_speedup.py): what speculation can give at that size on this CPU.
 #
 # Run it from the repository root with the README's venv, nothing else heavy running:
 #
 #   bash docs/bench/real_shapes.sh    # SHAPES, THREADS, N, TOK, ACTS, MODELS, OUT override
 #
-# SHAPES: "name:ftype ..." (default: smollm2-1.7b at q4_k_m, q8_0 and q4_1, then llama3-8b at
+# SHAPES: "name:ftype ..." (default: smollm2-1.7b at q4_k_m, q5_k_m, q8_0 and q4_1, then llama3-8b at
 # q4_k_m, which is skipped unless MemAvailable holds 2.5 x its 4.5 GB: plain + oracle engines).
 # The model files go to $MODELS (default runs/shapes/, ignored by git; ~3.9 GB for the 1.7B
 # ones, 4.5 GB for the 8B one; shape_gguf.py refuses when the disk lacks room) and are reused
 # when present. The engine takes the .gguf itself (a loader that reads a GGUF as it is), as
 # llama.cpp does.
 # Writes to $OUT (default docs/bench/results/<date>-<cpu>/real_shapes/): lscpu.txt, and per
-# file <name>_<ftype>/{cold_start,bench_<acts>,llama_bench,forward_rows,oracle_<acts>}.json/.log.
+# file <name>_<ftype>/{cold_start,bench_<acts>,tg128,forward_rows,oracle_<acts>,oracle_depth1_<acts>}.json/.log.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 D=${DATA:-../shared/data/eval}
 OUT=${OUT:-$(bash docs/bench/results_dir.sh real_shapes)}
 MODELS=${MODELS:-runs/shapes}
-SHAPES=${SHAPES:-smollm2-1.7b:q4_k_m smollm2-1.7b:q8_0 smollm2-1.7b:q4_1 llama3-8b:q4_k_m}
+SHAPES=${SHAPES:-smollm2-1.7b:q4_k_m smollm2-1.7b:q5_k_m smollm2-1.7b:q8_0 smollm2-1.7b:q4_1 llama3-8b:q4_k_m}
 THREADS=${THREADS:-$(nproc)}
 N=${N:-4}
 TOK=${TOK:-64}
@@ -84,10 +84,9 @@ for entry in $SHAPES; do
       --activations "$act" --json "$dir/bench_$act.json"
   done
   if command -v llama-bench > /dev/null; then
-    echo "  llama-bench tg128" >&2
-    llama-bench -m "$gguf" -t "$THREADS" -p 0 -n 128 -r 3 -o json > "$dir/llama_bench.json" \
-      2> "$dir/llama_bench.log" || { echo "  llama-bench FAILED: see $dir/llama_bench.log" >&2
-                                     failed=$((failed + 1)); }
+    step "tg128 beside llama-bench" "$dir/tg128.log" \
+      "$PY" docs/bench/tg128.py --model "$model" --threads "$THREADS" --rounds 3 \
+      --activations "${ACTS// /,}" --json "$dir/tg128.json"
   fi
   step "forward rows" "$dir/forward_rows.log" \
     "$PY" docs/bench/forward_rows.py --model "$model" --rows 1,2,4,8,16 --rounds 1 \
@@ -97,6 +96,10 @@ for entry in $SHAPES; do
       "$PY" docs/bench/oracle_speedup.py --model "$model" --activations "$act" \
       --taus 1.5,2,3 --depth 4 --num-prompts "$N" --max-new-tokens "$TOK" \
       --dataset "$D/mt_bench.jsonl" --json "$dir/oracle_$act.json"
+    step "oracle tau 1.5,1.8 depth 1 ($act)" "$dir/oracle_depth1_$act.log" \
+      "$PY" docs/bench/oracle_speedup.py --model "$model" --activations "$act" \
+      --taus 1.5,1.8 --depth 1 --num-prompts "$N" --max-new-tokens "$TOK" \
+      --dataset "$D/mt_bench.jsonl" --json "$dir/oracle_depth1_$act.json"
   done
 done
 echo "outputs in $OUT; $failed step(s) failed" >&2
