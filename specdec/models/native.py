@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
+import hashlib
 import importlib.util
 import logging
 import math
@@ -118,6 +119,12 @@ class Kernels:
         lib.sd_layers.argtypes = [_P, _I, ctypes.POINTER(StepArgs)]
         lib.sd_check_keys.argtypes = [_I, _P, _P, _I, _I, _I]
         lib.sd_check_keys.restype = _I
+
+    @functools.cached_property
+    def build(self) -> str:
+        """A digest of the loaded library's bytes: changes with any rebuilt kernel, where the
+        ABI number changes only with a signature (what the step costs cached per build need)."""
+        return hashlib.blake2b(Path(self.lib._name).read_bytes(), digest_size=8).hexdigest()
 
     @property
     def q8_isa(self) -> str:

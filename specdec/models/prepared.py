@@ -37,9 +37,10 @@ class PreparedLinears:
         # (data_ptr, shape, dtype, version) -> panels: a weight updated in place is prepared
         # again, a new tensor at a reused address never matches a stale entry's version
         self._panels: dict[tuple, Panels | PanelParts] = {}
-        # names the build and the q8 instruction set: step costs profiled with other kernels
+        # names the build and the instruction sets: step costs profiled with other kernels
         # (specdec.engine.step_profile caches them under this key) are not reused
-        self.key = f"invariant panels (specdec/native ABI {ABI}, q8 {kernels.q8_isa})"
+        self.key = (f"invariant panels (specdec/native ABI {ABI}, build {kernels.build}, "
+                    f"q8 {kernels.q8_isa}, float {kernels.float_isa})")
         self.from_cache = False
         self.tuned_seconds = 0.0
 

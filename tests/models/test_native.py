@@ -13,6 +13,9 @@ Python, by the C check.
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,11 +123,16 @@ def test_prepared_linears_route_by_dtype_and_grad():
 
 
 @needs_kernels
-def test_the_kernels_key_names_the_build_and_the_q8_instruction_set():
+def test_the_kernels_key_names_the_build_and_the_instruction_sets():
     """Step costs are cached under this key (specdec.engine.step_profile): costs profiled with
-    another build or instruction set must not be reused."""
+    another build (a rebuilt kernel keeps its ABI number) or instruction set must not be
+    reused."""
     key = PreparedLinears(KERNELS).key
-    assert f"ABI {native.ABI}" in key and f"q8 {KERNELS.q8_isa}" in key
+    library = Path(KERNELS.lib._name).read_bytes()
+    assert KERNELS.build == hashlib.blake2b(library, digest_size=8).hexdigest()
+    for part in (f"ABI {native.ABI}", f"build {KERNELS.build}", f"q8 {KERNELS.q8_isa}",
+                 f"float {KERNELS.float_isa}"):
+        assert part in key
 
 
 # ---- a weight in parts ------------------------------------------------------------------------
