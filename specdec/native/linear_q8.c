@@ -266,35 +266,59 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
         _mm_prefetch((const char*)(p) + KAHEAD * (BYTES) + o, SD_STREAM_HINT);
 #define KSC_U8(p) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
 #define KSC_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(p))))
-#define Q4_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
-    ATTR static void q4_k_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
-                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
-                                       float* y, int64_t ldy) {                               \
-        const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                 \
+/* the 5th bits of chunk c (bit c of each byte of h) at bit 4 of each byte (16-bit shifts: bit 4
+ * of a byte comes from its own bit c either way) */
+#define FIFTH(h, c, SLL, SRL) ((c) < 4 ? SLL(h, _mm_cvtsi32_si128(4 - (c)))                     \
+                                       : SRL(h, _mm_cvtsi32_si128((c) - 4)))
+/* Q4_K and Q5_K (FIVE: its 5th bits, chunk c's at bit c of each byte of the sub-block's
+ * 5th-bit bytes, or-ed in at bit 4): ROW, FIN the row step and finish of Q4_F's kernel (Q4_K:
+ * int16 pair sums) or Q5_F's (Q5_K: 0..31, int32 sums) */
+#define KNIB_KERNEL(NAME, BYTES, HEAD, SUB, FIVE, ROW, FIN, R, EACH, ISA, SUF, ATTR)          \
+    ATTR static void NAME##_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,     \
+                                         int64_t K, int64_t nb, const uint8_t* b, int P,      \
+                                         float* y, int64_t ldy) {                             \
+        const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);                 \
+        const __m256i ones = _mm256_set1_epi16(1);                                             \
         const __m256 sign = _mm256_set1_ps(-0.0f);                                             \
         (void)ones;                                                                            \
+        (void)bit4;                                                                            \
         EACH(INIT)                                                                             \
-        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q4_K_PAIR_BYTES) {                        \
+        for (int64_t h = 0; h < nb / 8; h++, b += BYTES) {                                     \
             const __m256 dd = F16_D(b, P), dm = F16_M(b, P);                                   \
             for (int jj = 0; jj < 8; jj++) {                                                   \
                 const int64_t j = 8 * h + jj;                                                  \
-                if (P == 0) KPREFETCH(b, SD_Q4_K_PAIR_BYTES, jj)                               \
+                if (P == 0) KPREFETCH(b, BYTES, jj)                                            \
                 EACH(IZERO)                                                                    \
-                const uint8_t* qb = b + SD_Q4_K_HEAD + 256 * jj;                               \
+                const uint8_t* qb = b + HEAD + SUB * jj;                                       \
+                const __m256i hv = FIVE ? _mm256_loadu_si256((const __m256i*)(qb + 256 + 32 * P)) \
+                                        : _mm256_setzero_si256();                              \
+                (void)hv;                                                                      \
                 for (int c = 0; c < 8; c++) {                                                  \
                     const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
-                    const __m256i w = _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low); \
+                    __m256i w = _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low);    \
+                    if (FIVE)                                                                  \
+                        w = _mm256_or_si256(                                                   \
+                            w, _mm256_and_si256(FIFTH(hv, c, _mm256_sll_epi16, _mm256_srl_epi16), \
+                                                bit4));                                        \
                     const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
-                    EACH(NIB_ROW_##ISA)                                                        \
+                    EACH(ROW##_##ISA)                                                          \
                 }                                                                              \
                 const __m256 dw = _mm256_mul_ps(dd, KSC_U8(b + 64 + 16 * jj + 8 * P));         \
                 const __m256 mw = _mm256_xor_ps(                                               \
                     _mm256_mul_ps(dm, KSC_U8(b + 192 + 16 * jj + 8 * P)), sign);               \
-                EACH(NIB_FIN_##ISA)                                                            \
+                EACH(FIN##_##ISA)                                                              \
             }                                                                                  \
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
+#define AFFINE_I_avx2(r) AFFINE_I(r)
+#define AFFINE_I_vnni(r) AFFINE_I(r)
+#define Q4_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
+    KNIB_KERNEL(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256, 0, NIB_ROW, NIB_FIN, R, EACH,    \
+                ISA, SUF, ATTR)
+#define Q5_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
+    KNIB_KERNEL(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB, 1, U8_ROW, AFFINE_I, R,  \
+                EACH, ISA, SUF, ATTR)
 #define Q6_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
     ATTR static void q6_k_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
                                        int64_t K, int64_t nb, const uint8_t* b, int P,        \
@@ -337,44 +361,6 @@ typedef void (*q8_fn)(const int8_t*, const float*, const float*, int64_t, int64_
                     EACH(S8_ROW_##ISA)                                                         \
                 }                                                                              \
                 EACH(FIN_HALVES)                                                               \
-            }                                                                                  \
-        }                                                                                      \
-        EACH(STORE)                                                                            \
-    }
-/* the 5th bits of chunk c (bit c of each byte of h) at bit 4 of each byte (16-bit shifts: bit 4
- * of a byte comes from its own bit c either way) */
-#define FIFTH(h, c, SLL, SRL) ((c) < 4 ? SLL(h, _mm_cvtsi32_si128(4 - (c)))                     \
-                                       : SRL(h, _mm_cvtsi32_si128((c) - 4)))
-#define Q5_K_KERNEL(R, EACH, ISA, SUF, ATTR)                                                   \
-    ATTR static void q5_k_q8_r##R##SUF(const int8_t* q, const float* d, const float* s,       \
-                                       int64_t K, int64_t nb, const uint8_t* b, int P,        \
-                                       float* y, int64_t ldy) {                               \
-        const __m256i low = _mm256_set1_epi8(15), bit4 = _mm256_set1_epi8(16);                 \
-        const __m256i ones = _mm256_set1_epi16(1);                                             \
-        const __m256 sign = _mm256_set1_ps(-0.0f);                                             \
-        (void)ones;                                                                            \
-        EACH(INIT)                                                                             \
-        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q5_K_PAIR_BYTES) {                        \
-            const __m256 dd = F16_D(b, P), dm = F16_M(b, P);                                   \
-            for (int jj = 0; jj < 8; jj++) {                                                   \
-                const int64_t j = 8 * h + jj;                                                  \
-                if (P == 0) KPREFETCH(b, SD_Q5_K_PAIR_BYTES, jj)                               \
-                EACH(IZERO)                                                                    \
-                const uint8_t* qb = b + SD_Q5_K_HEAD + SD_Q5_K_SUB * jj;                       \
-                const __m256i hv = _mm256_loadu_si256((const __m256i*)(qb + 256 + 32 * P));    \
-                for (int c = 0; c < 8; c++) {                                                  \
-                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
-                    const __m256i hi =                                                         \
-                        _mm256_and_si256(FIFTH(hv, c, _mm256_sll_epi16, _mm256_srl_epi16), bit4); \
-                    const __m256i w = _mm256_or_si256(                                         \
-                        _mm256_and_si256(P ? _mm256_srli_epi16(raw, 4) : raw, low), hi);       \
-                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
-                    EACH(U8_ROW_##ISA)                                                         \
-                }                                                                              \
-                const __m256 dw = _mm256_mul_ps(dd, KSC_U8(b + 64 + 16 * jj + 8 * P));         \
-                const __m256 mw = _mm256_xor_ps(                                               \
-                    _mm256_mul_ps(dm, KSC_U8(b + 192 + 16 * jj + 8 * P)), sign);               \
-                EACH(AFFINE_I)                                                                 \
             }                                                                                  \
         }                                                                                      \
         EACH(STORE)                                                                            \
@@ -526,25 +512,33 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
 #define KSC_I8_16(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(p))))
 #define NEG16(v) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v),                  \
                                                       _mm512_set1_epi32((int)0x80000000)))
-#define Q4_K_KERNEL16(R, EACH)                                                                 \
-    AVX512 static void q4_k_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
-                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
-                                          int64_t ldy) {                                      \
-        const __m512i low = _mm512_set1_epi8(15);                                              \
+/* Q4_K and Q5_K (FIVE: the chunk's 5th bits or-ed in, one ternary-logic op: lo | (h & 16)) */
+#define KNIB_KERNEL16(NAME, BYTES, HEAD, SUB, FIVE, R, EACH)                                   \
+    AVX512 static void NAME##_q8_r##R##_512(const int8_t* q, const float* d, const float* s,  \
+                                            int64_t K, int64_t nb, const uint8_t* b,          \
+                                            float* y, int64_t ldy) {                          \
+        const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);                 \
+        (void)bit4;                                                                            \
         EACH(INIT16)                                                                           \
-        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q4_K_PAIR_BYTES) {                        \
+        for (int64_t h = 0; h < nb / 8; h++, b += BYTES) {                                     \
             const __m512 dd = H16_D(b), dm = H16_M(b);                                         \
             for (int jj = 0; jj < 8; jj++) {                                                   \
                 const int64_t j = 8 * h + jj;                                                  \
-                KPREFETCH(b, SD_Q4_K_PAIR_BYTES, jj)                                           \
+                KPREFETCH(b, BYTES, jj)                                                        \
                 EACH(IZERO16)                                                                  \
-                const uint8_t* qb = b + SD_Q4_K_HEAD + 256 * jj;                               \
+                const uint8_t* qb = b + HEAD + SUB * jj;                                       \
+                const __m512i hv = FIVE ? _mm512_loadu_si512((const void*)(qb + 256))          \
+                                        : _mm512_setzero_si512();                              \
+                (void)hv;                                                                      \
                 for (int c = 0; c < 8; c++) {                                                  \
                     const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
-                    const __m512i w = _mm512_and_si512(                                        \
+                    __m512i w = _mm512_and_si512(                                              \
                         _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), \
                                            1),                                                 \
                         low);                                                                  \
+                    if (FIVE)                                                                  \
+                        w = _mm512_ternarylogic_epi32(                                         \
+                            w, FIFTH(hv, c, _mm512_sll_epi16, _mm512_srl_epi16), bit4, 0xF8);  \
                     const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
                     EACH(U_ROW16)                                                              \
                 }                                                                              \
@@ -555,6 +549,10 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
         }                                                                                      \
         EACH(STORE16)                                                                          \
     }
+#define Q4_K_KERNEL16(R, EACH)                                                                 \
+    KNIB_KERNEL16(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256, 0, R, EACH)
+#define Q5_K_KERNEL16(R, EACH)                                                                 \
+    KNIB_KERNEL16(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB, 1, R, EACH)
 #define Q6_K_KERNEL16(R, EACH)                                                                 \
     AVX512 static void q6_k_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
                                           int64_t K, int64_t nb, const uint8_t* b, float* y,  \
@@ -594,39 +592,6 @@ typedef void (*q8_pair_fn)(const int8_t*, const float*, const float*, int64_t, i
                 ws = _mm512_slli_epi32(ws, 7);                                                 \
                 EACH(FIX16)                                                                    \
                 EACH(HALVES16)                                                                 \
-            }                                                                                  \
-        }                                                                                      \
-        EACH(STORE16)                                                                          \
-    }
-/* Q5_K: Q4_K's nibbles, the chunk's 5th bits or-ed in (one ternary-logic op: lo | (h & 16)) */
-#define Q5_K_KERNEL16(R, EACH)                                                                 \
-    AVX512 static void q5_k_q8_r##R##_512(const int8_t* q, const float* d, const float* s,    \
-                                          int64_t K, int64_t nb, const uint8_t* b, float* y,  \
-                                          int64_t ldy) {                                      \
-        const __m512i low = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);                 \
-        EACH(INIT16)                                                                           \
-        for (int64_t h = 0; h < nb / 8; h++, b += SD_Q5_K_PAIR_BYTES) {                        \
-            const __m512 dd = H16_D(b), dm = H16_M(b);                                         \
-            for (int jj = 0; jj < 8; jj++) {                                                   \
-                const int64_t j = 8 * h + jj;                                                  \
-                KPREFETCH(b, SD_Q5_K_PAIR_BYTES, jj)                                           \
-                EACH(IZERO16)                                                                  \
-                const uint8_t* qb = b + SD_Q5_K_HEAD + SD_Q5_K_SUB * jj;                       \
-                const __m512i hv = _mm512_loadu_si512((const void*)(qb + 256));                \
-                for (int c = 0; c < 8; c++) {                                                  \
-                    const __m256i raw = _mm256_loadu_si256((const __m256i*)(qb + 32 * c));     \
-                    const __m512i lo = _mm512_and_si512(                                       \
-                        _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), \
-                                           1),                                                 \
-                        low);                                                                  \
-                    const __m512i w = _mm512_ternarylogic_epi32(                               \
-                        lo, FIFTH(hv, c, _mm512_sll_epi16, _mm512_srl_epi16), bit4, 0xF8);     \
-                    const int64_t k = j * SD_QBLOCK + 4 * c;                                   \
-                    EACH(U_ROW16)                                                              \
-                }                                                                              \
-                const __m512 dw = _mm512_mul_ps(dd, KSC_U8_16(b + 64 + 16 * jj));              \
-                const __m512 mw = NEG16(_mm512_mul_ps(dm, KSC_U8_16(b + 192 + 16 * jj)));      \
-                EACH(AFFINE16)                                                                 \
             }                                                                                  \
         }                                                                                      \
         EACH(STORE16)                                                                          \
