@@ -108,8 +108,8 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
  *   vnni: vpdpbusd adds four products into int32 in one instruction (AVX-VNNI): one
  *         instruction per row and step instead of two (4-bit) or three (8-bit);
  *   512:  AVX512-VNNI, both panels of a pair at once, up to 8 rows a tile (below);
- *   amx:  AMX-INT8 tile products, from 16 rows (below; fewer rows, I8_F16, Q4_K, Q5_K and
- *         Q6_K run the 512 kernels). */
+ *   amx:  AMX-INT8 tile products, from 10 to 16 rows by format (below; fewer rows and I8_F16
+ *         run the 512 kernels). */
 #define INIT(r) __m256 f##r = _mm256_setzero_ps();
 #define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
 #define IZERO(r) __m256i i##r = _mm256_setzero_si256();
@@ -677,10 +677,18 @@ static const q8_format Q8_FORMATS[SD_NUM_FORMATS] = {
     [SD_Q5_F_Q8] = {SD_Q5_F_PAIR_BYTES, 128, 0, 1, FIN_AFFINE16, AMX_STORED, 16},
     [SD_I8_F16_Q8] = {SD_I8_F16_PAIR_BYTES, 128, 1, 1, FIN_HALVES16, AMX_NONE, 0},
     /* the super-block formats: bytes per block of 32 k on average (a pair's super-block is 8
-     * of them, one AMX run); their scales are made per sub-block (amx_scales) */
+     * of them, one AMX run); their scales are made per sub-block (amx_scales). From where AMX
+     * wins (2026-12-04, Sapphire Rapids, 2 threads, 12 matrices in turn so the weights stream
+     * from memory; time AMX / AVX-512, fastest of 5, at 8, 10, 12, 14, 16, 32 rows, 8192x2048 /
+     * 2048x8192):
+     *   Q4_K 1.29 1.05 0.99 0.99 0.90 0.85 / 1.26 1.08 1.01 1.03 0.94 0.87: from 16;
+     *   Q5_K 1.21 0.99 0.92 0.95 0.85 0.77 / 1.20 0.95 0.95 0.92 0.90 0.76: from 12;
+     *   Q6_K 1.16 0.90 0.87 0.87 0.82 0.74 / 1.22 0.97 0.88 0.85 0.83 0.73: from 10
+     * (Q6_K's two scales a sub-block cost its 512 kernel most; fewer rows: the tile products
+     * and the sums' trip through memory outweigh the vpdpbusd they save) */
     [SD_Q4_K_Q8] = {SD_Q4_K_PAIR_BYTES / 8, SD_Q4_K_HEAD, 0, 0, FIN_AFFINE16, AMX_Q4_K, 16},
-    [SD_Q6_K_Q8] = {SD_Q6_K_PAIR_BYTES / 8, SD_Q6_K_HEAD, 1, 0, FIN_HALVES16, AMX_Q6_K, 16},
-    [SD_Q5_K_Q8] = {SD_Q5_K_PAIR_BYTES / 8, SD_Q5_K_HEAD, 0, 0, FIN_AFFINE16, AMX_Q5_K, 16}};
+    [SD_Q6_K_Q8] = {SD_Q6_K_PAIR_BYTES / 8, SD_Q6_K_HEAD, 1, 0, FIN_HALVES16, AMX_Q6_K, 10},
+    [SD_Q5_K_Q8] = {SD_Q5_K_PAIR_BYTES / 8, SD_Q5_K_HEAD, 0, 0, FIN_AFFINE16, AMX_Q5_K, 12}};
 
 /* AMX-INT8 (Sapphire Rapids and later): a block's integer sums for up to 16 rows and both
  * panels of a pair in one tile multiply. A = the rows' quants of the block [M rows][32 bytes]
