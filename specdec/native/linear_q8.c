@@ -108,7 +108,7 @@ AVX2 static void quantize_row(const float* x, int64_t K, int8_t* q, float* d, fl
  *   vnni: vpdpbusd adds four products into int32 in one instruction (AVX-VNNI): one
  *         instruction per row and step instead of two (4-bit) or three (8-bit);
  *   512:  AVX512-VNNI, both panels of a pair at once, up to 8 rows a tile (below);
- *   amx:  AMX-INT8 tile products, from 10 to 16 rows by format (below; fewer rows and I8_F16
+ *   amx:  AMX-INT8 tile products, from 9 to 16 rows by format (below; fewer rows and I8_F16
  *         run the 512 kernels). */
 #define INIT(r) __m256 f##r = _mm256_setzero_ps();
 #define STORE(r) _mm256_storeu_ps(y + (r) * ldy, f##r);
@@ -679,16 +679,17 @@ static const q8_format Q8_FORMATS[SD_NUM_FORMATS] = {
     /* the super-block formats: bytes per block of 32 k on average (a pair's super-block is 8
      * of them, one AMX run); their scales are made per sub-block (amx_scales). From where AMX
      * wins (2026-12-04, Sapphire Rapids, 2 threads, 12 matrices in turn so the weights stream
-     * from memory; time AMX / AVX-512, fastest of 5, at 8, 10, 12, 14, 16, 32 rows, 8192x2048 /
-     * 2048x8192):
-     *   Q4_K 1.29 1.05 0.99 0.99 0.90 0.85 / 1.26 1.08 1.01 1.03 0.94 0.87: from 16;
-     *   Q5_K 1.21 0.99 0.92 0.95 0.85 0.77 / 1.20 0.95 0.95 0.92 0.90 0.76: from 12;
-     *   Q6_K 1.16 0.90 0.87 0.87 0.82 0.74 / 1.22 0.97 0.88 0.85 0.83 0.73: from 10
-     * (Q6_K's two scales a sub-block cost its 512 kernel most; fewer rows: the tile products
-     * and the sums' trip through memory outweigh the vpdpbusd they save) */
-    [SD_Q4_K_Q8] = {SD_Q4_K_PAIR_BYTES / 8, SD_Q4_K_HEAD, 0, 0, FIN_AFFINE16, AMX_Q4_K, 16},
-    [SD_Q6_K_Q8] = {SD_Q6_K_PAIR_BYTES / 8, SD_Q6_K_HEAD, 1, 0, FIN_HALVES16, AMX_Q6_K, 10},
-    [SD_Q5_K_Q8] = {SD_Q5_K_PAIR_BYTES / 8, SD_Q5_K_HEAD, 0, 0, FIN_AFFINE16, AMX_Q5_K, 12}};
+     * from memory; time AMX / AVX-512, fastest of 10, at 8, 9, 10, 11, 12, 16, 32 rows,
+     * 8192x2048 / 2048x8192):
+     *   Q4_K 1.18 1.00 0.99 0.95 0.95 0.86 0.83 / 1.19 0.97 1.01 0.97 0.97 0.90 0.81: from 11;
+     *   Q5_K 1.14 0.87 0.90 0.89 0.88 0.80 0.76 / 1.15 0.89 0.91 0.91 0.93 0.87 0.75: from 9;
+     *   Q6_K 1.21 0.91 0.88 0.87 0.85 0.81 0.72 / 1.12 0.88 0.84 0.87 0.86 0.80 0.74: from 9
+     * (from 9 rows the 512 kernels take two tiles, unpacking the weights twice; at 8 one pass
+     * of theirs beats the tile products and the sums' trip through memory; Q4_K's unpacking
+     * is the cheapest of the three) */
+    [SD_Q4_K_Q8] = {SD_Q4_K_PAIR_BYTES / 8, SD_Q4_K_HEAD, 0, 0, FIN_AFFINE16, AMX_Q4_K, 11},
+    [SD_Q6_K_Q8] = {SD_Q6_K_PAIR_BYTES / 8, SD_Q6_K_HEAD, 1, 0, FIN_HALVES16, AMX_Q6_K, 9},
+    [SD_Q5_K_Q8] = {SD_Q5_K_PAIR_BYTES / 8, SD_Q5_K_HEAD, 0, 0, FIN_AFFINE16, AMX_Q5_K, 9}};
 
 /* AMX-INT8 (Sapphire Rapids and later): a block's integer sums for up to 16 rows and both
  * panels of a pair in one tile multiply. A = the rows' quants of the block [M rows][32 bytes]
@@ -874,9 +875,9 @@ static int64_t tile_row(row_tiles rt, int64_t i) {
  * one pair at b -> 16 columns of each y row, in row tiles rt of at most M rows (the configured
  * tile rows; a tile of fewer reads M rows from q, the rows past it padding whose sums are
  * unused). Groups of up to 4 row tiles each make a pass over the blocks (the weights made into
- * bytes once per 64 rows), their rows' sums kept in f on the stack: in memory after the rows,
- * f met their A tiles' loads at the same offsets mod 4 KiB (8192x2048 Q8_0 at 16 rows 0.95 ->
- * 1.05 ms), and in y (rows a power of two apart) too */
+ * bytes once per 64 rows), their rows' sums kept in f on the stack (measured, 8192x2048 at
+ * 16 rows: f in the heap after the rows, Q8_0 0.95 -> 1.05 ms, we think from meeting the A
+ * tiles' rows at the same offsets mod 4 KiB; the sums in y, Q4_K 0.81 -> 0.79 ms) */
 AMX static void q8_amx(const q8_format* fm, const int8_t* q, const float* d, const float* s,
                        int64_t K, int64_t nb, const uint8_t* b, float* y, int64_t ldy,
                        row_tiles rt) {

@@ -188,7 +188,7 @@ def test_extreme_blocks_dequantize_as_gguf_py(kind):
 @needs_kernels
 @pytest.mark.parametrize("isa", ["avx2", "avx-vnni", "avx512-vnni"])
 def test_every_narrower_isa_is_bitwise_the_old_formats(isa):
-    """The q8 kernels of a narrower instruction set (the widest runs above: AMX from 10 to 16
+    """The q8 kernels of a narrower instruction set (the widest runs above: AMX from 9 or 11
     rows, the AVX512-VNNI kernels below), asked for by the environment in a process of its own
     (the choice is made once per process)."""
     if Q8_ISAS.index(isa) >= Q8_ISAS.index(KERNELS.q8_isa):
@@ -242,7 +242,7 @@ def amx_case_outputs(path: str) -> None:
 
 @needs_kernels
 def test_amx_is_bitwise_the_avx512_kernels(tmp_path):
-    """From 10 (Q6_K), 12 (Q5_K) or 16 (Q4_K) rows AMX tiles make the sums of the super-block
+    """From 9 (Q5_K, Q6_K) or 11 (Q4_K) rows AMX tiles make the sums of the super-block
     formats (linear_q8.c's q8_amx): 0..64 rows bitwise the AVX512-VNNI kernels'
     (SPECDEC_NATIVE_ISA=avx512-vnni, in a process of its own: the choice is made once per
     process) and the pure-torch reference's, row by row."""
