@@ -772,17 +772,20 @@ AMX static void amx_q6_k(const uint8_t* qb, uint8_t w[8][64]) {
     }
 }
 
-/* block jj of a run (at blk; its super-block's quants at run + qoff for the K formats): where
+/* the K formats: sub-block jj's quants in the super-block at run, after its header (qoff) */
+static const uint8_t* k_sub_block(const q8_format* fm, const uint8_t* run, int jj) {
+    return run + fm->qoff + (8 * fm->bytes - fm->qoff) / 8 * jj;
+}
+
+/* block jj of a run (at blk; a sub-block of the super-block at run for the K formats): where
  * its B tile's bytes are (made into w where they are not stored as such) */
 AMX static const uint8_t* amx_weights(const q8_format* fm, const uint8_t* run, const uint8_t* blk,
                                       int jj, uint8_t w[8][64]) {
-    /* the K formats: sub-block jj's quants, after the super-block's header */
-    const uint8_t* sub = run + fm->qoff + (fm->amx >= AMX_Q4_K ? (8 * fm->bytes - fm->qoff) / 8 * jj : 0);
     switch (fm->amx) {
     case AMX_NIBBLES: amx_nibbles(blk + fm->qoff, w); return w[0];
-    case AMX_Q4_K: amx_nibbles(sub, w); return w[0];
-    case AMX_Q5_K: amx_q5_k(sub, w); return w[0];
-    case AMX_Q6_K: amx_q6_k(sub, w); return w[0];
+    case AMX_Q4_K: amx_nibbles(k_sub_block(fm, run, jj), w); return w[0];
+    case AMX_Q5_K: amx_q5_k(k_sub_block(fm, run, jj), w); return w[0];
+    case AMX_Q6_K: amx_q6_k(k_sub_block(fm, run, jj), w); return w[0];
     default: return blk + fm->qoff; /* AMX_STORED */
     }
 }
@@ -875,9 +878,10 @@ static int64_t tile_row(row_tiles rt, int64_t i) {
  * one pair at b -> 16 columns of each y row, in row tiles rt of at most M rows (the configured
  * tile rows; a tile of fewer reads M rows from q, the rows past it padding whose sums are
  * unused). Groups of up to 4 row tiles each make a pass over the blocks (the weights made into
- * bytes once per 64 rows), their rows' sums kept in f on the stack (measured, 8192x2048 at
- * 16 rows: f in the heap after the rows, Q8_0 0.95 -> 1.05 ms, we think from meeting the A
- * tiles' rows at the same offsets mod 4 KiB; the sums in y, Q4_K 0.81 -> 0.79 ms) */
+ * bytes once per 64 rows), their rows' sums kept in f on the stack. Measured, 8192x2048 at 16
+ * rows: Q8_0 0.95 ms with f here, 1.05 with f in the heap after the rows (we think from
+ * meeting the A tiles' rows at the same offsets mod 4 KiB); Q4_K 0.79 ms here, 0.81 with the
+ * sums accumulated in y. */
 AMX static void q8_amx(const q8_format* fm, const int8_t* q, const float* d, const float* s,
                        int64_t K, int64_t nb, const uint8_t* b, float* y, int64_t ldy,
                        row_tiles rt) {
