@@ -679,8 +679,8 @@ static const q8_format Q8_FORMATS[SD_NUM_FORMATS] = {
     /* the super-block formats: bytes per block of 32 k on average (a pair's super-block is 8
      * of them, one AMX run); their scales are made per sub-block (amx_scales). From where AMX
      * wins (2026-12-04, Sapphire Rapids, 2 threads, 12 matrices in turn so the weights stream
-     * from memory; time AMX / AVX-512, fastest of 10, at 8, 9, 10, 11, 12, 16, 32 rows,
-     * 8192x2048 / 2048x8192):
+     * from memory, docs/bench/q8_rows_streamed.py; time AMX / AVX-512, fastest of 10, at 8, 9,
+     * 10, 11, 12, 16, 32 rows, 8192x2048 / 2048x8192):
      *   Q4_K 1.18 1.00 0.99 0.95 0.95 0.86 0.83 / 1.19 0.97 1.01 0.97 0.97 0.90 0.81: from 11;
      *   Q5_K 1.14 0.87 0.90 0.89 0.88 0.80 0.76 / 1.15 0.89 0.91 0.91 0.93 0.87 0.75: from 9;
      *   Q6_K 1.21 0.91 0.88 0.87 0.85 0.81 0.72 / 1.12 0.88 0.84 0.87 0.86 0.80 0.74: from 9
