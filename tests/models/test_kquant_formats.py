@@ -29,7 +29,7 @@ from test_gguf_weights import KERNELS, needs_kernels, random_blocks
 from specdec.models import gguf_blocks as gb
 from specdec.models import kquant_blocks as kb
 from specdec.models import q8_activations as qa
-from specdec.models.native import PANEL, Q8_ISAS, Panels
+from specdec.models.native import PANEL, Q8_ISAS, PanelParts, Panels
 
 KINDS = ["Q4_K", "Q5_K", "Q6_K"]
 SOURCES = ["bench", "bytes", "extreme"]
@@ -188,9 +188,9 @@ def test_extreme_blocks_dequantize_as_gguf_py(kind):
 @needs_kernels
 @pytest.mark.parametrize("isa", ["avx2", "avx-vnni", "avx512-vnni"])
 def test_every_narrower_isa_is_bitwise_the_old_formats(isa):
-    """The q8 kernels of a narrower instruction set (the widest runs above; AMX runs the
-    AVX512-VNNI kernels for these formats), asked for by the environment in a process of its
-    own (the choice is made once per process)."""
+    """The q8 kernels of a narrower instruction set (the widest runs above: AMX from 9 or 11
+    rows, the AVX512-VNNI kernels below), asked for by the environment in a process of its own
+    (the choice is made once per process)."""
     if Q8_ISAS.index(isa) >= Q8_ISAS.index(KERNELS.q8_isa):
         pytest.skip(f"this CPU's widest q8 kernels are {KERNELS.q8_isa} (the tests above)")
     here = Path(__file__).parent
@@ -208,6 +208,67 @@ def test_every_narrower_isa_is_bitwise_the_old_formats(isa):
     assert done.returncode == 0, done.stderr[-3000:]
     ran = done.stdout.split()[0]
     assert ran == isa, ran  # the one asked for (this CPU has every one below the widest)
+
+
+# the AMX cases: odd out_features (a padded last pair), 1 and 4 super-blocks (AMX runs of one
+# each), and a weight in parts of the three formats (native.PanelParts: one call per part)
+AMX_CASES = [("Q4_K", 203, 256), ("Q5_K", 37, 1024), ("Q6_K", 45, 512), ("parts", 0, 512)]
+
+
+def _amx_case(case: int) -> tuple[Panels | PanelParts, torch.Tensor, torch.Tensor]:
+    """(panels, x [64, in], the reference's 64 rows) for AMX_CASES[case], every source of
+    blocks mixed in (realistic, random bytes, extremes; a row of zeros, one of 1e4 x)."""
+    kind, out, inp = AMX_CASES[case]
+    x = torch.randn(64, inp, generator=torch.Generator().manual_seed(case))
+    x[5], x[40] = 0.0, x[40] * 1e4
+    if kind == "parts":
+        bs = [make_blocks(src, k, n, inp, seed=case + i)
+              for i, (src, k, n) in enumerate(zip(SOURCES, KINDS, (32, 16, 29)))]
+        ref = torch.cat([qa.reference_linear(x, b) for b in bs], 1)
+        return PanelParts(tuple(qa.prepare(b) for b in bs)), x, ref
+    b = make_blocks(SOURCES[case % 3], kind, out, inp, seed=case)
+    return qa.prepare(b), x, qa.reference_linear(x, b)
+
+
+def amx_case_outputs(path: str) -> None:
+    """Every AMX case's q8 outputs for 0..64 rows (a different window of x each) -> path."""
+    got = {}
+    for case in range(len(AMX_CASES)):
+        w, x, _ = _amx_case(case)
+        got[case] = [KERNELS.linear(x[(5 * t) % (65 - t):][:t].contiguous(), w)
+                     for t in range(65)]
+    torch.save(got, path)
+
+
+@needs_kernels
+def test_amx_is_bitwise_the_avx512_kernels(tmp_path):
+    """From 9 (Q5_K, Q6_K) or 11 (Q4_K) rows AMX tiles make the sums of the super-block
+    formats (linear_q8.c's q8_amx): 0..64 rows bitwise the AVX512-VNNI kernels'
+    (SPECDEC_NATIVE_ISA=avx512-vnni, in a process of its own: the choice is made once per
+    process) and the pure-torch reference's, row by row."""
+    if KERNELS.q8_isa != "amx":
+        pytest.skip(f"this CPU's widest q8 kernels are {KERNELS.q8_isa}: no AMX")
+    here = Path(__file__).parent
+    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
+            "import test_kquant_formats as t\n"
+            "print(t.KERNELS.q8_isa, flush=True)\n"
+            f"t.amx_case_outputs({str(tmp_path / 'avx512.pt')!r})\n")
+    env = {**os.environ, "SPECDEC_NATIVE_ISA": "avx512-vnni"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[0] == "avx512-vnni"
+    amx_case_outputs(str(tmp_path / "amx.pt"))
+    old, new = torch.load(tmp_path / "avx512.pt"), torch.load(tmp_path / "amx.pt")
+    for case in range(len(AMX_CASES)):
+        _, x, ref = _amx_case(case)
+        assert ref.isfinite().all()
+        for t in range(65):
+            at = (5 * t) % (65 - t)
+            assert torch.equal(new[case][t].view(torch.int32), old[case][t].view(torch.int32)), (
+                AMX_CASES[case], t)
+            assert torch.equal(new[case][t].view(torch.int32), ref[at:at + t].view(torch.int32)), (
+                AMX_CASES[case], t)
 
 
 def test_prepare_picks_the_super_block_formats():

@@ -35,9 +35,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BATCH = 64
 # one GGUF type per kernel format (gguf_blocks.KERNEL_FORMAT: the others run the same kernels,
 # their repacking is tested bitwise in test_gguf_weights), over a few blocks and over many (a
-# 32-wide type for the AMX kernel's partial runs of blocks)
+# 32-wide type for the AMX kernel's partial runs of blocks; the super-block formats: AMX runs of
+# one super-block each)
 GGUF = ["Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-WIDE = ["Q4_1", "Q8_0", "Q4_K", "Q5_1", "Q6_K"]
+WIDE = ["Q4_1", "Q8_0", "Q4_K", "Q5_1", "Q6_K", "Q5_K"]
 FORMATS = ["float32", "bfloat16", "float16", *GGUF, *(f"{k}+q8" for k in GGUF), "parts",
            "parts+q8"]
 PARTS = ("Q4_K", "Q8_0", "Q6_K")  # a weight in parts (native.PanelParts): q|k|v of three types

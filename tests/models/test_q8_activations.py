@@ -51,7 +51,7 @@ def test_kernel_is_bitwise_the_reference(kind, out, blocks):
     assert panels.fmt == qa.FORMATS[gb.KERNEL_FORMAT[kind]]
     assert panels.nbytes == gb.prepare(b).nbytes  # the same bytes, laid out for int8 rows
     fp32 = gb.dequantize(b)
-    for t in (1, 2, 3, 4, 5, 8, 13, 16, 17, 40):
+    for t in (1, 2, 3, 4, 5, 8, 9, 11, 13, 16, 17, 40):  # AMX from 9, 11 or 16 rows by format
         x = torch.randn(t, inp, generator=torch.Generator().manual_seed(1000 * out + t))
         y = KERNELS.linear(x, panels)
         assert torch.equal(y, qa.reference_linear(x, b)), t
