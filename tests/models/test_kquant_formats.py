@@ -16,14 +16,10 @@ file's quants (the pack / unpack round trip).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from isa_helpers import run_capped
 from test_gguf_weights import KERNELS, needs_kernels, random_blocks
 
 from specdec.models import gguf_blocks as gb
@@ -193,20 +189,14 @@ def test_every_narrower_isa_is_bitwise_the_old_formats(isa):
     (the choice is made once per process)."""
     if Q8_ISAS.index(isa) >= Q8_ISAS.index(KERNELS.q8_isa):
         pytest.skip(f"this CPU's widest q8 kernels are {KERNELS.q8_isa} (the tests above)")
-    here = Path(__file__).parent
-    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
-            "import test_kquant_formats as t\n"
-            "print(t.KERNELS.q8_isa)\n"
-            "for kind in t.KINDS:\n"
-            "    for source in t.SOURCES:\n"
-            "        for out, inp in [(33, 512), (203, 256)]:\n"
-            "            t.test_new_formats_are_bitwise_the_old_ones(kind, source, out, inp, "
-            "'q8')\n")
-    env = {**os.environ, "SPECDEC_NATIVE_ISA": isa}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ran = done.stdout.split()[0]
+    out = run_capped("test_kquant_formats",
+                     "print(t.KERNELS.q8_isa)\n"
+                     "for kind in t.KINDS:\n"
+                     "    for source in t.SOURCES:\n"
+                     "        for out, inp in [(33, 512), (203, 256)]:\n"
+                     "            t.test_new_formats_are_bitwise_the_old_ones(kind, source, out, "
+                     "inp, 'q8')\n", isa, timeout=600)
+    ran = out.split()[0]
     assert ran == isa, ran  # the one asked for (this CPU has every one below the widest)
 
 
@@ -248,16 +238,11 @@ def test_amx_is_bitwise_the_avx512_kernels(tmp_path):
     process) and the pure-torch reference's, row by row."""
     if KERNELS.q8_isa != "amx":
         pytest.skip(f"this CPU's widest q8 kernels are {KERNELS.q8_isa}: no AMX")
-    here = Path(__file__).parent
-    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
-            "import test_kquant_formats as t\n"
-            "print(t.KERNELS.q8_isa, flush=True)\n"
-            f"t.amx_case_outputs({str(tmp_path / 'avx512.pt')!r})\n")
-    env = {**os.environ, "SPECDEC_NATIVE_ISA": "avx512-vnni"}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split()[0] == "avx512-vnni"
+    out = run_capped("test_kquant_formats",
+                     "print(t.KERNELS.q8_isa, flush=True)\n"
+                     f"t.amx_case_outputs({str(tmp_path / 'avx512.pt')!r})\n", "avx512-vnni",
+                     timeout=600)
+    assert out.split()[0] == "avx512-vnni"
     amx_case_outputs(str(tmp_path / "amx.pt"))
     old, new = torch.load(tmp_path / "avx512.pt"), torch.load(tmp_path / "amx.pt")
     for case in range(len(AMX_CASES)):

@@ -17,13 +17,10 @@ single vector as F.linear takes them.
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from isa_helpers import run_capped
 from test_gguf_weights import KERNELS, inputs, needs_kernels, random_blocks
 
 from specdec.models import gguf_blocks as gb
@@ -222,26 +219,18 @@ def fuzz_all(seed: int = 0) -> None:
 def test_every_row_count_every_format_every_isa(isa):
     """In a process of its own per instruction set (the choice is made once per process; a
     crash there is this test's failure, not pytest's)."""
-    here = Path(__file__).parent
-    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
-            "import torch; torch.set_num_threads(1)\n"
-            "import test_native_shapes as t\n"
-            "print(t.KERNELS.q8_isa, flush=True)\n"
-            f"if t.KERNELS.q8_isa == {isa!r}:\n"
-            "    t.fuzz_all()\n"
-            "    print('fuzzed')\n")
-    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_NATIVE_ISA"}
-    if isa != Q8_ISAS[-1]:  # the widest is what runs without the variable
-        env["SPECDEC_NATIVE_ISA"] = isa
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, (f"exit {done.returncode} after {done.stdout[-300:]!r}: "
-                                  f"{done.stderr[-3000:]}")
-    ran = done.stdout.split()[0]
+    out = run_capped("test_native_shapes",
+                     "print(t.KERNELS.q8_isa, flush=True)\n"
+                     f"if t.KERNELS.q8_isa == {isa!r}:\n"
+                     "    t.fuzz_all()\n"
+                     "    print('fuzzed')\n",
+                     None if isa == Q8_ISAS[-1] else isa,  # the widest runs without the variable
+                     threads=1)
+    ran = out.split()[0]
     assert Q8_ISAS.index(ran) <= Q8_ISAS.index(isa), ran  # never wider than the one asked for
     if ran != isa:
         pytest.skip(f"this CPU runs {ran} when asked for {isa}")
-    assert "fuzzed" in done.stdout
+    assert "fuzzed" in out
 
 
 # the float-activation GGUF kernels, one case per kernel format: (GGUF type, repacked to its
@@ -280,21 +269,13 @@ def test_float_gguf_kernels_are_bitwise_on_every_isa(tmp_path):
     AVX2 ones (SPECDEC_NATIVE_ISA=avx2), each in a process of its own (the choice is made once
     per process), and both against the dequantized weights' fp32 kernel: bitwise, every row
     count 0..64, every row what it is alone."""
-    here = Path(__file__).parent
     got, isas = {}, {}
     for cap in ("avx2", None):
-        code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
-                "import torch; torch.set_num_threads(1)\n"
-                "import test_native_shapes as t\n"
-                "print(t.KERNELS.float_isa, flush=True)\n"
-                f"t.float_gguf_outputs({str(tmp_path / f'{cap}.pt')!r})\n")
-        env = {k: v for k, v in os.environ.items() if k != "SPECDEC_NATIVE_ISA"}
-        if cap:
-            env["SPECDEC_NATIVE_ISA"] = cap
-        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                              text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        isas[cap] = done.stdout.split()[0]
+        out = run_capped("test_native_shapes",
+                         "print(t.KERNELS.float_isa, flush=True)\n"
+                         f"t.float_gguf_outputs({str(tmp_path / f'{cap}.pt')!r})\n", cap,
+                         threads=1)
+        isas[cap] = out.split()[0]
         got[cap] = torch.load(tmp_path / f"{cap}.pt")
     assert isas["avx2"] == "avx2"
     if isas[None] != "avx512":

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from isa_helpers import run_capped
 from test_gguf_weights import KERNELS, KINDS, inputs, needs_kernels, random_blocks
 
 from specdec import LLM, SamplingParams
@@ -112,18 +112,12 @@ def test_every_narrower_isa_is_bitwise_the_reference(isa):
     their own (the choice is made once per process)."""
     if Q8_ISAS.index(isa) >= Q8_ISAS.index(KERNELS.q8_isa):
         pytest.skip(f"this CPU's widest q8 kernels are {KERNELS.q8_isa} (the test above)")
-    here = Path(__file__).parent
-    code = (f"import sys; sys.path.insert(0, {str(here)!r})\n"
-            "import test_q8_activations as t\n"
-            "print(t.KERNELS.q8_isa)\n"
-            "for kind in ['Q4_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K']:  # a type per kernel format\n"
-            "    for out, blocks in [(203, 5), (24, 19)]:\n"
-            "        t.test_kernel_is_bitwise_the_reference(kind, out, blocks)\n")
-    env = {**os.environ, "SPECDEC_NATIVE_ISA": isa}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    ran = done.stdout.split()[0]
+    out = run_capped("test_q8_activations",
+                     "print(t.KERNELS.q8_isa)\n"
+                     "for kind in ['Q4_1', 'Q8_0', 'Q4_K', 'Q5_K', 'Q6_K']:  # a type per format\n"
+                     "    for out, blocks in [(203, 5), (24, 19)]:\n"
+                     "        t.test_kernel_is_bitwise_the_reference(kind, out, blocks)\n", isa)
+    ran = out.split()[0]
     assert Q8_ISAS.index(ran) <= Q8_ISAS.index(isa), ran  # at most the one asked for
 
 

@@ -1,0 +1,34 @@
+"""A test module's code in a process of its own, its compiled kernels capped at an instruction
+set (``SPECDEC_NATIVE_ISA``: the choice is made once per process, so each cap needs a process;
+a crash there is the calling test's failure, not pytest's).
+
+    out = run_capped("test_q8_activations", "print(t.KERNELS.q8_isa)\\n", "avx2")
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_capped(module: str, body: str, cap: str | None, timeout: int = 300,
+               threads: int | None = None) -> str:
+    """Run ``body`` after ``import <module> as t`` (this folder on sys.path; torch at
+    ``threads`` threads first, when given) with the kernels capped at ``cap`` (None: no
+    variable, the widest this CPU has) -> its stdout. AssertionError with its output's tail
+    unless it exits 0."""
+    here = Path(__file__).parent
+    code = f"import sys; sys.path.insert(0, {str(here)!r})\n"
+    if threads is not None:
+        code += f"import torch; torch.set_num_threads({threads})\n"
+    code += f"import {module} as t\n" + body
+    env = {k: v for k, v in os.environ.items() if k != "SPECDEC_NATIVE_ISA"}
+    if cap is not None:
+        env["SPECDEC_NATIVE_ISA"] = cap
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, (f"exit {done.returncode} after {done.stdout[-300:]!r}: "
+                                  f"{done.stderr[-3000:]}")
+    return done.stdout
