@@ -27,6 +27,8 @@ class StepStats:
     schedule_seconds: float = 0.0
     commit_seconds: float = 0.0
     feedback_seconds: float = 0.0
+    # the target forward replayed a CUDA graph (True), ran eagerly (False), or did not run
+    graphed: bool | None = None
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
     controller: dict | None = None  # the controller's ``decision`` figures, if it keeps them
@@ -72,18 +74,24 @@ class StepBudget:
     steps: int = 0
     rows: int = 0  # verified rows + prefill tokens
     draft_nodes: int = 0
+    graphed_steps: int = 0  # steps whose target forward replayed a CUDA graph
+    eager_steps: int = 0  # steps whose target forward ran eagerly
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUDGET_PARTS, 0.0))
 
     def add(self, stats: StepStats) -> None:
         self.steps += 1
         self.rows += stats.num_verified_rows + stats.num_prefill_tokens
         self.draft_nodes += stats.num_draft_nodes
+        self.graphed_steps += stats.graphed is True
+        self.eager_steps += stats.graphed is False
         for k, v in budget_parts(stats).items():
             self.seconds[k] += v
 
     def minus(self, other: StepBudget) -> StepBudget:
         return StepBudget(self.steps - other.steps, self.rows - other.rows,
                           self.draft_nodes - other.draft_nodes,
+                          self.graphed_steps - other.graphed_steps,
+                          self.eager_steps - other.eager_steps,
                           {k: self.seconds[k] - other.seconds[k] for k in BUDGET_PARTS})
 
     def per_step_ms(self) -> dict:
@@ -92,7 +100,8 @@ class StepBudget:
         out = {k: 1000.0 * v / n for k, v in self.seconds.items()}
         out["step"] = sum(out.values())
         return {"steps": self.steps, "rows_per_step": self.rows / n,
-                "draft_nodes_per_step": self.draft_nodes / n, "ms": out}
+                "draft_nodes_per_step": self.draft_nodes / n, "graphed_steps": self.graphed_steps,
+                "eager_steps": self.eager_steps, "ms": out}
 
 
 @dataclass

@@ -23,6 +23,7 @@ from specdec.config import EngineConfig
 from specdec.controllers.base import ControllerContext
 from specdec.drafters.base import TargetInfo
 from specdec.engine.costs import StepCosts
+from specdec.engine.cuda_graphs import scratch_pages
 from specdec.engine.drafter_setup import create_drafter_and_controller, drafter_sources
 from specdec.engine.memory import KVSplit, split_kv
 from specdec.engine.runner import ModelRunner
@@ -170,22 +171,28 @@ def _allocate_kv(parts: EngineParts) -> KVSplit:
         one = per_token * parts.max_model_len
         memory = max(one, min(DEFAULT_KV_MEMORY_CAP, one * c.max_num_seqs))
     split = split_kv(per_page, c.page_size, parts.max_model_len, memory, c.num_pages)
+    graphed = _graphed_runners(parts)
     for runner in runners:
-        runner.allocate(split.num_pages)
+        # a graphed runner's padding dummies get pages of their own, beside the requests'
+        extra = scratch_pages(c.max_num_batched_tokens, c.page_size) if runner in graphed else 0
+        runner.allocate(split.num_pages + extra)
     logger.info(split.describe())
     return split
 
 
-def _enable_cuda_graphs(parts: EngineParts) -> None:
-    """CUDA graphs for every runner whose attention backend supports them (on CUDA, unless
-    ``cuda_graphs`` is off); the others stay eager."""
+def _graphed_runners(parts: EngineParts) -> list[ModelRunner]:
+    """The runners that replay CUDA graphs: on CUDA (unless ``cuda_graphs`` is off) those whose
+    attention backend supports them; the others stay eager."""
     c = parts.config
     if not c.cuda_graphs or parts.device.type != "cuda":
-        return
-    for runner in [parts.runner, *parts.drafter_runners]:
-        if runner.backend.supports_cuda_graphs:
-            runner.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
-                                      parts.max_model_len)
+        return []
+    return [r for r in [parts.runner, *parts.drafter_runners] if r.backend.supports_cuda_graphs]
+
+
+def _enable_cuda_graphs(parts: EngineParts) -> None:
+    c = parts.config
+    for runner in _graphed_runners(parts):
+        runner.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens, parts.max_model_len)
 
 
 def _prepare_weights(parts: EngineParts) -> None:
@@ -292,7 +299,8 @@ def _check_device(device: torch.device) -> None:
         raise ValueError(f"device {str(device)!r} but this machine has "
                          f"{torch.cuda.device_count()} CUDA device(s)")
     # streams, graph captures and flashinfer's JIT follow the current device: make it ours
-    torch.cuda.set_device(device)
+    # ("cuda" alone names the current one; set_device wants an index)
+    torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def _max_model_len(config: EngineConfig, cfg) -> int:

@@ -191,11 +191,12 @@ class LLMEngine:
                                f"({self.kv.num_free_pages} of {self.kv.num_pages} pages free)")
         times.drafted = time.perf_counter()
         times.skip_forward()
+        graphed = None
         if records:
             out = self.runner.forward(build_forward_batch(records, self.config.page_size,
                                                           self.device),
                                       self.drafting.hidden_layers_for(records))
-            times.forwarded = time.perf_counter()
+            times.forwarded, graphed = time.perf_counter(), out.graphed
             self.verifying.verify(records, out.logits)
             times.verified = time.perf_counter()
             self.outputs.append(records)
@@ -207,7 +208,7 @@ class LLMEngine:
             if rec.seq.finish_reason == "error" and not rec.seq.is_finished:
                 failed.append(rec.seq)
                 self.commits.finish(rec.seq)
-        stats = self.recorder.record(records, sched, failed, times)
+        stats = self.recorder.record(records, sched, failed, times, graphed)
         self.drafting.observe(records, stats)
         self.plugin_errors += plugins.notify_step_end(self.pm, stats) + self.drafting.errors
         self.drafting.errors = []

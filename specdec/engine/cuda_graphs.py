@@ -7,9 +7,11 @@ row left over. Dummies attend causally over scratch pages the runner keeps for t
 outputs are dropped; real requests never see those pages). Logits are computed outside the graph
 on the real rows asked for, so one graph serves any choice of logits rows.
 
-Shapes: ``B`` from ``batch_sizes``; ``T = B`` (decode: every request one causal row, the decode
-kernel) or ``T = B * r`` for r in ``rows_per_request`` (any rows: prefill chunks, draft trees;
-the masked prefill kernel), ``T <= max_rows``. Example, batch_sizes (1, 2, 4), rows (2, 4)::
+Shapes: for b in ``batch_sizes``, ``Shape(b, b)`` (decode: every request one causal row, the
+decode kernel) and ``Shape(b + 1, b * r)`` for r in ``rows_per_request`` (any rows: prefill
+chunks, draft trees; the masked prefill kernel; the extra seat is the padding dummy's, so a
+full batch of b requests still fits), ``T <= max_rows``. Example, batch_sizes (1, 2, 4), rows
+(2, 4)::
 
     3 decode rows            -> Shape(4, 4): one dummy of 1 row
     1 request, 1 + 4 nodes   -> Shape(2, 8): one dummy of 3 rows
@@ -49,7 +51,10 @@ def graph_shapes(max_batch: int, max_rows: int, batch_sizes=BATCH_SIZES,
     sizes = [b for b in batch_sizes if b < max_batch]
     sizes.append(next((b for b in batch_sizes if b >= max_batch), max_batch))
     shapes = [Shape(b, b) for b in sizes if b <= max_rows]
-    shapes += [Shape(b, b * r) for b in sizes for r in rows_per_request if b * r <= max_rows]
+    # any-rows shapes hold one seat more than their B: the dummy that takes the spare rows of
+    # a step of B requests (a full batch) needs a seat of its own, not a request's
+    shapes += [Shape(b + 1, b * r) for b in sizes for r in rows_per_request
+               if b * r <= max_rows]
     return sorted(shapes, key=lambda s: (s.num_rows, s.batch_size))
 
 
@@ -69,6 +74,12 @@ def choose_shape(num_requests: int, num_rows: int, decode: bool,
         if spare_requests == 0 and spare_rows == 0 or 0 < spare_requests <= spare_rows:
             return s
     return None
+
+
+def scratch_pages(max_rows: int, page_size: int) -> int:
+    """Pages the dummies of a runner whose shapes have at most ``max_rows`` rows attend over
+    (allocated beside the requests' pages: ``specdec.engine.build``)."""
+    return -(-max_rows // page_size)
 
 
 def dummy_rows(shape: Shape, num_requests: int, num_rows: int) -> list[int]:
@@ -157,7 +168,7 @@ class CudaGraphRunner:
         # a request's KV: up to max_kv_len slots plus the rows drafted past them this step
         self.max_pages = -(-(max_kv_len + max_rows) // page) + 1
         # scratch pages for the dummies: enough for the most rows a dummy can get
-        self.scratch = runner.kv.pool.allocate(-(-max_rows // page))
+        self.scratch = runner.kv.pool.allocate(scratch_pages(max_rows, page))
         self._graphs: dict[tuple, _Graph] = {}
         self._capture_fn = capture or CudaCapture()
         self.capture_seconds = 0.0

@@ -55,6 +55,7 @@ class ForwardResult:
     final_hidden: torch.Tensor  # [T, hidden] after the final norm
     hidden: dict[int, torch.Tensor]  # layer -> [T, hidden]: that layer's output, every row
     seconds: float  # wall time of the forward (GPU work included: CUDA runners synchronize)
+    graphed: bool = False  # replayed a CUDA graph (False: ran eagerly)
 
 
 class ModelRunner:
@@ -119,7 +120,8 @@ class ModelRunner:
             # the seconds must be the GPU's (the goodput controller's cost table learns from
             # them); the step syncs right after anyway, to read what verification accepted
             torch.cuda.synchronize(self.device)
-        return ForwardResult(logits, hidden, layers, time.perf_counter() - t0)
+        return ForwardResult(logits, hidden, layers, time.perf_counter() - t0,
+                             graphed is not None)
 
     def run_model(self, inputs: dict[str, torch.Tensor], capture_layers: tuple[int, ...]):
         """The model over one planned batch's inputs (``input_ids``, ``positions``, and

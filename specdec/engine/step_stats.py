@@ -40,9 +40,11 @@ class StepRecorder:
         self._tier_seen = (0, 0, 0.0)  # the tier's (hits, stores, seconds) counted so far
 
     def record(self, records: list[StepRequest], sched: SchedulerOutput, failed: list[Sequence],
-               times: StepTimes) -> StepStats:
-        """The step's stats (``times``: when each stage ended), added to the totals."""
+               times: StepTimes, graphed: bool | None = None) -> StepStats:
+        """The step's stats (``times``: when each stage ended; ``graphed``: whether the
+        forward replayed a CUDA graph, None without one), added to the totals."""
         stats = self._stats(records, sched.preempted, failed, times)
+        stats.graphed = graphed
         self._prefix(stats, sched)
         self.totals.add(stats)
         return stats

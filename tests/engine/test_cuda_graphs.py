@@ -29,12 +29,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models only
 def test_graph_shapes_cover_the_batch_sizes_up_to_the_limits():
     shapes = graph_shapes(max_batch=6, max_rows=32, batch_sizes=(1, 2, 4, 8, 16),
                           rows_per_request=(2, 4, 8))
-    assert {s.batch_size for s in shapes} == {1, 2, 4, 8}  # 8: the first size >= 6
+    # decode shapes: 8 is the first size >= 6; any-rows shapes: a seat more, the dummy's
+    assert {s.batch_size for s in shapes if s.decode} == {1, 2, 4, 8}
+    assert {s.batch_size for s in shapes if not s.decode} == {2, 3, 5, 9}
     assert all(s.num_rows <= 32 for s in shapes)
-    assert Shape(8, 8) in shapes and Shape(4, 32) in shapes and Shape(8, 64) not in shapes
+    assert Shape(8, 8) in shapes and Shape(5, 32) in shapes and Shape(9, 64) not in shapes
     assert shapes == sorted(shapes, key=lambda s: (s.num_rows, s.batch_size))
     # a max_batch beyond every listed size is a shape of its own
-    assert max(s.batch_size for s in graph_shapes(300, 1024)) == 300
+    assert max(s.batch_size for s in graph_shapes(300, 1024) if s.decode) == 300
 
 
 @pytest.mark.parametrize(("b", "t", "decode", "want"), [
@@ -42,7 +44,9 @@ def test_graph_shapes_cover_the_batch_sizes_up_to_the_limits():
     (3, 3, True, Shape(4, 4)),  # one dummy of one row
     (1, 5, False, Shape(2, 8)),  # verify of 4 nodes: a dummy takes 3 rows
     (2, 4, False, Shape(2, 4)),  # exact
-    (2, 3, False, Shape(4, 8)),  # (2, 4) would need a dummy but has no spare request
+    (2, 3, False, Shape(3, 4)),  # a dummy of 1 row in the dummy's seat
+    (8, 9, False, Shape(9, 16)),  # a full batch (max_batch requests) still fits a graph
+    (8, 16, False, Shape(9, 32)),  # ... its dummy needs a row: the next size of rows
     (1, 2, True, None),  # not a decode step's shape
     (9, 9, True, None),  # more requests than any shape
     (1, 40, False, None),  # a long prefill chunk runs eagerly

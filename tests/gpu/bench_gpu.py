@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -68,6 +69,7 @@ def bench_shape(shape: str, folder: Path, args) -> dict:
         ("decode_kernels", lambda: decode_kernels(shape) if DEVICE == "cuda" else {}),
         ("step_costs", lambda: step_costs(folder, [1, 8] if args.quick else [1, 8, 32, 64])),
         ("speculation", lambda: speculation(folder, args.tokens, args.quick)),
+        ("profile", lambda: profile(folder)),
     ]
     for name, fn in sections:
         t1 = time.perf_counter()
@@ -86,7 +88,7 @@ def bench_shape(shape: str, folder: Path, args) -> dict:
 def _llm(folder, **kw):
     from specdec.engine.llm import LLM
 
-    kw.setdefault("max_num_seqs", 64)
+    # the engine's default max_num_seqs (32) unless a batch needs more
     dtype = "bfloat16" if DEVICE == "cuda" else "float32"
     return LLM(model=str(folder), device=DEVICE, dtype=dtype, max_model_len=1024, **kw)
 
@@ -102,15 +104,25 @@ def _params(tokens: int):
     return SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
 
 
-def _timed_generate(llm, prompts, tokens: int) -> tuple[float, list]:
+def _timed_generate(llm, prompts, tokens: int, steps: dict | None = None) -> tuple[float, list]:
     """(new tokens per second, outputs) after a short warm-up run of the same batch (graphs for
-    its shapes captured, kernels compiled)."""
+    its shapes captured, kernels compiled). ``steps``, if given, receives the timed run's steps
+    by kind (plain / speculative / prefill): count, graphed and eager forwards, ms by stage."""
     llm.generate(prompts, _params(8))
     _sync()
+    before = {k: replace(v, seconds=dict(v.seconds))
+              for k, v in llm.engine.totals.budget.items()}
     t0 = time.perf_counter()
     outs = llm.generate(prompts, _params(tokens))
     _sync()
     seconds = time.perf_counter() - t0
+    if steps is not None:
+        for kind, budget in llm.engine.totals.budget.items():
+            run = budget.minus(before[kind]) if kind in before else budget
+            if run.steps:
+                per = run.per_step_ms()
+                per["ms"] = {k: round(v, 3) for k, v in per["ms"].items()}
+                steps[kind] = per
     return sum(len(o.token_ids) for o in outs) / seconds, outs
 
 
@@ -118,12 +130,14 @@ def plain_decode(folder: Path, batches: list[int], tokens: int) -> dict:
     """Tokens/s of the plain engine by batch size (graphs), and eager at batch 1."""
     vocab = _vocab(folder)
     res = {"tokens_per_request": tokens, "prompt_len": PROMPT_LEN}
-    graphs = _llm(folder)
+    graphs = _llm(folder, max_num_seqs=max(32, *batches))
     res["backend"] = graphs.engine.runner.backend.name
     res["graphs_enabled"] = graphs.engine.runner.graphs is not None
     for b in batches:
-        tps, _ = _timed_generate(graphs, _prompts(b, vocab, seed=b), tokens)
+        steps: dict = {}
+        tps, _ = _timed_generate(graphs, _prompts(b, vocab, seed=b), tokens, steps)
         res[f"graphs_b{b}_tok_s"] = round(tps, 1)
+        res[f"graphs_b{b}_steps"] = steps
     res["graphs_captured"] = graphs.engine.runner.graphs.num_graphs if res["graphs_enabled"] else 0
     _free(graphs)
     del graphs
@@ -212,7 +226,7 @@ def step_costs(folder: Path, batches: list[int]) -> dict:
     from specdec.kv.block_table import BlockTable
     from specdec.tree import DraftTree, step_mask
 
-    llm = _llm(folder)
+    llm = _llm(folder, max_num_seqs=max(32, *batches))
     engine = llm.engine
     runner, vocab, ctx = engine.runner, _vocab(folder), 256
     table: dict = {}
@@ -267,29 +281,70 @@ def speculation(folder: Path, tokens: int, quick: bool) -> dict:
     taus = [2.0, 3.0] if quick else [1.5, 2.0, 3.0, 4.0, 5.0]
     res: dict = {"depth": depth}
     for b in (1, 8):
-        prompts = _prompts(b if b > 1 else 2, vocab, seed=100 + b)
-        n = len(prompts) if b > 1 else 1
-        plain = _llm(folder, max_num_seqs=n)
-        plain_tps, outs = _timed_generate(plain, prompts, tokens)
+        prompts = _prompts(b, vocab, seed=100 + b)
+        plain = _llm(folder)  # the engine's default max_num_seqs
+        plain_steps: dict = {}
+        plain_tps, outs = _timed_generate(plain, prompts, tokens, plain_steps)
         truth = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
         res[f"b{b}_plain_tok_s"] = round(plain_tps, 1)
+        res[f"b{b}_plain_steps"] = plain_steps
+        t_plain = plain_steps.get("plain", {}).get("ms", {}).get("step")
         del plain
         _free()
         for tau in taus:
             rate = error_rate_for_tau(tau, depth) if tau < depth + 1 else 0.0
-            spec = _llm(folder, max_num_seqs=n, drafter="oracle",
+            spec = _llm(folder, drafter="oracle",
                         plugins=(oracle_plugin(truth, rate, depth=depth),),
                         controller="static", controller_args={"budget": depth})
-            tps, got = _timed_generate(spec, prompts, tokens)
+            steps: dict = {}
+            tps, got = _timed_generate(spec, prompts, tokens, steps)
             same = sum(a == w for o, p in zip(got, prompts) for a, w in zip(o.token_ids,
                                                                              truth[tuple(p)]))
             measured = sum(o.metrics.tau for o in got) / len(got)
             res[f"b{b}_tau{tau}"] = {
                 "error_rate": round(rate, 4), "tok_s": round(tps, 1),
                 "speedup": round(tps / plain_tps, 2), "measured_tau": round(measured, 2),
-                "token_match": round(same / sum(len(o.token_ids) for o in got), 4)}
+                "token_match": round(same / sum(len(o.token_ids) for o in got), 4),
+                "steps": steps}
+            t_spec = steps.get("speculative", {}).get("ms", {}).get("step")
+            if t_plain and t_spec:  # what tau buys at these step costs
+                res[f"b{b}_tau{tau}"]["speedup_from_step_costs"] = round(
+                    measured * t_plain / t_spec, 2)
             del spec
             _free()
+    return res
+
+
+def profile(folder: Path, tokens: int = 32, top: int = 30) -> dict:
+    """Where a step's host time goes: torch.profiler over a plain and an oracle (tau 3, 4-node
+    chains) run at batch 1, the ops with the most self CPU time, and the calls that wait on
+    the device (synchronize, item, tolist, copies to the host)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from specdec.drafters.oracle import error_rate_for_tau, oracle_plugin
+
+    prompts = _prompts(1, _vocab(folder), seed=7)
+    plain = _llm(folder)
+    outs = plain.generate(prompts, _params(tokens))
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
+    spec = _llm(folder, drafter="oracle", plugins=(oracle_plugin(
+        truth, error_rate_for_tau(3.0, 4), depth=4),), controller="static",
+        controller_args={"budget": 4})
+    res = {}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    for name, llm in (("plain", plain), ("spec", spec)):
+        llm.generate(prompts, _params(8))
+        steps0 = llm.engine.totals.steps
+        with torch_profile(activities=activities) as prof:
+            llm.generate(prompts, _params(tokens))
+        steps = max(llm.engine.totals.steps - steps0, 1)
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+        res[name] = {"steps": steps, "ops": [
+            {"op": e.key, "calls_per_step": round(e.count / steps, 2),
+             "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1)} for e in rows]}
+        print(f"--- profile {name}: {steps} steps\n" + prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=top), flush=True)
     return res
 
 

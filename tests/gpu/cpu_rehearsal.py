@@ -59,19 +59,16 @@ def _install() -> None:
         self.graphs = cuda_graphs.CudaGraphRunner(self, max_batch, max_rows, max_kv_len,
                                                   capture=RerunCapture())
 
-    def enable_engine(parts):
-        c = parts.config
-        for r in [parts.runner, *parts.drafter_runners] if c.cuda_graphs else []:
-            if r.backend.supports_cuda_graphs:
-                r.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens,
-                                     parts.max_model_len)
+    def graphed_runners(parts):
+        runners = [parts.runner, *parts.drafter_runners] if parts.config.cuda_graphs else []
+        return [r for r in runners if r.backend.supports_cuda_graphs]
 
     torch.set_num_threads(1)
     gpu_helpers.SHAPES["smollm2-135m"] = REHEARSAL_SMOLLM2
     gpu_helpers.SHAPES["tiny-gpu"] = REHEARSAL_TINY
     attention.resolve_backend = resolve
     runner.ModelRunner.enable_cuda_graphs = enable_runner
-    build._enable_cuda_graphs = enable_engine
+    build._graphed_runners = graphed_runners
     EngineConfig.torch_dtype = property(
         lambda self: torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype])
 

@@ -42,8 +42,11 @@ if [[ " $PHASES " == *" jit "* ]]; then
 fi
 if [[ " $PHASES " == *" tests "* ]]; then
   log "tests/gpu: start"
-  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/gpu -q -rA -p no:cacheprovider \
-    --durations=0 > "$OUT/gpu-tests.log" 2>&1
+  # only the GPU tests (the CPU dry run and the rehearsal are CI's), each named as it runs and
+  # under its own limit; the smoke test (LLM on the device) is the file's first
+  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_gpu.py -v -rA \
+    -p no:cacheprovider --timeout="${TEST_TIMEOUT:-120}" --durations=0 \
+    > "$OUT/gpu-tests.log" 2>&1
   log "tests/gpu: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 fi
 if [[ " $PHASES " == *" bench "* ]]; then

@@ -33,6 +33,33 @@ REPORT = Report()
 MIXED = ["prefill", "chunk", "decode", "tree", "decode", "tree", "chunk", "tree"]
 
 
+@pytest.mark.parametrize("device", ["default", "indexed"])
+def test_smoke_llm_starts_on_the_device_and_decodes(tmp_path, device):
+    """First, because nothing else matters if it fails: ``LLM(device=...)`` builds on the
+    device ("cuda" and "cuda:0"), decodes plainly and with a drafter, and a full batch's
+    speculative steps replay graphs (with flashinfer)."""
+    from specdec.engine.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    folder = make_model(tmp_path / "tiny", "tiny-gpu")
+    name = str(DEV) if device == "default" or DEV.type != "cuda" else f"cuda:{DEV.index or 0}"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9, 7, 8, 9, 7]]
+    plain = LLM(model=str(folder), device=name, max_model_len=256, max_num_seqs=2)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    spec = LLM(model=str(folder), device=name, max_model_len=256, max_num_seqs=2,
+               drafter="ngram", controller="static", controller_args={"budget": 3})
+    got = [o.token_ids for o in spec.generate(prompts, params)]
+    assert all(len(w) == 12 for w in want)
+    budget = spec.engine.totals.budget.get("speculative")
+    REPORT.add("smoke", device=name, backend=spec.engine.runner.backend.name,
+               token_match=_match_rate(got, want),
+               spec_graphed=budget and budget.graphed_steps,
+               spec_eager=budget and budget.eager_steps)
+    if spec.engine.runner.graphs is not None and budget is not None:
+        assert budget.eager_steps == 0, budget
+
+
 def _reference(step, cache) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch backend in float32 on the same inputs: (output, cache after the write)."""
     ref_cache = cache.float().clone()
