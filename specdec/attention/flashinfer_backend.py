@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.attention.backend import AttentionSpec
-from specdec.attention.kv_rows import kv_write_index, write_kv
+from specdec.attention.kv_rows import write_kv
 from specdec.attention.metadata import AttentionMetadata
 from specdec.tree import flat_masks
 
@@ -137,7 +137,7 @@ class FlashInferAttentionBackend:
         b, t = len(qo_lens), sum(qo_lens)
         masked = any(m is not None for m in md.custom_masks)
         decode = t == b and not masked
-        index = kv_write_index(md.slot_mapping, md.page_size)
+        index = md.kv_write_index()
         shape = self._graph_shapes.get((b, t))
         if shape is not None and (decode or t > b):
             shape.write_index.copy_(index)

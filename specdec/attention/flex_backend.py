@@ -91,7 +91,7 @@ class _Plan:
         self.num_rows, self.num_slots = sum(qo_lens), sum(kv_lens)  # T, S
         assert tuple(md.slot_mapping.shape) == (self.num_rows,), (
             tuple(md.slot_mapping.shape), self.num_rows)
-        self.write_index = kv_write_index(md.slot_mapping, page)  # [2T] int64
+        self.write_index = md.kv_write_index()  # [2T] int64
         qo, kv = (torch.tensor(x, dtype=torch.int64, device=device) for x in (qo_lens, kv_lens))
         kv_start = kv.cumsum(0) - kv  # [B] int64: request b's first gathered slot
         self.kv_request = _owner(kv, self.num_slots)  # [S] int64

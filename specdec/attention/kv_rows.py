@@ -22,7 +22,19 @@ def kv_write_index(slots: torch.Tensor, page_size: int) -> torch.Tensor:
 def write_kv(kv_cache: torch.Tensor, index: torch.Tensor, k: torch.Tensor,
              v: torch.Tensor) -> torch.Tensor:
     """Write k, v [S, H, D] into the rows ``index`` ([2 * S], from kv_write_index) of one
-    layer's cache; returns the cache's row view [rows, H, D]."""
+    layer's cache, in one op (one kernel on a GPU); returns the cache's row view [rows, H, D]."""
     rows = kv_cache.view(-1, kv_cache.shape[-2], kv_cache.shape[-1])
-    rows.index_copy_(0, index, torch.cat([k, v]))
+    rows.index_put_((index.view(2, -1).t(),), _pairs(k, v))
     return rows
+
+
+def _pairs(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[S, 2, H, D]: row s's K then V. When v sits right after k in each row of one buffer (the
+    model's fused qkv projection: [q | k | v] per row), a view of it; else a stacked copy."""
+    if (k.shape == v.shape and k.stride() == v.stride() and k.dtype == v.dtype
+            and k.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+            and v.storage_offset() - k.storage_offset() == k.shape[1] * k.stride(1)
+            and k.stride(2) == 1 and k.stride(1) == k.shape[2]):
+        s, h, d = k.shape
+        return k.as_strided((s, 2, h, d), (k.stride(0), h * d, d, 1))
+    return torch.stack([k, v], dim=1)

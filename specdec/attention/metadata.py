@@ -16,51 +16,87 @@ Example, page_size 4, two requests:
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
+from specdec.attention.kv_rows import kv_write_index
 
-@dataclass
+
+@dataclass(eq=False)
 class AttentionMetadata:
-    qo_indptr: torch.Tensor  # [B+1] int32: query rows of request b are qo_indptr[b]:qo_indptr[b+1]
-    kv_indptr: torch.Tensor  # [B+1] int32: pages of request b are kv_indices[kv_indptr[b]:kv_indptr[b+1]]
-    kv_indices: torch.Tensor  # [sum pages] int32: page ids
-    kv_last_page_len: torch.Tensor  # [B] int32: valid slots in each request's last page (1..page_size)
-    slot_mapping: torch.Tensor  # [T] int64: slot (page * page_size + offset) where row t's K/V goes
+    """A step's attention metadata, built on the host (``build_metadata``).
+
+    The index arrays live on the host (``host``); each one's device copy is made on first use
+    (the reference backends gather with them). The GPU path never asks for those: flashinfer
+    plans from the host arrays, and the runner stages the K/V write index with the step's
+    other inputs in one copy (``write_index``, ``specdec.engine.staging``).
+    """
+
+    host: HostIndices  # the four int32 index arrays (qo_indptr, kv_indptr, ...) on the host
+    slots: torch.Tensor  # [T] int64 on the host: slot (page * page_size + offset) of row t
     page_size: int
     # Per request: None for causal attention, else [qo_len, kv_len] bool, True = may attend.
     custom_masks: list[torch.Tensor | None]
-    # the four int32 index arrays above on the host (the same tensors when the device is the
-    # CPU): GPU backends plan from these without a device -> host copy
-    host: HostIndices | None = None
     # (qo_lens, kv_lens) as the arrays above were built from (build_metadata), or None: derived
     # from the arrays. Planning reads them instead of taking the arrays apart every step
     lens: tuple[list[int], list[int]] | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # [2T] int64 K then V cache rows of the new rows (kv_rows.kv_write_index) on the device,
+    # when the runner staged it; else made from ``slot_mapping`` on first use
+    write_index: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
         return len(self.custom_masks)
 
+    # the device copies (on the CPU: the host tensors themselves)
+    @cached_property
+    def qo_indptr(self) -> torch.Tensor:  # [B+1] int32: rows of request b: qo_indptr[b]:[b+1]
+        return _on(self.host.qo_indptr, self.device)
+
+    @cached_property
+    def kv_indptr(self) -> torch.Tensor:  # [B+1] int32: pages of b: kv_indices[kv_indptr[b]:..]
+        return _on(self.host.kv_indptr, self.device)
+
+    @cached_property
+    def kv_indices(self) -> torch.Tensor:  # [sum pages] int32: page ids
+        return _on(self.host.kv_indices, self.device)
+
+    @cached_property
+    def kv_last_page_len(self) -> torch.Tensor:  # [B] int32: valid slots in each last page
+        return _on(self.host.kv_last_page_len, self.device)
+
+    @cached_property
+    def slot_mapping(self) -> torch.Tensor:  # [T] int64: where row t's K/V goes
+        return _on(self.slots, self.device)
+
+    def kv_write_index(self) -> torch.Tensor:
+        """[2T] int64 cache rows the new rows' K then V go to, on the device."""
+        if self.write_index is None:
+            self.write_index = kv_write_index(self.slot_mapping, self.page_size)
+        return self.write_index
+
     def on_host(self) -> HostIndices:
-        if self.host is not None:
-            return self.host
-        cpu = [t.cpu() for t in (self.qo_indptr, self.kv_indptr, self.kv_indices,
-                                 self.kv_last_page_len)]
-        return HostIndices(*cpu)
+        return self.host
 
     def qo_lens(self) -> list[int]:
         if self.lens is not None:
             return list(self.lens[0])
-        qo_indptr = self.on_host().qo_indptr
+        qo_indptr = self.host.qo_indptr
         return (qo_indptr[1:] - qo_indptr[:-1]).tolist()
 
     def kv_lens(self) -> list[int]:
         if self.lens is not None:
             return list(self.lens[1])
-        h = self.on_host()
+        h = self.host
         num_pages = (h.kv_indptr[1:] - h.kv_indptr[:-1]).long()
         return ((num_pages - 1) * self.page_size + h.kv_last_page_len.long()).tolist()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if device.type == "cpu" else t.to(device)
 
 
 @dataclass
@@ -71,13 +107,6 @@ class HostIndices:
     kv_indptr: torch.Tensor  # [B+1] int32
     kv_indices: torch.Tensor  # [sum pages] int32
     kv_last_page_len: torch.Tensor  # [B] int32
-
-    def to(self, device) -> list[torch.Tensor]:
-        """The four arrays on ``device`` (the same tensors on the CPU), in field order."""
-        arrays = [self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len]
-        if torch.device(device).type == "cpu" and all(t.is_cpu for t in arrays):
-            return arrays
-        return [t.to(device, non_blocking=True) for t in arrays]
 
 
 def build_metadata(
@@ -105,12 +134,9 @@ def build_metadata(
     host = HostIndices(*(host_tensor(x, torch.int32)
                          for x in (qo_indptr, kv_indptr, pages, last_page_len)))
     return AttentionMetadata(
-        *host.to(device), slot_mapping=host_tensor(slots).to(device),
-        page_size=page_size,
-        custom_masks=list(custom_masks) if custom_masks is not None else [None] * len(qo_lens),
-        host=host,
-        lens=(list(qo_lens), list(kv_lens)),
-    )
+        host, host_tensor(slots), page_size,
+        list(custom_masks) if custom_masks is not None else [None] * len(qo_lens),
+        (list(qo_lens), list(kv_lens)), torch.device(device))
 
 
 def _add_slots(slots: list[int], table: list[int], start: int, end: int, page_size: int) -> None:
@@ -135,15 +161,13 @@ def host_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Te
 
 
 def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMetadata:
-    """``a``'s requests, then ``b``'s (same page size), on ``a``'s device."""
+    """``a``'s requests, then ``b``'s (same page size), on ``a``'s device (host work only)."""
     assert a.page_size == b.page_size, (a.page_size, b.page_size)
-    ha, hb = a.on_host(), b.on_host()
+    ha, hb = a.host, b.host
     host = HostIndices(torch.cat([ha.qo_indptr, hb.qo_indptr[1:] + ha.qo_indptr[-1]]),
                        torch.cat([ha.kv_indptr, hb.kv_indptr[1:] + ha.kv_indptr[-1]]),
                        torch.cat([ha.kv_indices, hb.kv_indices]),
                        torch.cat([ha.kv_last_page_len, hb.kv_last_page_len]))
-    device = a.slot_mapping.device
     return AttentionMetadata(
-        *host.to(device), slot_mapping=torch.cat([a.slot_mapping, b.slot_mapping.to(device)]),
-        page_size=a.page_size, custom_masks=[*a.custom_masks, *b.custom_masks], host=host,
-        lens=(a.qo_lens() + b.qo_lens(), a.kv_lens() + b.kv_lens()))
+        host, torch.cat([a.slots, b.slots]), a.page_size, [*a.custom_masks, *b.custom_masks],
+        (a.qo_lens() + b.qo_lens(), a.kv_lens() + b.kv_lens()), a.device)

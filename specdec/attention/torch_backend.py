@@ -137,8 +137,7 @@ class _Plan:
 
     def __init__(self, md: AttentionMetadata) -> None:
         qo_lens, kv_lens = md.qo_lens(), md.kv_lens()
-        page = md.page_size
-        self.write_index = kv_write_index(md.slot_mapping, page)
+        self.write_index = md.kv_write_index()
         self.fresh_causal = (
             len(qo_lens) == 1 and qo_lens[0] == kv_lens[0] and md.custom_masks[0] is None
         )

@@ -48,5 +48,5 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device) -> F
         rec.prompt_rows = (len(logit_rows), first, n)
         logit_rows.extend(range(row, row + n))
     metadata = build_metadata(tables, kv_lens, qo_lens, page_size, masks, device)
-    ids, pos, logit_rows = (host_tensor(v).to(device) for v in (ids, pos, logit_rows))
-    return ForwardBatch(ids, pos, metadata, logit_rows)
+    ids, pos, logit_rows = (host_tensor(v) for v in (ids, pos, logit_rows))
+    return ForwardBatch(ids, pos, metadata, logit_rows)  # host arrays: the runner stages them

@@ -101,12 +101,14 @@ def pad_metadata(md: AttentionMetadata, rows: list[int], scratch: list[int]) -> 
 
 
 def pad_batch(batch, shape: Shape, scratch: list[int]):
-    """The ForwardBatch padded to ``shape`` (dummy rows: token 0, positions 0.., no logits)."""
+    """The ForwardBatch padded to ``shape`` (dummy rows: token 0, positions 0.., no logits):
+    host work, before the inputs are staged (features, on the device, padded with zeros)."""
     b, t = batch.metadata.batch_size, batch.num_rows
     rows = dummy_rows(shape, b, t)
     extra = shape.num_rows - t
-    dev = batch.input_ids.device
-    pos = torch.cat([torch.arange(n, device=dev) for n in rows]) if rows else batch.positions[:0]
+    if not rows:
+        return batch
+    pos = torch.cat([batch.positions, *(torch.arange(n) for n in rows)])
     features = batch.features
     if features is not None:
         features = torch.cat([features, features.new_zeros(extra, features.shape[1])])
@@ -115,8 +117,7 @@ def pad_batch(batch, shape: Shape, scratch: list[int]):
         context = torch.cat([context, context.new_zeros(extra)])
     return replace(
         batch, input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(extra)]),
-        positions=torch.cat([batch.positions, pos]),
-        metadata=pad_metadata(batch.metadata, rows, scratch), features=features,
+        positions=pos, metadata=pad_metadata(batch.metadata, rows, scratch), features=features,
         context_rows=context)
 
 
@@ -183,34 +184,37 @@ class CudaGraphRunner:
         decode = all(n == 1 for n in qo) and all(m is None for m in md.custom_masks)
         return choose_shape(len(qo), batch.num_rows, decode, self.shapes)
 
-    def forward(self, batch, capture_layers: tuple[int, ...]):
-        """(final_hidden [t, H], {layer: [t, H]}) of the real rows, or None: no shape fits."""
-        shape = self.shape_for(batch)
-        if shape is None:
-            return None
-        padded = pad_batch(batch, shape, self.scratch)
-        key = (shape, tuple(capture_layers), batch.features is not None,
-               batch.context_rows is not None)
+    def replay(self, shape: Shape, padded, ids: torch.Tensor, pos: torch.Tensor,
+               capture_layers: tuple[int, ...], num_rows: int):
+        """(final_hidden [t, H], {layer: [t, H]}) of the first ``num_rows`` (the real) rows of
+        ``padded``, a batch of ``shape`` whose ids and positions were staged as ``ids`` and
+        ``pos`` (specdec.engine.staging: the same addresses for every step of this shape)."""
+        key = (shape, tuple(capture_layers), padded.features is not None,
+               padded.context_rows is not None)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(key, shape, padded, capture_layers)  # plans it too
+            graph = self._capture(key, shape, padded, ids, pos, capture_layers)  # plans it too
         else:
+            assert ids.data_ptr() == graph.inputs["input_ids"].data_ptr(), \
+                "the staged inputs moved: the graph would read stale ones"
             self.runner.backend.plan(padded.metadata)
-        for name, buf in graph.inputs.items():
-            buf.copy_(getattr(padded, name))
+            for name in ("features", "context_rows"):
+                if name in graph.inputs:
+                    graph.inputs[name].copy_(getattr(padded, name))
         graph.graph.replay()
-        t = batch.num_rows
+        t = num_rows
         return graph.hidden[:t].clone(), {i: h[:t].clone() for i, h in graph.layers.items()}
 
-    def _capture(self, key, shape: Shape, padded, capture_layers) -> _Graph:
+    def _capture(self, key, shape: Shape, padded, ids, pos, capture_layers) -> _Graph:
         t0 = time.perf_counter()
         runner = self.runner
         runner.backend.add_graph_shape(shape.batch_size, shape.num_rows, self.max_pages,
                                        runner.page_size)
         runner.backend.plan(padded.metadata)  # now into the shape's fixed buffers
-        names = ["input_ids", "positions"]
-        names += [n for n in ("features", "context_rows") if getattr(padded, n) is not None]
-        inputs = {n: getattr(padded, n).clone() for n in names}
+        inputs = {"input_ids": ids, "positions": pos}  # staged: fixed addresses per shape
+        for name in ("features", "context_rows"):
+            if getattr(padded, name) is not None:
+                inputs[name] = getattr(padded, name).clone()
         graph, out = self._capture_fn(lambda: runner.run_model(inputs, capture_layers))
         self._graphs[key] = g = _Graph(graph, inputs, out.hidden, out.layer_hidden)
         self.capture_seconds += time.perf_counter() - t0

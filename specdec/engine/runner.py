@@ -29,17 +29,22 @@ import torch
 from specdec.attention import create_backend
 from specdec.attention.backend import AttentionSpec
 from specdec.attention.metadata import AttentionMetadata, build_metadata, host_tensor
-from specdec.engine.cuda_graphs import CudaGraphRunner
+from specdec.attention.kv_rows import kv_write_index
+from specdec.engine.cuda_graphs import CudaGraphRunner, pad_batch
+from specdec.engine.staging import Staging
 from specdec.kv.block_table import BlockTable
 from specdec.kv.manager import KVManager
 
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    metadata: AttentionMetadata  # per request: its rows, pages and mask
-    logits_indices: torch.Tensor  # [R] int64: rows of the batch whose logits are returned
+    """One forward's inputs as the host built them (``ModelRunner.forward`` stages the index
+    arrays to the device in one copy); features are the drafters' device tensors."""
+
+    input_ids: torch.Tensor  # [T] int64, host
+    positions: torch.Tensor  # [T] int64, host
+    metadata: AttentionMetadata  # per request: its rows, pages and mask (host arrays)
+    logits_indices: torch.Tensor  # [R] int64, host: rows of the batch whose logits are returned
     features: torch.Tensor | None = None  # [T, hidden] per-row input features (EAGLE heads)
     # [T] bool: rows whose features are context (block-diffusion drafters); None: no such rows
     context_rows: torch.Tensor | None = None
@@ -54,8 +59,42 @@ class ForwardResult:
     logits: torch.Tensor | None  # [R, V] float32 (float64 for float64 models); None if R == 0
     final_hidden: torch.Tensor  # [T, hidden] after the final norm
     hidden: dict[int, torch.Tensor]  # layer -> [T, hidden]: that layer's output, every row
-    seconds: float  # wall time of the forward (GPU work included: CUDA runners synchronize)
+    # seconds the forward took: on a CPU the wall time, measured; on CUDA the device's time
+    # between two events, read (and waited for) only when asked: see ``seconds``
+    elapsed: float | _Timer
     graphed: bool = False  # replayed a CUDA graph (False: ran eagerly)
+    logits_hidden: torch.Tensor | None = None  # [R, hidden]: the rows the logits came from
+
+    @property
+    def seconds(self) -> float:
+        """The forward's seconds (on CUDA: waits until the device has run it)."""
+        if isinstance(self.elapsed, _Timer):
+            self.elapsed = self.elapsed.seconds()
+        return self.elapsed
+
+
+class _Timer:
+    """A forward's time: CUDA events around its launches on a GPU (read once the device got
+    there, so timing adds no wait of its own), perf_counter on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> float | _Timer:
+        if self.events is None:
+            return time.perf_counter() - self.t0
+        self.events[1].record()
+        return self
+
+    def seconds(self) -> float:
+        start, end = self.events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
 
 class ModelRunner:
@@ -79,6 +118,9 @@ class ModelRunner:
             c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.device))
         self.kv: KVManager | None = None
         self.graphs: CudaGraphRunner | None = None
+        # the inputs of steps up to max_rows rows go to the device in one copy (enable_cuda_graphs
+        # sizes it for the graphed steps)
+        self.staging = Staging(self.device, 5 * 512)
 
     @property
     def bytes_per_page(self) -> int:
@@ -100,28 +142,35 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, runner {self.name!r} is on "
                              f"{self.device}")
+        self.staging = Staging(self.device, 5 * max_rows)  # ids, positions, 2T write, logits
         self.graphs = CudaGraphRunner(self, max_batch, max_rows, max_kv_len)
 
     def forward(self, batch: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardResult:
+        """Run ``batch`` (host inputs: padded to a graph shape if one holds it, staged to the
+        device in one copy, then replayed or run eagerly); the logits of its rows asked for.
+        On CUDA nothing here waits for the device: ``ForwardResult.seconds`` does, if read."""
         assert self.kv is not None, f"runner {self.name!r}: allocate() before forward()"
-        t0 = time.perf_counter()
+        timer = _Timer(self.device)
         with torch.inference_mode():
-            graphed = None if self.graphs is None else self.graphs.forward(batch, capture_layers)
-            if graphed is None:
-                self.backend.plan(batch.metadata)
-                out = self.run_model(_inputs(batch), capture_layers)
+            shape = None if self.graphs is None else self.graphs.shape_for(batch)
+            run = batch if shape is None else pad_batch(batch, shape, self.graphs.scratch)
+            md = run.metadata
+            ids, pos, md.write_index, rows = self.staging.stage([
+                run.input_ids, run.positions, kv_write_index(md.slots, md.page_size),
+                batch.logits_indices])
+            if shape is None:
+                self.backend.plan(md)
+                out = self.run_model(_inputs(run, ids, pos), capture_layers)
                 hidden, layers = out.hidden, out.layer_hidden
             else:
-                hidden, layers = graphed
-            logits = None
-            if batch.logits_indices.numel():
-                logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-        if self.device.type == "cuda":
-            # the seconds must be the GPU's (the goodput controller's cost table learns from
-            # them); the step syncs right after anyway, to read what verification accepted
-            torch.cuda.synchronize(self.device)
-        return ForwardResult(logits, hidden, layers, time.perf_counter() - t0,
-                             graphed is not None)
+                hidden, layers = self.graphs.replay(shape, run, ids, pos, capture_layers,
+                                                    batch.num_rows)
+            logits = logits_hidden = None
+            if rows.numel():
+                logits_hidden = hidden.index_select(0, rows)
+                logits = self.model.compute_logits(logits_hidden)
+        return ForwardResult(logits, hidden, layers, timer.stop(), shape is not None,
+                             logits_hidden)
 
     def run_model(self, inputs: dict[str, torch.Tensor], capture_layers: tuple[int, ...]):
         """The model over one planned batch's inputs (``input_ids``, ``positions``, and
@@ -157,13 +206,12 @@ class ModelRunner:
         else:
             rows = list(range(sum(lens))) if logits == "all" else []
         ids, pos, rows = (host_tensor(v) for v in ([t for f in feeds for t in f], pos, rows))
-        if self.device.type != "cpu":
-            ids, pos, rows = ids.to(self.device), pos.to(self.device), rows.to(self.device)
         return ForwardBatch(ids, pos, md, rows, features, context_rows)
 
 
-def _inputs(batch: ForwardBatch) -> dict[str, torch.Tensor]:
-    out = {"input_ids": batch.input_ids, "positions": batch.positions}
+def _inputs(batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's inputs: the staged ids and positions, the batch's per-row features."""
+    out = {"input_ids": ids, "positions": pos}
     for name in ("features", "context_rows"):
         if getattr(batch, name) is not None:
             out[name] = getattr(batch, name)

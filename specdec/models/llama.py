@@ -19,7 +19,9 @@ from torch import nn
 
 from specdec.attention.backend import AttentionBackend
 from specdec.kv.cache import KVCache
+from specdec.models import layer_ops
 from specdec.models.config import ModelConfig
+from specdec.models.layer_ops import rms_norm_reference as rms_norm
 from specdec.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -129,6 +131,9 @@ class LlamaDecoder(nn.Module):
         self.matmul: Matmul = F.linear  # the runner installs the kernels it measured fastest
         # the compiled layers (specdec.models.fused), installed with the row-invariant kernels
         self.fused = None
+        # True: the layers run as one kernel per step (specdec.models.layer_ops; the engine
+        # turns it on for CUDA runners), else as the torch ops below
+        self.layer_ops = False
         self.source_folder = None  # the folder it was loaded from (specdec.models.loader)
         self.to(dtype=dtype, device=device)
 
@@ -149,6 +154,8 @@ class LlamaDecoder(nn.Module):
         if plan is not None and x.shape[0] > 0:
             x, captured = self.fused.run(x, cos, sin, plan, kv_cache, num_layers, capture_layers)
             return ForwardOutput(self.norm(x), captured)
+        if self.layer_ops and kv_cache is not None:
+            return self._forward_ops(x, positions, backend, kv_cache, capture_layers, num_layers)
         captured = {}
         for i, layer in enumerate(self.layers[:num_layers]):
             kv_layer = None if kv_cache is None else kv_cache.layer(i)
@@ -156,6 +163,36 @@ class LlamaDecoder(nn.Module):
             if i in capture_layers:
                 captured[i] = x
         return ForwardOutput(self.norm(x), captured)
+
+    def _forward_ops(self, x, positions, backend, kv_cache, capture_layers, num_layers):
+        """``forward``'s layers as one kernel per step (specdec.models.layer_ops): the residual
+        stream is carried beside the normed input, each add fused into the next norm. Bitwise
+        the torch loop's result where the ops run as torch ops (on a CPU)."""
+        cfg, mm, rope = self.cfg, self.matmul, self.rope
+        eps, sizes = cfg.rms_norm_eps, [cfg.q_size, cfg.kv_size, cfg.kv_size]
+        layers = self.layers[:num_layers]
+        residual, h = x, layer_ops.rms_norm(x, layers[0].input_norm, eps)
+        captured = {}
+        for i, layer in enumerate(layers):
+            if i:  # the previous layer's MLP output into the stream, normed for this one
+                layer_ops.add_rms_norm_(h, residual, layer.input_norm, eps)
+            q, k, v = mm(h, layer.qkv_weight, layer.qkv_bias).split(sizes, dim=-1)
+            q = q.view(-1, cfg.num_heads, cfg.head_dim)
+            k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = layer_ops.rms_norm(q, layer.q_norm, eps)
+                k = layer_ops.rms_norm(k, layer.k_norm, eps)
+            layer_ops.rope_(q, k, positions, rope.cos, rope.sin, rope.cos_sin_cache)
+            attn = backend.run(q, k, v, kv_cache.layer(i), cfg.head_dim**-0.5)
+            h = mm(attn.reshape(-1, cfg.q_size), layer.o_weight, None)
+            layer_ops.add_rms_norm_(h, residual, layer.post_attn_norm, eps)
+            h = mm(layer_ops.silu_and_mul(mm(h, layer.gate_up_weight, None)),
+                   layer.down_weight, None)
+            if i in capture_layers:  # the layer's output (the stream is added to in place)
+                captured[i] = residual + h
+        layer_ops.add_rms_norm_(h, residual, self.final_norm, eps)
+        return ForwardOutput(h, captured)
 
     def forward_dense(
         self,
@@ -213,10 +250,3 @@ class LlamaDecoder(nn.Module):
         mats = (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight,
                 self.head_weight)
         return list(dict.fromkeys(tuple(w.shape) for w in mats))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, in float32 at least (as HF does for half precision)."""
-    if x.dtype in (torch.float32, torch.float64):
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype) * weight

@@ -29,6 +29,10 @@ class RotaryEmbedding:
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
         self.sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+        # [max_positions, head_dim] float32: cos of the head_dim / 2 frequencies, then their sin
+        # (flashinfer's RoPE table: specdec.models.layer_ops.rope_)
+        self.cos_sin_cache = (torch.cat([freqs.cos(), freqs.sin()], dim=-1) * scaling).to(
+            device=device)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64 -> (cos, sin) each [T, 1, head_dim], shared by all layers."""

@@ -259,7 +259,8 @@ def _graph_vs_eager(graphed, eager, rows: list[int], vocab: int):
             padded = pad_batch(batch, shape, runner.graphs.scratch)
             with torch.inference_mode():
                 runner.backend.plan(padded.metadata)
-                inputs = {"input_ids": padded.input_ids, "positions": padded.positions}
+                inputs = {"input_ids": padded.input_ids.to(DEV),
+                          "positions": padded.positions.to(DEV)}
                 again = runner.run_model(inputs, ()).hidden[:batch.num_rows]
         for t in tables:
             runner.kv.release(t)

@@ -1,0 +1,184 @@
+"""Host work per engine step, with the model's forward stubbed, and kernels per decoder layer.
+
+On a GPU whatever the host does between two forwards is time the GPU waits (a SmolLM2-135M
+forward is ~1-2 ms there). This measures that host work on any machine: ``engine.step()`` of
+an engine whose target runner returns fixed logits instead of running the model (batch packing,
+attention metadata, drafting, verification, commit and output all run as usual), for plain
+decoding and for speculation with 4-node chains (the oracle drafter, every node accepted), at
+batch 1 and 8, over the SmolLM2-135M vocabulary. And it counts the ops one decoder layer
+dispatches in the forward CUDA runners run (``LlamaDecoder.layer_ops``), with a
+TorchDispatchMode on the CPU: views are free and not counted; the attention kernel counts one
+(on the GPU it is one flashinfer kernel; the CPU's reference computes it in many ops).
+
+    .venv/bin/python docs/bench/host_overhead.py [--json FILE] [--steps 300]
+
+``--json`` writes ``{"plain_b1_us", "spec_b1_us", "plain_b8_us", "spec_b8_us",
+"ops_per_layer", ...}`` (median host microseconds per step of each kind).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+VOCAB, HIDDEN, TOKEN, DEPTH, PROMPT = 49152, 576, 17, 4, 64
+
+
+def tiny_smollm2(folder: Path, layers: int = 2) -> Path:
+    """SmolLM2-135M's vocabulary and widths with 2 layers (the forward is stubbed: only the
+    logits' and hidden states' shapes matter), random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1536,
+                         num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         rope_theta=100000.0, bos_token_id=0, eos_token_id=VOCAB - 1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def stub_forward(runner) -> None:
+    """The runner returns logits whose argmax is TOKEN for every row asked for (and zero
+    hidden states), without running the model."""
+    from specdec.engine.runner import ForwardResult
+
+    logits = torch.zeros(1024, VOCAB)
+    logits[:, TOKEN] = 1.0
+    hidden = torch.zeros(1024, HIDDEN)
+
+    def forward(batch, capture_layers=()):
+        rows = batch.logits_indices.numel()
+        return ForwardResult(logits[:rows] if rows else None, hidden[:batch.num_rows], {}, 0.0)
+
+    runner.forward = forward
+
+
+def step_times(folder: Path, batch: int, speculative: bool, steps: int) -> list[float]:
+    """Seconds of each ``engine.step()`` that decoded (prefill steps left out)."""
+    from specdec import LLM, SamplingParams
+    from specdec.drafters.oracle import oracle_plugin
+
+    prompts = [[1 + (7 * i + j) % 1000 for j in range(PROMPT)] for i in range(batch)]
+    kw = {}
+    if speculative:
+        truth = {tuple(p): [TOKEN] * (steps * (DEPTH + 1) + 8) for p in prompts}
+        kw = dict(drafter="oracle", plugins=(oracle_plugin(truth, 0.0, depth=DEPTH),),
+                  controller="static", controller_args={"budget": DEPTH})
+    llm = LLM(model=str(folder), device="cpu", dtype="float32", max_model_len=2048,
+              max_num_seqs=max(batch, 8), enable_prefix_caching=False, **kw)
+    engine = llm.engine
+    stub_forward(engine.runner)
+    params = SamplingParams(temperature=0, max_tokens=steps * (DEPTH + 1 if speculative else 1),
+                            ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    times = []
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        out = engine.step()
+        dt = time.perf_counter() - t0
+        if not out.stats.num_prefill_tokens and out.stats.num_requests == batch:
+            times.append(dt)
+    return times
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the non-view ops dispatched while active (``paused`` ones not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and not func.is_view:
+            self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _CountedAttention:
+    """The reference backend, its attention counted as the one kernel it is on a GPU (the K/V
+    write is counted as it dispatches)."""
+
+    def __init__(self, mode: _Ops) -> None:
+        from specdec.attention.torch_backend import TorchAttentionBackend
+
+        self.mode, self.inner = mode, TorchAttentionBackend(kernels=None)
+
+    def plan(self, md) -> None:
+        self.inner.plan(md)
+
+    def run(self, q, k, v, kv_cache, scale):
+        from specdec.attention.kv_rows import write_kv
+
+        write_kv(kv_cache, self.inner._plan.write_index, k, v)
+        self.mode.ops["attention"] += 1
+        self.mode.paused = True
+        try:  # (the reference writes K/V again, unseen: the same values)
+            return self.inner.run(q, k, v, kv_cache, scale)
+        finally:
+            self.mode.paused = False
+
+
+def layer_ops(folder: Path) -> dict:
+    """Ops of one decoder layer in the forward CUDA runners run (bf16, layer_ops on): the
+    difference between a forward of 2 layers and of 1, one decode row of 5 requests."""
+    from specdec.attention.metadata import build_metadata
+    from specdec.kv.cache import KVCache
+    from specdec.models.loader import load_model
+
+    model = load_model(folder, torch.bfloat16, "cpu", 256)[0]
+    model.layer_ops = True
+    cfg = model.cfg
+    kv = KVCache(cfg.num_layers, 16, 16, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16, "cpu")
+    md = build_metadata([[i] for i in range(5)], [9] * 5, [1] * 5, 16)
+    counts = []
+    for n in (1, 2):
+        mode = _Ops()
+        backend = _CountedAttention(mode)
+        backend.plan(md)
+        with torch.inference_mode(), mode:
+            model(torch.arange(5), torch.full((5,), 8), backend, kv, num_layers=n)
+        counts.append(mode.ops)
+    per_layer = counts[1] - counts[0]
+    return {"ops_per_layer": sum(per_layer.values()), "ops": dict(sorted(per_layer.items())),
+            "ops_outside_layers": sum(counts[0].values()) - sum(per_layer.values())}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json")
+    p.add_argument("--steps", type=int, default=300, help="decode steps per run")
+    args = p.parse_args()
+    torch.set_num_threads(1)  # host work is one thread's; the stub has no parallel work
+    res: dict = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                 "steps": args.steps, "depth": DEPTH}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tiny_smollm2(Path(tmp) / "model")
+        res.update(layer_ops(folder))
+        for b in (1, 8):
+            for name, spec in (("plain", False), ("spec", True)):
+                times = step_times(folder, b, spec, args.steps)
+                res[f"{name}_b{b}_us"] = round(statistics.median(times) * 1e6, 1)
+    res["spec_over_plain_b1"] = round(res["spec_b1_us"] / res["plain_b1_us"], 2)
+    res["plain_per_extra_request_us"] = round((res["plain_b8_us"] - res["plain_b1_us"]) / 7, 1)
+    res["spec_per_extra_request_us"] = round((res["spec_b8_us"] - res["spec_b1_us"]) / 7, 1)
+    print(json.dumps(res, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,292 @@
+"""Row-invariant paged attention: one kernel for prefill-chunk rows, decode rows and draft-tree
+rows, whose output for a row depends only on that row's query and the slots it sees.
+
+Cache of one layer: ``kv_cache`` [num_pages, 2, page_size, Hkv, D] (K at [:, 0], V at [:, 1]).
+Slot s of request b lives in page ``kv_indices[kv_indptr[b] + s // page_size]`` at offset
+``s % page_size``. What row t sees is two numbers (``RowMetadata``):
+
+    slot s is visible to row t  iff  s < row_limit[t]
+                                     or bit (s - row_limit[t]) of row_tree[t] is set
+
+A causal row at position p has limit p + 1 and tree 0. A draft-tree node sees the whole prefix
+(all slots before its first non-ancestor) and, in its bitmask, the ancestors past it and itself.
+Example, 3 committed slots, tree parents [-1, -1, 0] in slots 3, 4, 5 (``row_metadata``)::
+
+    row (slot)      visible       limit  tree
+    node 0 (3)      0 1 2 3       4      0b0
+    node 1 (4)      0 1 2 . 4     3      0b10     (bit 1 = slot 3 + 1)
+    node 2 (5)      0 1 2 3 . 5   4      0b10     (bit 1 = slot 4 + 1)
+
+Why a row's output is bitwise the same in any call. One program per (row, KV head) walks the
+slots from 0 in blocks of BLOCK_N, up to the row's last visible slot + 1 rounded up to a block,
+with an fp32 online softmax (running max m, sum l, accumulator acc). Lane j of a block always
+holds slot start + j, so the sequence of operations, and every operand of them, is a function
+of the row's query and of the set of slots it sees: a slot it cannot see (past its KV, another
+request's page, a sibling in its tree) gets the score -inf, hence p = exp(-inf - m) = 0 exactly
+and V is loaded as 0, and a block of such lanes leaves m, l and acc bitwise unchanged
+(``x * 1 + 0 == x``). A decode row at position p and a chain node at position p see the same
+slots, so they walk the same blocks and compute the same values. q.k and p.v are elementwise
+products reduced with tl.sum (no tl.dot: a tensor-core tile would mix rows of the call); the
+block shapes are constexprs fixed per (head_dim, group size), never per row count.
+
+CUDA graphs: everything that changes per step comes as a tensor; the grid is (rows, Hkv) with
+rows the caller's padded row count. A padding row (limit 0, tree 0) reads no KV, loads nothing
+through its ``row_request``, and writes zeros.
+
+Limit: a row's visible slots past its ``row_limit`` must lie within 64 slots of it (the bits of
+one int64): a draft tree of up to 64 nodes after any prefix is always within it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from specdec.attention.metadata import host_tensor
+from specdec.kernels.invariant_matmul import interpreted
+
+TREE_BITS = 64
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def block_config(group_pad: int, block_d: int) -> tuple[int, int]:
+    """(BLOCK_N slots per block, num_warps) for a padded GQA group and head_dim: fixed per
+    model, never a function of the rows. The q.k and p.v products are [group_pad, BLOCK_N,
+    block_d] fp32 tiles in registers; BLOCK_N keeps them at 8K elements (64 per thread at 4
+    warps: 32 slots for group 4 x head_dim 64, 16 for 4 x 128), at least 16 slots."""
+    return max(16, min(64, 8192 // (group_pad * block_d))), 4
+
+
+@dataclass
+class RowMetadata:
+    """What each query row sees (see the module docstring), built by ``row_metadata``."""
+
+    row_request: torch.Tensor  # [T] int32: the request row t belongs to
+    row_limit: torch.Tensor  # [T] int32: row t sees every slot s < row_limit[t]
+    row_tree: torch.Tensor  # [T] int64: bit i set = row t also sees slot row_limit[t] + i
+
+    def to(self, device) -> RowMetadata:
+        return RowMetadata(*(t.to(device, non_blocking=True)
+                             for t in (self.row_request, self.row_limit, self.row_tree)))
+
+
+def row_metadata(qo_lens: Sequence[int], kv_lens: Sequence[int],
+                 custom_masks: Sequence[torch.Tensor | None] | None = None) -> RowMetadata:
+    """Per-row metadata (host int tensors) of requests whose ``qo_len`` new rows occupy the last
+    ``qo_len`` of their ``kv_len`` slots; ``custom_masks[b]`` None = causal, else [qo, kv] bool,
+    True = may attend (a draft tree's mask, e.g. ``specdec.tree.step_mask``).
+
+    Example: request 0 a 2-row prefill chunk after 3 cached slots; request 1 the tree of the
+    module docstring behind its last committed token (slot 2, the decode row)::
+
+        mask1 = [[1, 1, 1, 0, 0, 0],     row_request = [0, 0, 1, 1, 1, 1]
+                 [1, 1, 1, 1, 0, 0],     row_limit   = [4, 5, 3, 4, 3, 4]
+                 [1, 1, 1, 0, 1, 0],     row_tree    = [0, 0, 0, 0, 2, 2]
+                 [1, 1, 1, 1, 0, 1]]
+        row_metadata([2, 4], [5, 6], [None, mask1])
+    """
+    masks = list(custom_masks) if custom_masks is not None else [None] * len(qo_lens)
+    if not len(qo_lens) == len(kv_lens) == len(masks):
+        raise ValueError(f"qo_lens, kv_lens and custom_masks need one entry per request, got "
+                         f"{len(qo_lens)}, {len(kv_lens)} and {len(masks)}")
+    requests: list[int] = []
+    limits: list[int] = []
+    trees: list[int] = []
+    for b, (qo, kv, mask) in enumerate(zip(qo_lens, kv_lens, masks)):
+        if not 0 <= qo <= kv:
+            raise ValueError(f"request {b}: need 0 <= qo_len <= kv_len, got {qo} and {kv}")
+        requests += [b] * qo
+        if mask is None:
+            limits += range(kv - qo + 1, kv + 1)
+            trees += [0] * qo
+        else:
+            limit, tree = _mask_rows(b, mask, qo, kv)
+            limits += limit
+            trees += tree
+    return RowMetadata(host_tensor(requests, torch.int32), host_tensor(limits, torch.int32),
+                       host_tensor(trees, torch.int64))
+
+
+def _mask_rows(b: int, mask: torch.Tensor, qo: int, kv: int) -> tuple[list[int], list[int]]:
+    """(limits, trees) of one request's custom-mask rows: limit = the row's leading run of
+    True, tree = the columns after it as bits. Two torch calls per mask, then per row a Python
+    int made from the row's packed bits."""
+    if tuple(mask.shape) != (qo, kv) or mask.dtype != torch.bool:
+        raise ValueError(f"request {b}: custom mask must be bool [{qo}, {kv}], got "
+                         f"{mask.dtype} {tuple(mask.shape)}")
+    ctx = kv - qo
+    mask = mask.cpu()
+    if ctx and not bool(mask[:, :ctx].all()):
+        raise ValueError(f"request {b}: every row of a custom mask must see the first "
+                         f"kv_len - qo_len = {ctx} slots (the request's context)")
+    width = -(-qo // 8)
+    packed = np.packbits(mask[:, ctx:].numpy(), axis=1, bitorder="little").tobytes()
+    limits, trees = [], []
+    for i in range(qo):
+        seen = int.from_bytes(packed[i * width:(i + 1) * width], "little")  # bit j: slot ctx + j
+        run = (~seen & (seen + 1)).bit_length() - 1  # trailing ones: the rest of the prefix
+        tree = seen >> run
+        if tree >> TREE_BITS:
+            raise ValueError(f"request {b}: row {i} of its custom mask sees a slot more than "
+                             f"{TREE_BITS} slots past its first hidden one; the invariant "
+                             f"kernel takes trees of at most {TREE_BITS} nodes")
+        limits.append(ctx + run)
+        trees.append(tree - (1 << TREE_BITS) if tree >> (TREE_BITS - 1) else tree)  # as int64
+    return limits, trees
+
+
+@triton.jit
+def _highest_bit(x):
+    """Index of the highest set bit of an int64 scalar (63 when negative), -1 for 0."""
+    y = tl.where(x < 0, 0, x)
+    n = 0
+    for i in tl.static_range(6):
+        shift: tl.constexpr = 32 >> i
+        big = (y >> shift) != 0
+        n += tl.where(big, shift, 0)
+        y = tl.where(big, y >> shift, y)
+    return tl.where(x < 0, 63, tl.where(x == 0, -1, n))
+
+
+@triton.jit
+def _attention_kernel(q_ptr, cache_ptr, out_ptr, row_request, row_limit, row_tree,
+                      kv_indptr, kv_indices, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+                      stride_page, stride_kv, stride_slot, stride_head,
+                      PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    limit = tl.load(row_limit + t)
+    tree = tl.load(row_tree + t)
+    # last visible slot + 1: the loop bound, a function of the visible set alone
+    end = tl.maximum(limit, limit + _highest_bit(tree) + 1)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = q * scale  # once here rather than on every score: cheaper, and the same in every call
+    # a padding row (end 0) loads nothing through row_request, which may then be anything
+    first_page = tl.load(kv_indptr + tl.load(row_request + t, mask=end > 0, other=0),
+                         mask=end > 0, other=0)
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)  # noqa: E741
+    acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
+    lane = tl.arange(0, BLOCK_N)
+    head_off = kvh.to(tl.int64) * stride_head + d[None, :]
+    for start in range(0, end, BLOCK_N):
+        s = start + lane
+        rel = s - limit
+        in_tree = (rel >= 0) & (rel < 64)
+        bit = (tree >> tl.where(in_tree, rel, 0).to(tl.int64)) & 1
+        visible = (s < limit) | (in_tree & (bit != 0))
+        page = tl.load(kv_indices + first_page + s // PAGE_SIZE, mask=visible, other=0)
+        base = page.to(tl.int64) * stride_page + (s % PAGE_SIZE).to(tl.int64) * stride_slot
+        kv_mask = visible[:, None] & d_ok[None, :]
+        k = tl.load(cache_ptr + base[:, None] + head_off, mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_kv + base[:, None] + head_off, mask=kv_mask, other=0.0)
+        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, N]
+        scores = tl.where(visible[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        # before the first visible slot m_new is -inf: subtract 0 instead (exp(-inf) = 0, no NaN)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_use)
+        p = tl.exp(scores - m_use[:, None])
+        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+    # a row that sees nothing (padding) has l == 0: write zeros, not 0/0
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :]
+    tl.store(o, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: RowMetadata,
+                        kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [T, H, D] over the paged ``kv_cache`` [P, 2, page_size, Hkv, D] -> [T, H, D]
+    in q's dtype (into ``out`` when given, e.g. a CUDA graph's buffer). ``rows`` on q's device
+    ([T] each; padding rows: limit 0 and tree 0, output 0); ``kv_indptr`` [B+1] and
+    ``kv_indices`` int32 as in AttentionMetadata. H must be a multiple of Hkv."""
+    _check(q, kv_cache, rows, kv_indptr, kv_indices, out)
+    t, h, d = q.shape
+    hkv, page_size = kv_cache.shape[3], kv_cache.shape[2]
+    if t == 0:
+        return out if out is not None else q.new_empty(0, h, d)
+    emulate = q.dtype == torch.bfloat16 and interpreted(_attention_kernel)
+    result = out if out is not None and not emulate else torch.empty(
+        t, h, d, dtype=torch.float32 if emulate else q.dtype, device=q.device)
+    group = h // hkv
+    group_pad, block_d = triton.next_power_of_2(group), triton.next_power_of_2(d)
+    block_n, num_warps = block_config(group_pad, block_d)
+    _attention_kernel[(t, hkv)](
+        q, kv_cache, result, rows.row_request, rows.row_limit, rows.row_tree,
+        kv_indptr, kv_indices, float(scale), q.stride(0), q.stride(1), result.stride(0),
+        result.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n,
+        num_warps=num_warps)
+    if emulate:  # the interpreter truncates fp32 -> bf16; torch rounds as the GPU does (RTNE)
+        result = result.to(q.dtype) if out is None else out.copy_(result)
+    return result
+
+
+def invariant_attention_reference(q: torch.Tensor, kv_cache: torch.Tensor, rows: RowMetadata,
+                                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                                  scale: float) -> torch.Tensor:
+    """What invariant_attention computes, in plain torch on the host, one row at a time: gather
+    the slots the row sees in slot order, softmax in fp32. Slow; for tests."""
+    t, h, d = q.shape
+    hkv, page_size = kv_cache.shape[3], kv_cache.shape[2]
+    cache = kv_cache.float().cpu()
+    indptr, indices = kv_indptr.cpu().tolist(), kv_indices.cpu().tolist()
+    out = torch.zeros(t, h, d)
+    for i, (b, limit, tree) in enumerate(zip(rows.row_request.tolist(),
+                                             rows.row_limit.tolist(), rows.row_tree.tolist())):
+        slots = list(range(limit)) + [limit + j for j in range(TREE_BITS) if (tree >> j) & 1]
+        if not slots:
+            continue
+        pages = [indices[indptr[b] + s // page_size] for s in slots]
+        offsets = [s % page_size for s in slots]
+        k = cache[pages, 0, offsets].repeat_interleave(h // hkv, dim=1)  # [S, H, D]
+        v = cache[pages, 1, offsets].repeat_interleave(h // hkv, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[i].float().cpu(), k) * scale
+        out[i] = torch.einsum("hs,shd->hd", scores.softmax(dim=-1), v)
+    return out.to(device=q.device, dtype=q.dtype)
+
+
+def _check(q, kv_cache, rows: RowMetadata, kv_indptr, kv_indices, out) -> None:
+    if q.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"need q [T, H, D] and kv_cache [pages, 2, page_size, Hkv, D], got "
+                         f"{tuple(q.shape)} and {tuple(kv_cache.shape)}")
+    t, h, d = q.shape
+    hkv = kv_cache.shape[3]
+    if kv_cache.shape[4] != d or h % hkv:
+        raise ValueError(f"q [T, H={h}, D={d}] does not fit kv_cache heads Hkv={hkv}, D="
+                         f"{kv_cache.shape[4]} (H must be a multiple of Hkv, D equal)")
+    if q.dtype not in DTYPES or kv_cache.dtype != q.dtype:
+        raise ValueError(f"q and kv_cache need one dtype of {DTYPES}, got {q.dtype} and "
+                         f"{kv_cache.dtype}")
+    if q.stride(2) != 1 or kv_cache.stride(4) != 1:
+        raise ValueError("q and kv_cache need a contiguous last (head_dim) dimension")
+    want = {"row_request": torch.int32, "row_limit": torch.int32, "row_tree": torch.int64}
+    for name, dtype in want.items():
+        x = getattr(rows, name)
+        if x.dtype != dtype or tuple(x.shape) != (t,) or x.device != q.device:
+            raise ValueError(f"rows.{name} must be {dtype} [{t}] on {q.device}, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+    for name, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
+        if x.dtype != torch.int32 or x.dim() != 1 or x.device != q.device:
+            raise ValueError(f"{name} must be a 1-d int32 tensor on {q.device}, got {x.dtype} "
+                             f"{tuple(x.shape)} on {x.device}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype
+                            or out.device != q.device or out.stride(2) != 1):
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} on {q.device} with a "
+                         f"contiguous last dimension, got {out.dtype} {tuple(out.shape)} on "
+                         f"{out.device}")
