@@ -29,6 +29,14 @@ class StepStats:
     feedback_seconds: float = 0.0
     # the target forward replayed a CUDA graph (True), ran eagerly (False), or did not run
     graphed: bool | None = None
+    # host -> device copies the step made (staged forward inputs, every runner's; KV moves) and
+    # device -> host reads (verification's): on a CPU, what a GPU would copy (none happen)
+    h2d_copies: int = 0
+    d2h_reads: int = 0
+    # the target forward's own time: on a GPU the device's (CUDA events), within forward +
+    # verify seconds, since nothing waits for it until verification reads its result; on a
+    # CPU the forward's wall time. None: no forward
+    forward_device_seconds: float | None = None
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
     controller: dict | None = None  # the controller's ``decision`` figures, if it keeps them
@@ -43,6 +51,14 @@ class StepStats:
     tier_hits: int = 0
     tier_stores: int = 0
     tier_seconds: float = 0.0
+
+
+def forward_seconds(stats: StepStats) -> float:
+    """The target forward's own seconds: the device's where measured apart (a GPU), else the
+    forward stage's wall time (what a controller's cost model learns from)."""
+    if stats.forward_device_seconds is not None:
+        return stats.forward_device_seconds
+    return stats.forward_seconds
 
 
 BUDGET_PARTS = ("schedule", "draft", "forward", "verify", "commit", "feedback", "other")
@@ -76,6 +92,8 @@ class StepBudget:
     draft_nodes: int = 0
     graphed_steps: int = 0  # steps whose target forward replayed a CUDA graph
     eager_steps: int = 0  # steps whose target forward ran eagerly
+    h2d_copies: int = 0
+    d2h_reads: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUDGET_PARTS, 0.0))
 
     def add(self, stats: StepStats) -> None:
@@ -84,6 +102,8 @@ class StepBudget:
         self.draft_nodes += stats.num_draft_nodes
         self.graphed_steps += stats.graphed is True
         self.eager_steps += stats.graphed is False
+        self.h2d_copies += stats.h2d_copies
+        self.d2h_reads += stats.d2h_reads
         for k, v in budget_parts(stats).items():
             self.seconds[k] += v
 
@@ -92,6 +112,7 @@ class StepBudget:
                           self.draft_nodes - other.draft_nodes,
                           self.graphed_steps - other.graphed_steps,
                           self.eager_steps - other.eager_steps,
+                          self.h2d_copies - other.h2d_copies, self.d2h_reads - other.d2h_reads,
                           {k: self.seconds[k] - other.seconds[k] for k in BUDGET_PARTS})
 
     def per_step_ms(self) -> dict:
@@ -101,7 +122,8 @@ class StepBudget:
         out["step"] = sum(out.values())
         return {"steps": self.steps, "rows_per_step": self.rows / n,
                 "draft_nodes_per_step": self.draft_nodes / n, "graphed_steps": self.graphed_steps,
-                "eager_steps": self.eager_steps, "ms": out}
+                "eager_steps": self.eager_steps, "h2d_copies_per_step": self.h2d_copies / n,
+                "d2h_reads_per_step": self.d2h_reads / n, "ms": out}
 
 
 @dataclass

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -96,6 +97,22 @@ class DraftTree:
         return [int(p) for p in self.parents.tolist()]
 
     @cached_property
+    def token_list(self) -> list[int]:
+        """``tokens`` as host ints (read once)."""
+        return self.tokens.tolist()
+
+    @cached_property
+    def parent_list(self) -> list[int]:
+        """``parents`` as host ints (read once)."""
+        return self._parent_list
+
+    @cached_property
+    def is_chain(self) -> bool:
+        """Every node the child of the one before (``parents = [-1, 0, 1, ...]``): its tree
+        mask is the causal mask, so it attends as plain causal rows do."""
+        return all(p == i - 1 for i, p in enumerate(self._parent_list))
+
+    @cached_property
     def _child_lists(self) -> list[list[int]]:
         # slot 0 holds the root's children, slot 1 + i node i's
         lists: list[list[int]] = [[] for _ in range(self.num_nodes + 1)]
@@ -150,6 +167,10 @@ class DraftTree:
         if not -1 <= i < self.num_nodes:
             raise ValueError(f"node index must be in [-1, {self.num_nodes - 1}], got {i}")
         return list(self._child_lists[i + 1])
+
+    def children_of(self, i: int) -> list[int]:
+        """``children(i)`` unchecked and not copied (hot paths; do not modify the list)."""
+        return self._child_lists[i + 1]
 
     def select(self, keep: Sequence[int]) -> DraftTree:
         """The subtree of the nodes ``keep`` (ascending node indices, closed under parents),
@@ -248,23 +269,25 @@ def step_mask(tree: DraftTree, num_computed: int, num_tokens: int) -> torch.Tens
     return torch.cat([causal, tree_rows])
 
 
-def flat_masks(masks: Sequence[torch.Tensor | None], qo_lens: Sequence[int],
-               kv_lens: Sequence[int], device=None) -> torch.Tensor:
-    """[sum(qo_len * kv_len)] bool: every request's mask flattened row-major, back to back, a
-    causal one (``causal_mask``) where ``masks[b]`` is None. This is flashinfer's ``custom_mask``
-    layout (request b's bits start at sum over earlier requests of qo_len * kv_len; flashinfer
-    packs them little-endian per request). Example, request 0 a tree of one node over 2 slots
-    (mask [[1, 0], [1, 1]]), request 1 one causal row over 2 slots::
+def packed_masks(masks: Sequence[torch.Tensor | None], qo_lens: Sequence[int],
+                 kv_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """flashinfer's ``packed_custom_mask``: every request's mask (causal where None), row-major,
+    its bits packed little-endian from a byte boundary per request: (packed [bytes] uint8, byte
+    offsets [B + 1] int32), on the host. Example, a 1-node tree over 2 slots (mask
+    [[1, 0], [1, 1]]) then one causal row over 2 slots ([1, 1])::
 
-        [1, 0, 1, 1,  1, 1]
+        bits 1011 | 11  ->  bytes [0b1101, 0b11], offsets [0, 1, 2]
     """
-    parts = []
+    parts, offsets = [], [0]
     for mask, qo, kv in zip(masks, qo_lens, kv_lens):
         if mask is None:
-            mask = causal_mask(qo, kv, device)
+            mask = causal_mask(qo, kv)
         assert tuple(mask.shape) == (qo, kv), (tuple(mask.shape), qo, kv)
-        parts.append(mask.to(device=device, dtype=torch.bool).reshape(-1))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool, device=device)
+        bits = np.packbits(mask.reshape(-1).cpu().numpy(), bitorder="little")
+        parts.append(bits)
+        offsets.append(offsets[-1] + len(bits))
+    packed = np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)
+    return torch.from_numpy(packed), torch.tensor(offsets, dtype=torch.int32)
 
 
 def from_paths(paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:

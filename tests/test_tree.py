@@ -258,17 +258,19 @@ def test_validate_draft_prob_values(q, match):
     _tree([1], [-1], draft_probs=torch.tensor([[0.2, 0.3, 0.5]])).validate(check_probs=True)
 
 
-def test_flat_masks_is_every_mask_row_major_back_to_back():
-    from specdec.tree import causal_mask, flat_masks
+def test_packed_masks_are_every_mask_row_major_packed_per_request():
+    from specdec.tree import causal_mask, packed_masks
 
     tree = DraftTree(torch.tensor([5, 6]), torch.tensor([-1, 0]))
-    m0 = verify_mask(tree, 2)  # [3, 4]
-    flat = flat_masks([m0, None], [3, 2], [4, 5])
-    assert flat.dtype == torch.bool and flat.shape == (3 * 4 + 2 * 5,)
-    assert torch.equal(flat[:12].view(3, 4), m0)
-    assert torch.equal(flat[12:].view(2, 5), causal_mask(2, 5))
-    assert flat_masks([], [], []).shape == (0,)
-    example = flat_masks([torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), None], [2, 1], [2, 2])
-    assert example.int().tolist() == [1, 0, 1, 1, 1, 1]  # the docstring's example
+    m0 = verify_mask(tree, 2)  # [3, 4]: 12 bits, 2 bytes
+    packed, offsets = packed_masks([m0, None], [3, 2], [4, 5])
+    assert packed.dtype == torch.uint8 and offsets.tolist() == [0, 2, 4]
+    bits = [(int(b) >> i) & 1 for b in packed for i in range(8)]  # little-endian per byte
+    assert bits[:12] == m0.reshape(-1).int().tolist() and bits[12:16] == [0] * 4
+    assert bits[16:26] == causal_mask(2, 5).reshape(-1).int().tolist()
+    assert packed_masks([], [], [])[0].shape == (0,)
+    example = packed_masks([torch.tensor([[1, 0], [1, 1]], dtype=torch.bool), None], [2, 1],
+                           [2, 2])
+    assert example[0].tolist() == [0b1101, 0b11] and example[1].tolist() == [0, 1, 2]
     with pytest.raises(AssertionError):
-        flat_masks([m0], [2], [4])  # a mask of the wrong shape
+        packed_masks([m0], [2], [4])  # a mask of the wrong shape

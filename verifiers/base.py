@@ -26,12 +26,18 @@ argmax [7, 8, 4, 2], request 1 plain with argmax [5]::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from specdec.tree import DraftTree
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the host (itself if it is there)."""
+    return t if t.is_cpu else t.cpu()
 
 
 @dataclass
@@ -43,6 +49,9 @@ class VerifyBatch:
     greedy: list[bool]  # [B] request decodes greedily
     seeds: list[int | None]  # [B] each sampled request's seed (None for greedy requests)
     positions: list[int]  # [B] position of the first token each request emits this step
+    # how a verifier reads a device tensor to the host: the engine counts these reads (one a
+    # step is the aim: the rows' target tokens); a plain copy by default
+    to_host: Callable[[torch.Tensor], torch.Tensor] = field(default=host_copy, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -59,7 +68,7 @@ class VerifyBatch:
             [self.trees[b] for b in index], cu, self.logits.index_select(0, rows),
             None if self.probs is None else self.probs.index_select(0, rows),
             [self.greedy[b] for b in index], [self.seeds[b] for b in index],
-            [self.positions[b] for b in index])
+            [self.positions[b] for b in index], self.to_host)
 
     def row_positions(self) -> list[int]:
         """[cu_rows[-1]] the position of the token each logits row decides (host ints)."""
@@ -76,9 +85,15 @@ class VerifyOutput:
     tokens: torch.Tensor  # [B, D + 1] int64 emitted tokens, -1 padded
     num_accepted: torch.Tensor  # [B] int64 k_b
 
-    def to_results(self) -> list[VerifyResult]:
-        """Per-request host lists (one device -> host copy)."""
-        acc, tok, k = self.accepted.tolist(), self.tokens.tolist(), self.num_accepted.tolist()
+    def to_results(self, to_host: Callable[[torch.Tensor], torch.Tensor] = None
+                   ) -> list[VerifyResult]:
+        """Per-request host lists (on a device: one copy, through ``to_host``)."""
+        acc, tok, k = self.accepted, self.tokens, self.num_accepted
+        if not acc.is_cpu:
+            b, d = acc.shape
+            flat = (to_host or host_copy)(torch.cat([acc, tok, k[:, None]], dim=1))
+            acc, tok, k = flat[:, :d], flat[:, d:2 * d + 1], flat[:, -1]
+        acc, tok, k = acc.tolist(), tok.tolist(), k.tolist()
         return [VerifyResult(a[:n], t[:n + 1]) for a, t, n in zip(acc, tok, k)]
 
     @staticmethod

@@ -1,10 +1,10 @@
-"""Greedy verification: keep the longest path that matches the target argmax, batched.
+"""Greedy verification: keep the longest path that matches the target argmax.
 
 Node i is accepted iff it and all its ancestors carry the argmax of their parent's row (and no
-earlier sibling carries the same token: the first match wins). Those nodes form one root path,
-found for every request at once with a handful of tensor ops and no host sync on a GPU
-(``greedy_verify``), and walked on the host on the CPU (``host_walk``: there a tensor op costs
-more than a whole tree's walk), with the same output.
+earlier sibling carries the same token: the first match wins). The argmaxes are computed where
+the logits are, read to the host in one copy (``VerifyBatch.to_host``: the step's one device ->
+host read on a GPU) and the trees walked there (``host_walk``: batch 1, 5 nodes, ~0.05 ms; the
+same walk as ~30 small tensor ops, ``greedy_verify``, which the rejection verifier builds on).
 
 Example: chain [7, 8, 9], target argmax per row [7, 8, 4, 2] -> accepted [0, 1], tokens [7, 8, 4].
 """
@@ -41,29 +41,27 @@ def verify_targets(batch: VerifyBatch, targets: torch.Tensor) -> VerifyOutput:
     """The longest path of each tree whose nodes carry their parent row's target token:
     targets [cu_rows[-1]] int64, the one token each logits row emits (the argmax for greedy
     rows; the ``gumbel`` verifier's perturbed argmax for sampled ones)."""
+    targets = batch.to_host(targets)
     if all(t.num_nodes == 0 for t in batch.trees):
         # plain decode rows (one logits row each): the target is the token, no tree to walk
         b = batch.batch_size
-        return VerifyOutput(torch.zeros(b, 0, dtype=torch.int64, device=targets.device),
-                            targets.unsqueeze(1), torch.zeros(b, dtype=torch.int64,
-                                                              device=targets.device))
-    if targets.device.type == "cpu":
-        return host_walk(batch.trees, batch.cu_rows, targets)
-    layout = TreeLayout.build(batch.trees, batch.cu_rows, batch.logits.device)
-    return greedy_verify(targets, layout)
+        return VerifyOutput(torch.zeros(b, 0, dtype=torch.int64), targets.unsqueeze(1),
+                            torch.zeros(b, dtype=torch.int64))
+    return host_walk(batch.trees, batch.cu_rows, targets)
 
 
 def host_walk(trees: list[DraftTree], cu_rows: list[int], targets: torch.Tensor) -> VerifyOutput:
-    """``greedy_verify``'s output, walked on the host: from the root, the first child (in index
-    order) that carries the current row's target, until none does; then the row's target is the
-    bonus. Batch 1, 5 nodes: ~0.05 ms, against ~1.3 ms for the layout and its tensor ops."""
+    """``greedy_verify``'s output, walked on the host (targets [R] on the host): from the root,
+    the first child (in index order) that carries the current row's target, until none does;
+    then the row's target is the bonus. Batch 1, 5 nodes: ~0.05 ms, against ~1.3 ms for the
+    layout and its tensor ops."""
     t = targets.tolist()
     paths, emitted = [], []
     for tree, row in zip(trees, cu_rows):
-        tokens, node, path, start = tree.tokens.tolist(), -1, [], row
+        tokens, node, path, start = tree.token_list, -1, [], row
         while True:
             want = t[row]
-            node = next((c for c in tree.children(node) if tokens[c] == want), -1)
+            node = next((c for c in tree.children_of(node) if tokens[c] == want), -1)
             if node < 0:
                 break
             path.append(node)

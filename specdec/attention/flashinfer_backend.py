@@ -11,19 +11,20 @@ and calls it. Which kernel:
 - causal rows only (prefill chunks, decode rows): batch prefill, ``causal=True`` (flashinfer's
   causal mask is bottom-right aligned, as ours: row i of q rows over L slots sees slots
   0..L-q+i);
-- any custom mask (draft trees): batch prefill with every request's mask, causal ones written
-  out, flattened by ``specdec.tree.flat_masks``. The mask goes in unpacked: flashinfer 0.6's
-  ``plan()`` handed a packed mask keeps bit offsets where its kernel reads byte offsets
-  (flashinfer PR #2201); from the unpacked mask it packs and indexes correctly itself, given
-  the index arrays on the device (its packing kernel reads them there; the other plans get the
-  host copies, so they need no device -> host copy).
+- any custom mask (draft trees that are not chains: a chain's mask is the causal one, and
+  its rows come here unmasked): batch prefill with every request's mask, causal ones written
+  out, packed on the host (``packed_masks``: each request's bits little-endian from a byte
+  boundary, as flashinfer packs them). flashinfer 0.6's ``plan()`` handed a packed mask keeps
+  bit offsets where its kernel reads byte offsets (flashinfer PR #2201), so after the plan the
+  wrapper's mask offsets are set to the byte offsets. Every plan is made from host arrays: no
+  device -> host read.
 
-CUDA graphs: ``add_graph_shape(B, T, max_pages, page_size)`` creates wrappers in flashinfer's CUDA-graph
-mode (fixed index buffers) for batches of exactly B requests and T rows, and a fixed K/V write
-index. ``plan()`` of such a batch copies into those buffers, so a graph captured after one plan
-replays correctly after the next. A shape with one row per request holds plain decode batches;
-any other shape always runs the masked prefill kernel, so one captured kernel serves trees and
-plain rows alike.
+CUDA graphs: ``add_graph_shape(B, T, max_pages, page_size, masked)`` creates wrappers in
+flashinfer's CUDA-graph mode (fixed index buffers) for batches of exactly B requests and T
+rows, masked or not, and a fixed K/V write index. ``plan()`` of such a batch copies into those
+buffers, so a graph captured after one plan replays correctly after the next. A shape with one
+row per request holds plain decode batches; others hold causal rows (prefill chunks, chains) or,
+masked, draft trees.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from specdec.attention.backend import AttentionSpec
 from specdec.attention.kv_rows import write_kv
 from specdec.attention.metadata import AttentionMetadata
-from specdec.tree import flat_masks
+from specdec.tree import packed_masks
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k workspace, shared by all wrappers
 DECODE_PATHS = ("decode", "prefill")
@@ -94,10 +95,11 @@ class FlashInferAttentionBackend:
     # ---- CUDA graphs ----------------------------------------------------------------------
 
     def add_graph_shape(self, batch_size: int, num_rows: int, max_pages: int,
-                        page_size: int) -> None:
+                        page_size: int, masked: bool = False) -> None:
         """Fixed-buffer wrappers for batches of ``batch_size`` requests and ``num_rows`` rows,
-        each request over at most ``max_pages`` pages of ``page_size`` slots."""
-        key = (batch_size, num_rows)
+        each request over at most ``max_pages`` pages of ``page_size`` slots; ``masked``: for
+        steps with a custom mask (draft trees)."""
+        key = (batch_size, num_rows, masked)
         if key in self._graph_shapes:
             return
         dev = self.spec.device
@@ -105,7 +107,7 @@ class FlashInferAttentionBackend:
         indptr = torch.zeros(batch_size + 1, **i32)
         indices = torch.zeros(batch_size * max_pages, **i32)
         last = torch.ones(batch_size, **i32)
-        decode = num_rows == batch_size
+        decode = num_rows == batch_size and not masked
         if decode and self.decode_path == "decode":
             kind = "decode"
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
@@ -113,7 +115,7 @@ class FlashInferAttentionBackend:
                 paged_kv_indptr_buffer=indptr, paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last)
         else:
-            kind = "causal" if decode else "masked"
+            kind = "masked" if masked else "causal"
             masks = {}
             if kind == "masked":  # (a graph wrapper given a mask buffer always runs masked)
                 # every request's mask bits, each request padded to a whole byte
@@ -123,7 +125,7 @@ class FlashInferAttentionBackend:
                              mask_indptr_buf=torch.zeros(batch_size + 1, **i32))
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, "NHD", use_cuda_graph=True,
-                backend=self.prefill_backend if decode else "fa2",
+                backend=self.prefill_backend if not masked else "fa2",
                 qo_indptr_buf=torch.zeros(batch_size + 1, **i32), paged_kv_indptr_buf=indptr,
                 paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last, **masks)
         write_index = torch.zeros(2 * num_rows, dtype=torch.int64, device=dev)
@@ -138,8 +140,8 @@ class FlashInferAttentionBackend:
         masked = any(m is not None for m in md.custom_masks)
         decode = t == b and not masked
         index = md.kv_write_index()
-        shape = self._graph_shapes.get((b, t))
-        if shape is not None and (decode or t > b):
+        shape = self._graph_shapes.get((b, t, masked))
+        if shape is not None:
             shape.write_index.copy_(index)
             self._plan_kernel(shape.wrapper, shape.kind, md, qo_lens)
             self._step = _Step(shape.wrapper, shape.write_index)
@@ -172,12 +174,15 @@ class FlashInferAttentionBackend:
                          s.num_heads, s.num_kv_heads, s.head_dim, md.page_size, causal=True,
                          **common)
             return
-        # flashinfer packs the mask with a CUDA kernel indexed by offsets it derives from the
-        # indptrs it is given: so here they are the device copies (plan reads them back once)
-        mask = flat_masks(md.custom_masks, qo_lens, md.kv_lens(), "cpu").to(s.device)
-        wrapper.plan(md.qo_indptr, md.kv_indptr, md.kv_indices, md.kv_last_page_len,
-                     s.num_heads, s.num_kv_heads, s.head_dim, md.page_size, custom_mask=mask,
-                     causal=False, **common)
+        packed, indptr = packed_masks(md.custom_masks, qo_lens, md.kv_lens())
+        wrapper.plan(h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len,
+                     s.num_heads, s.num_kv_heads, s.head_dim, md.page_size,
+                     packed_custom_mask=packed, causal=False, **common)
+        # (flashinfer 0.6 keeps the offsets of a packed mask in bits; its kernel reads bytes)
+        if wrapper.is_cuda_graph_enabled:
+            wrapper._mask_indptr_buf.copy_(indptr, non_blocking=True)
+        else:
+            wrapper._mask_indptr_buf = indptr.to(s.device, non_blocking=True)
 
 
 def check_supported(spec: AttentionSpec) -> None:

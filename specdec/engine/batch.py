@@ -38,7 +38,9 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device) -> F
         tables.append(seq.block_table.pages)
         kv_lens.append(end + rec.num_nodes)
         qo_lens.append(rec.num_rows)
-        masks.append(step_mask(rec.tree, c, end) if rec.num_nodes else None)
+        # a chain's tree mask is the causal one: its rows attend as causal rows (no mask)
+        masks.append(None if not rec.num_nodes or rec.tree.is_chain
+                     else step_mask(rec.tree, c, end))
         if seq.needs_prompt_rows:
             last = min(end, seq.num_prompt_tokens - 1)  # rows c .. last - 1
             if last > c:

@@ -177,8 +177,16 @@ class LLMEngine:
 
     # ---- one step ---------------------------------------------------------------------------
 
+    def transfers(self) -> tuple[int, int]:
+        """(host -> device copies, device -> host reads) made so far: every runner's staged
+        inputs and KV moves, and verification's reads (what a GPU copies; counted on a CPU)."""
+        runners = [self.runner, *self.drafter_runners]
+        h2d = sum(r.staging.copies + r.kv.cache.copies for r in runners)
+        return h2d, self.verifying.reads
+
     def step(self) -> StepResult:
         times = StepTimes(time.perf_counter())
+        moved = self.transfers()
         sched = self.scheduler.schedule(self.drafting.budgets)
         times.scheduled = time.perf_counter()
         failed = self.drafting.propose(sched.scheduled) + [
@@ -208,7 +216,11 @@ class LLMEngine:
             if rec.seq.finish_reason == "error" and not rec.seq.is_finished:
                 failed.append(rec.seq)
                 self.commits.finish(rec.seq)
-        stats = self.recorder.record(records, sched, failed, times, graphed)
+        now = self.transfers()
+        # (on CUDA the forward's events are done by now: verification read what it computed)
+        stats = self.recorder.record(records, sched, failed, times, graphed,
+                                     (now[0] - moved[0], now[1] - moved[1]),
+                                     out.seconds if records else None)
         self.drafting.observe(records, stats)
         self.plugin_errors += plugins.notify_step_end(self.pm, stats) + self.drafting.errors
         self.drafting.errors = []

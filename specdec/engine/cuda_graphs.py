@@ -189,7 +189,8 @@ class CudaGraphRunner:
         """(final_hidden [t, H], {layer: [t, H]}) of the first ``num_rows`` (the real) rows of
         ``padded``, a batch of ``shape`` whose ids and positions were staged as ``ids`` and
         ``pos`` (specdec.engine.staging: the same addresses for every step of this shape)."""
-        key = (shape, tuple(capture_layers), padded.features is not None,
+        masked = any(m is not None for m in padded.metadata.custom_masks)
+        key = (shape, masked, tuple(capture_layers), padded.features is not None,
                padded.context_rows is not None)
         graph = self._graphs.get(key)
         if graph is None:
@@ -209,7 +210,7 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         runner = self.runner
         runner.backend.add_graph_shape(shape.batch_size, shape.num_rows, self.max_pages,
-                                       runner.page_size)
+                                       runner.page_size, masked=key[1])
         runner.backend.plan(padded.metadata)  # now into the shape's fixed buffers
         inputs = {"input_ids": ids, "positions": pos}  # staged: fixed addresses per shape
         for name in ("features", "context_rows"):

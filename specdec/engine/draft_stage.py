@@ -34,7 +34,7 @@ from specdec.engine.drafter_setup import drafter_sources
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import StepRequest
 from specdec.kv.block_table import KVCacheManager
-from specdec.metrics import StepStats
+from specdec.metrics import StepStats, forward_seconds
 from specdec.tree import DraftTree
 
 IDLE_CHECK = 32  # decode steps at budget 0 between two keep_drafting questions (the first at 1)
@@ -405,7 +405,7 @@ class DraftStage:
                                         tuple(r.result.accepted) if r.result is not None else ())
                          for r in records if r.seq.request_id in asked)
         self.controller.observe(StepReport(
-            draft_seconds=stats.draft_seconds, forward_seconds=stats.forward_seconds,
+            draft_seconds=stats.draft_seconds, forward_seconds=forward_seconds(stats),
             verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,
             num_verified_rows=stats.num_verified_rows, num_decode=stats.num_decode,
             num_prefill_tokens=stats.num_prefill_tokens, outcomes=outcomes,

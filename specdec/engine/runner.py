@@ -28,8 +28,8 @@ import torch
 
 from specdec.attention import create_backend
 from specdec.attention.backend import AttentionSpec
-from specdec.attention.metadata import AttentionMetadata, build_metadata, host_tensor
 from specdec.attention.kv_rows import kv_write_index
+from specdec.attention.metadata import AttentionMetadata, build_metadata, host_tensor
 from specdec.engine.cuda_graphs import CudaGraphRunner, pad_batch
 from specdec.engine.staging import Staging
 from specdec.kv.block_table import BlockTable

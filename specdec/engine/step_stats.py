@@ -10,7 +10,7 @@ from specdec.engine.scheduler import SchedulerOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import StepRequest
 from specdec.kv.block_table import KVCacheManager
-from specdec.metrics import EngineTotals, StepStats
+from specdec.metrics import EngineTotals, StepStats, forward_seconds
 
 
 @dataclass
@@ -40,11 +40,17 @@ class StepRecorder:
         self._tier_seen = (0, 0, 0.0)  # the tier's (hits, stores, seconds) counted so far
 
     def record(self, records: list[StepRequest], sched: SchedulerOutput, failed: list[Sequence],
-               times: StepTimes, graphed: bool | None = None) -> StepStats:
+               times: StepTimes, graphed: bool | None = None,
+               transfers: tuple[int, int] = (0, 0),
+               forward_device_seconds: float | None = None) -> StepStats:
         """The step's stats (``times``: when each stage ended; ``graphed``: whether the
-        forward replayed a CUDA graph, None without one), added to the totals."""
+        forward replayed a CUDA graph, None without one; ``transfers``: host -> device copies
+        and device -> host reads it made; the forward's device seconds), added to the
+        totals."""
         stats = self._stats(records, sched.preempted, failed, times)
         stats.graphed = graphed
+        stats.h2d_copies, stats.d2h_reads = transfers
+        stats.forward_device_seconds = forward_device_seconds
         self._prefix(stats, sched)
         self.totals.add(stats)
         return stats
@@ -78,5 +84,5 @@ class StepRecorder:
             stats.tier_hits, stats.tier_stores, stats.tier_seconds = (
                 a - b for a, b in zip(now, self._tier_seen))
             self._tier_seen = now
-        self.kv.observe_prefill(stats.forward_seconds, stats.num_prefill_tokens,
+        self.kv.observe_prefill(forward_seconds(stats), stats.num_prefill_tokens,
                                 stats.num_prefill_tokens + stats.num_decode)

@@ -18,7 +18,7 @@ from specdec.engine.step import StepRequest
 from specdec.logits.logprobs import token_logprobs
 from specdec.sampling import logits_to_probs, params_to_tensors
 from specdec.tree import DraftTree
-from specdec.verifiers.base import VerifyBatch, VerifyOutput, VerifyResult
+from specdec.verifiers.base import VerifyBatch, VerifyOutput, VerifyResult, host_copy
 
 _EMPTY = DraftTree.empty()
 
@@ -27,6 +27,13 @@ class VerifyStage:
     def __init__(self, verifier, vocab_size: int) -> None:
         self.verifier = verifier
         self.vocab_size = vocab_size
+        # device -> host reads of verification so far (VerifyBatch.to_host; counted on a CPU
+        # too, where they copy nothing: the CPU rehearsal counts what a GPU would read)
+        self.reads = 0
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        self.reads += 1
+        return host_copy(t)
 
     @classmethod
     def create(cls, pm, name: str, vocab_size: int) -> VerifyStage:
@@ -78,8 +85,7 @@ class VerifyStage:
                 start += n
         return raw
 
-    @staticmethod
-    def batch(frontier: list[StepRequest], logits: torch.Tensor) -> VerifyBatch:
+    def batch(self, frontier: list[StepRequest], logits: torch.Tensor) -> VerifyBatch:
         trees = [r.tree if r.tree is not None else _EMPTY for r in frontier]
         cu = [0]
         for t in trees:
@@ -92,7 +98,7 @@ class VerifyStage:
             per_row = [p for p, t in zip(params, trees) for _ in range(1 + t.num_nodes)]
             probs = logits_to_probs(logits, *params_to_tensors(per_row, logits.device))
         return VerifyBatch(trees, cu, logits, probs, greedy, [r.seq.seed for r in frontier],
-                           [r.seq.num_tokens for r in frontier])
+                           [r.seq.num_tokens for r in frontier], self.to_host)
 
     def _run(self, batch: VerifyBatch) -> list[VerifyResult | str]:
         """Results (or error strings) for the requests of ``batch``; a failing call is retried
@@ -101,7 +107,7 @@ class VerifyStage:
             out = self.verifier.verify(batch)
             if not isinstance(out, VerifyOutput):
                 raise TypeError(f"verify returned {type(out).__name__}, not a VerifyOutput")
-            results = out.to_results()
+            results = out.to_results(self.to_host)
             if len(results) != batch.batch_size:
                 raise ValueError(f"{len(results)} results for {batch.batch_size} requests")
             checked = [self._check(t, r) for t, r in zip(batch.trees, results)]
@@ -113,7 +119,7 @@ class VerifyStage:
 
     def _check(self, tree: DraftTree, r: VerifyResult) -> VerifyResult | str:
         """The result must be a root path of the tree, its tokens, and one token in the vocab."""
-        parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+        parents, tokens = tree.parent_list, tree.token_list
         prev = -1
         for j, a in enumerate(r.accepted):
             if not (0 <= a < len(tokens)) or parents[a] != prev or r.tokens[j] != tokens[a]:

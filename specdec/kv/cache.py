@@ -15,6 +15,7 @@ class KVCache:
     def __init__(self, num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device):
         self.page_size = page_size
         self.num_pages = num_pages
+        self.copies = 0  # index arrays sent to the device for moves (one per move)
         self.tensor = torch.zeros(
             num_layers, num_pages, 2, page_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
@@ -30,9 +31,7 @@ class KVCache:
         """
         if not src:
             return
-        dev = self.tensor.device
-        s = torch.tensor(src, device=dev)
-        d = torch.tensor(dst, device=dev)
+        s, d = self._indices(src, dst)
         # indices on dims 1 and 3 around a slice: the result is [n, layers, 2, H, D] (a copy)
         values = self.tensor[:, s // self.page_size, :, s % self.page_size]
         self.tensor[:, d // self.page_size, :, d % self.page_size] = values
@@ -40,6 +39,12 @@ class KVCache:
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole pages (copy-on-write after a fork)."""
         if pairs:
-            src = torch.tensor([s for s, _ in pairs], device=self.tensor.device)
-            dst = torch.tensor([d for _, d in pairs], device=self.tensor.device)
+            src, dst = self._indices([s for s, _ in pairs], [d for _, d in pairs])
             self.tensor[:, dst] = self.tensor[:, src]
+
+    def _indices(self, src: list[int], dst: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """src and dst as int64 tensors on the cache's device, sent in one copy."""
+        self.copies += 1
+        both = torch.tensor(src + dst, dtype=torch.int64).to(self.tensor.device,
+                                                              non_blocking=True)
+        return both[:len(src)], both[len(src):]

@@ -11,6 +11,10 @@ Semantics modelled (flashinfer/prefill.py, decode.py of 0.6.0):
   kv_indices[kv_indptr[b]:kv_indptr[b+1]] of the NHD cache [P, 2, page, Hkv, D], the last page
   filled to kv_last_page_len[b];
 - ``custom_mask``: every request's [qo_len, kv_len] mask flattened row-major, back to back;
+  ``packed_custom_mask``: the same bits packed little-endian, each request from a byte
+  boundary; run() reads them at the offsets in ``_mask_indptr_buf`` as BYTES, where 0.6's
+  plan() stores offsets in BITS for a packed mask (flashinfer PR #2201: the backend corrects
+  them after the plan; a model that read what plan stores would hide the bug);
   ``causal``: bottom-right aligned (row i of q rows over L slots sees slots 0..L-q+i);
 - CUDA-graph mode: the batch size is fixed by the buffers, the total rows by the first plan, and
   the indices and the packed mask (each request's bits padded to a byte) must fit their buffers;
@@ -32,6 +36,11 @@ class _Wrapper:
         self.kwargs = kwargs
         self.plans = 0
         self.fixed_rows = None
+        self._mask_indptr_buf = kwargs.get("mask_indptr_buf")
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self.graph
 
     def _check_graph_buffers(self, qo_indptr, indices, mask, masks_bits: list[int]):
         if not self.graph:
@@ -54,29 +63,45 @@ class _Wrapper:
 class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads, num_kv_heads, head_dim_qk, page_size, custom_mask=None,
-             causal=False, q_data_type=None, kv_data_type=None, sm_scale=None, **_):
+             packed_custom_mask=None, causal=False, q_data_type=None, kv_data_type=None,
+             sm_scale=None, **_):
         self.qo_indptr = qo_indptr.cpu().long()
         self.kv_indptr = paged_kv_indptr.cpu().long()
         self.kv_indices = paged_kv_indices.cpu().long()
         self.last = paged_kv_last_page_len.cpu().long()
         self.page, self.scale, self.causal = page_size, sm_scale, causal
-        self.mask = None if custom_mask is None else custom_mask.cpu().bool()
-        # flashinfer's run() takes a graph wrapper's mask buffer as "custom mask mode"
-        assert not (self.graph and "custom_mask_buf" in self.kwargs and custom_mask is None), \
-            "a graph-mode wrapper with a mask buffer runs masked: its plan needs the mask"
         qo, kv = _lens(self.qo_indptr), _kv_lens(self.kv_indptr, self.last, page_size)
         bits = [a * b for a, b in zip(qo, kv)]
-        if self.mask is not None:
+        self.packed = None
+        if packed_custom_mask is not None:  # offsets kept in bits (the 0.6 bug, see above)
+            self.packed = packed_custom_mask.cpu()
+            self._mask_indptr_buf = torch.tensor([0, *bits]).cumsum(0)
+            self.mask = True
+        else:
+            self.mask = None if custom_mask is None else custom_mask.cpu().bool()
+        # flashinfer's run() takes a graph wrapper's mask buffer as "custom mask mode"
+        assert not (self.graph and "custom_mask_buf" in self.kwargs and self.mask is None), \
+            "a graph-mode wrapper with a mask buffer runs masked: its plan needs the mask"
+        if custom_mask is not None:
             assert self.mask.numel() == sum(bits), "custom_mask is not every request's mask"
         self._check_graph_buffers(self.qo_indptr, self.kv_indices, self.mask, bits)
         self.plans += 1
+
+    def _request_mask(self, b: int, n: int, m: int, off: int) -> torch.Tensor:
+        """Request b's [n, m] mask as run() reads it (``off``: its flat bit offset)."""
+        if self.packed is None:
+            return self.mask[off:off + n * m].view(n, m)
+        start = int(self._mask_indptr_buf[b])  # read as a byte offset
+        raw = self.packed[start:start + (n * m + 7) // 8]
+        bits = ((raw[:, None].long() >> torch.arange(8)) & 1).reshape(-1)[:n * m]
+        return bits.bool().view(n, m)
 
     def run(self, q, paged_kv_cache):
         qo, kv = _lens(self.qo_indptr), _kv_lens(self.kv_indptr, self.last, self.page)
         out, off = [], 0
         for b, (n, m) in enumerate(zip(qo, kv)):
             if self.mask is not None:
-                mask = self.mask[off:off + n * m].view(n, m)
+                mask = self._request_mask(b, n, m, off)
                 off += n * m
             elif self.causal:
                 mask = torch.arange(m)[None, :] <= torch.arange(m - n, m)[:, None]

@@ -104,9 +104,10 @@ def test_graph_shapes_plan_into_fixed_buffers(backend_cls, kinds, decode_path):
         if len(steps) == 3:
             break
     b, t = len(KINDS[kinds]), steps[0][0].q.shape[0]
-    backend.add_graph_shape(b, t, max_pages=PAGES, page_size=PAGE)
-    shape = backend._graph_shapes[(b, t)]
-    kind = "masked" if kinds == "mixed" else "decode" if decode_path == "decode" else "causal"
+    masked = kinds == "mixed"
+    backend.add_graph_shape(b, t, max_pages=PAGES, page_size=PAGE, masked=masked)
+    shape = backend._graph_shapes[(b, t, masked)]
+    kind = "masked" if masked else "decode" if decode_path == "decode" else "causal"
     assert shape.wrapper.graph and shape.kind == kind
     for step, cache in steps:
         want, _ = _reference(step, cache)

@@ -11,7 +11,7 @@ from specdec.engine.step import StepRequest
 from specdec.kv.block_table import KVCacheManager, slot_of
 from specdec.kv.page_pool import PagePool
 from specdec.sampling_params import SamplingParams
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, causal_mask
 
 PAGE = 4
 
@@ -68,8 +68,10 @@ def test_rows_offsets_positions_slots_and_masks():
         slots += [slot_of(rec.seq.block_table.pages, s, PAGE) for s in range(lo, hi)]
     assert md.slot_mapping.tolist() == slots
     assert md.custom_masks[0] is None and md.custom_masks[3] is None
-    for i in (1, 2):
-        assert torch.equal(md.custom_masks[i], oracle_mask(records[i])), i
+    assert torch.equal(md.custom_masks[1], oracle_mask(records[1]))
+    # a chain's mask is the causal one: its rows go unmasked
+    assert md.custom_masks[2] is None
+    assert torch.equal(oracle_mask(records[2]), causal_mask(5, 10))
 
 
 def test_frontier_rows_line_up_with_the_verifier_layout():
