@@ -30,7 +30,8 @@ with ``oracle_plugin``::
     outs = spec.generate(prompts, params)  # same tokens as plain; mean metrics.tau near 3
 
 ``drafter_args`` may override ``error_rate``, ``depth`` and ``seed``, so one plugin serves a
-sweep. The draws come from a ``torch.Generator`` per request, seeded from (seed, request id):
+sweep. The draws come from a ``random.Random`` per request (host ints: a proposal costs no
+tensor op, so a step's time is the engine's), seeded from (seed, request id):
 a run is reproducible given the engine's request ids (which count up over an engine's life, so
 a second ``generate`` on the same engine draws differently). Only greedy requests get the
 promised acceptance: once a request's output leaves its known continuation (sampling, or a
@@ -44,10 +45,9 @@ from __future__ import annotations
 
 import hashlib
 import math
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
 
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo
 from specdec.tree import DraftTree
@@ -91,7 +91,7 @@ class OracleState:
 
     prompt_len: int
     continuation: list[int] | None
-    generator: torch.Generator
+    generator: random.Random
     num_checked: int = 0  # generated tokens found equal to the continuation so far
     diverged: bool = False  # the output left the continuation: nothing more is drafted
 
@@ -118,8 +118,7 @@ class OracleDrafter(BaseDrafter):
         self.error_rate, self.depth, self.seed = float(error_rate), depth, seed
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> OracleState:
-        generator = torch.Generator()
-        generator.manual_seed(_request_seed(self.seed, request_id))
+        generator = random.Random(_request_seed(self.seed, request_id))
         return OracleState(len(prompt_token_ids), self.continuations.get(tuple(prompt_token_ids)),
                            generator)
 
@@ -144,9 +143,8 @@ class OracleDrafter(BaseDrafter):
         k = min(self.depth, request.budget.depth_limit, len(truth) - done)
         if k <= 0:
             return DraftTree.empty()
-        chain = torch.tensor(truth[done:done + k], dtype=torch.int64)
-        wrong = torch.rand(k, generator=state.generator, dtype=torch.float64) < self.error_rate
-        chain = torch.where(wrong, (chain + 1) % self.vocab_size, chain)
+        rate, draw, vocab = self.error_rate, state.generator.random, self.vocab_size
+        chain = [(t + 1) % vocab if draw() < rate else t for t in truth[done:done + k]]
         return DraftTree.chain(chain)
 
     @staticmethod

@@ -51,15 +51,22 @@ class DraftTree:
     def chain(cls, tokens, draft_probs: torch.Tensor | None = None) -> DraftTree:
         """A linear draft: ``chain([5, 9])`` has tokens [5, 9] and parents [-1, 0]."""
         toks = torch.as_tensor(tokens, dtype=torch.int64)
-        parents = torch.arange(-1, toks.numel() - 1, dtype=torch.int64, device=toks.device)
-        return cls(toks, parents, draft_probs)
+        n = toks.numel()
+        tree = cls(toks, torch.arange(-1, n - 1, dtype=torch.int64, device=toks.device),
+                   draft_probs)
+        # what the host walks read, known without reading the tensors back
+        tree.__dict__.update(_parent_list=list(range(-1, n - 1)), is_chain=True,
+                             _depth_list=list(range(n)), num_nodes=n)
+        if isinstance(tokens, list):
+            tree.__dict__["token_list"] = [int(t) for t in tokens]
+        return tree
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> DraftTree:
         """Merge token sequences into a trie; see :func:`from_paths`."""
         return from_paths(paths, max_nodes)
 
-    @property
+    @cached_property
     def num_nodes(self) -> int:
         return int(self.tokens.numel())
 
@@ -78,8 +85,9 @@ class DraftTree:
                 "each node needs exactly one parent")
         if max_nodes is not None and n > max_nodes:
             raise ValueError(f"DraftTree has {n} nodes, more than the budget max_nodes={max_nodes}")
-        _check_parents(self.parents.tolist())
-        _check_tokens(self.tokens.tolist(), vocab_size)
+        _check_parents(self.parents.tolist() if "_parent_list" not in self.__dict__
+                       else self._parent_list)
+        _check_tokens(self.token_list, vocab_size)
         _check_draft_probs(self.draft_probs, n, vocab_size)
         if max_depth is not None and self.max_depth + 1 > max_depth:
             raise ValueError(f"DraftTree is {self.max_depth + 1} levels deep, more than the "
@@ -142,6 +150,10 @@ class DraftTree:
     def positions(self, offset: int) -> torch.Tensor:
         """[n] int64 sequence positions: ``offset + depths``, offset = committed sequence length."""
         return self.depths + offset
+
+    def position_list(self, offset: int) -> list[int]:
+        """``positions(offset)`` as host ints."""
+        return [offset + d for d in self._depth_list]
 
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:

@@ -29,8 +29,8 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device) -> F
         ids.extend(seq.token_ids[c:end])
         pos.extend(range(c, end))
         if rec.num_nodes:
-            ids.extend(rec.tree.tokens.tolist())
-            pos.extend(rec.tree.positions(end).tolist())
+            ids.extend(rec.tree.token_list)
+            pos.extend(rec.tree.position_list(end))
         rec.row_start = offset
         if rec.at_frontier:
             rec.logits_start = len(logit_rows)
