@@ -13,6 +13,13 @@ import pytest
 import torch
 from hypothesis import settings
 
+# Without a GPU, Triton kernels (specdec.kernels) run under Triton's interpreter: the variable is
+# read when triton is first imported and when a kernel is decorated, so it is set before any
+# test module imports either (tests/kernels/test_compile_for_gpu.py compiles them for a GPU in a
+# process of its own, without it)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # No per-example deadline anywhere: hypothesis's default (200 ms) fails a test whose example ran
 # slow once on a busy or slow machine ("unreliable timings"), not one that is wrong
 settings.register_profile("specdec", deadline=None)

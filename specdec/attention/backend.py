@@ -31,8 +31,13 @@ class AttentionBackend(Protocol):
     # stay put, so run() can be captured in a CUDA graph and replayed after each plan()
     supports_cuda_graphs: bool
 
-    def plan(self, metadata: AttentionMetadata) -> None:
-        """Precompute everything that is the same for every layer of this step."""
+    def stage_arrays(self, metadata: AttentionMetadata) -> list[torch.Tensor]:
+        """Host int64 arrays the plan needs on the device: the runner sends them with the
+        step's inputs in one copy and hands their device views to ``plan`` (none: [])."""
+
+    def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
+        """Precompute everything that is the same for every layer of this step (``staged``:
+        the device views of ``stage_arrays``; None: the backend copies them itself)."""
 
     def run(
         self,

@@ -133,7 +133,11 @@ class FlashInferAttentionBackend:
 
     # ---- the protocol -----------------------------------------------------------------------
 
-    def plan(self, metadata: AttentionMetadata) -> None:
+    def stage_arrays(self, md: AttentionMetadata) -> list[torch.Tensor]:
+        """Nothing for the runner to stage: it plans from the host arrays."""
+        return []
+
+    def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
         md = metadata
         qo_lens = md.qo_lens()
         b, t = len(qo_lens), sum(qo_lens)

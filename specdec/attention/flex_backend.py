@@ -44,7 +44,11 @@ class FlexAttentionBackend:
         self._plan: _Plan | None = None
         self._compiled = None  # torch.compile(flex_attention), built on first compiled use
 
-    def plan(self, metadata: AttentionMetadata) -> None:
+    def stage_arrays(self, md: AttentionMetadata) -> list[torch.Tensor]:
+        """Nothing for the runner to stage: it plans from the host arrays."""
+        return []
+
+    def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
         self._plan = _Plan(metadata)
 
     def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:

@@ -41,7 +41,11 @@ class TorchAttentionBackend:
         # the compiled kernels ("auto": if they load here), or None: SDPA only
         self.kernels = native.load() if kernels == "auto" else kernels
 
-    def plan(self, metadata: AttentionMetadata) -> None:
+    def stage_arrays(self, md: AttentionMetadata) -> list[torch.Tensor]:
+        """Nothing for the runner to stage: it plans from the host arrays."""
+        return []
+
+    def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
         if self.kernels is not None and metadata.slot_mapping.is_cpu:
             self._plan = _KeyLists(metadata, self.kernels)
         else:

@@ -13,6 +13,7 @@ The engine (``specdec.engine.core``) only steps over these parts.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,7 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
     parts.kv_split = _allocate_kv(parts)
     _enable_cuda_graphs(parts)
     _prepare_weights(parts)
+    _capture_graphs(parts)
     if parts.drafter is not None and hasattr(parts.controller, "setup"):
         parts.controller.setup(ControllerContext(parts.step_costs, str(device),
                                                  config.max_num_seqs,
@@ -156,7 +158,8 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
 
 def _runner(config: EngineConfig, model, name: str, num_layers: int | None = None):
     return ModelRunner(model, name, config.attention_backend, config.page_size,
-                       torch.device(config.device), num_layers)
+                       torch.device(config.device), num_layers,
+                       invariant=config.linear_kernels == "invariant")
 
 
 def _allocate_kv(parts: EngineParts) -> KVSplit:
@@ -195,6 +198,16 @@ def _enable_cuda_graphs(parts: EngineParts) -> None:
         runner.enable_cuda_graphs(c.max_num_seqs, c.max_num_batched_tokens, parts.max_model_len)
 
 
+def _capture_graphs(parts: EngineParts) -> None:
+    """The target's graphs captured now, with its kernels in place, for every shape: no step
+    pays a capture (a drafter runner's are captured at their first use: they take features)."""
+    if parts.runner.graphs is None:
+        return
+    t0 = time.perf_counter()
+    n = parts.runner.capture_graphs(tuple(getattr(parts.drafter, "hidden_layers", ())))
+    logger.info("CUDA graphs: %d captured for the target in %.1f s", n, time.perf_counter() - t0)
+
+
 def _prepare_weights(parts: EngineParts) -> None:
     """The target's GGUF blocks (``weights``), the draft models' quantized matrices
     (``draft_weights``) and the kernels that run them (``linear_kernels``)."""
@@ -208,6 +221,16 @@ def _prepare_weights(parts: EngineParts) -> None:
               *getattr(parts.drafter, "matmul_models", ())]
     parts.kernels = install_kernels(models, parts.config.linear_kernels, parts.dtype,
                                     parts.device, adopted + quantized)
+    _install_layer_ops(parts, models)
+
+
+def _install_layer_ops(parts: EngineParts, models: list) -> None:
+    """On CUDA the decoders run a layer as one kernel per step (specdec.models.layer_ops)."""
+    if parts.device.type != "cuda":
+        return
+    for m in models:
+        if hasattr(m, "layer_ops"):
+            m.layer_ops = True
 
 
 def _native_weights(parts: EngineParts) -> list:

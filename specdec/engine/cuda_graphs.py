@@ -185,20 +185,21 @@ class CudaGraphRunner:
         return choose_shape(len(qo), batch.num_rows, decode, self.shapes)
 
     def replay(self, shape: Shape, padded, ids: torch.Tensor, pos: torch.Tensor,
-               capture_layers: tuple[int, ...], num_rows: int):
+               planned: list[torch.Tensor], capture_layers: tuple[int, ...], num_rows: int):
         """(final_hidden [t, H], {layer: [t, H]}) of the first ``num_rows`` (the real) rows of
         ``padded``, a batch of ``shape`` whose ids and positions were staged as ``ids`` and
-        ``pos`` (specdec.engine.staging: the same addresses for every step of this shape)."""
+        ``pos``, and the backend's plan arrays as ``planned`` (specdec.engine.staging: the
+        same addresses for every step of this shape)."""
         masked = any(m is not None for m in padded.metadata.custom_masks)
         key = (shape, masked, tuple(capture_layers), padded.features is not None,
                padded.context_rows is not None)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(key, shape, padded, ids, pos, capture_layers)  # plans it too
+            graph = self._capture(key, shape, padded, ids, pos, planned, capture_layers)
         else:
             assert ids.data_ptr() == graph.inputs["input_ids"].data_ptr(), \
                 "the staged inputs moved: the graph would read stale ones"
-            self.runner.backend.plan(padded.metadata)
+            self.runner.backend.plan(padded.metadata, planned)
             for name in ("features", "context_rows"):
                 if name in graph.inputs:
                     graph.inputs[name].copy_(getattr(padded, name))
@@ -206,12 +207,12 @@ class CudaGraphRunner:
         t = num_rows
         return graph.hidden[:t].clone(), {i: h[:t].clone() for i, h in graph.layers.items()}
 
-    def _capture(self, key, shape: Shape, padded, ids, pos, capture_layers) -> _Graph:
+    def _capture(self, key, shape: Shape, padded, ids, pos, planned, capture_layers) -> _Graph:
         t0 = time.perf_counter()
         runner = self.runner
         runner.backend.add_graph_shape(shape.batch_size, shape.num_rows, self.max_pages,
                                        runner.page_size, masked=key[1])
-        runner.backend.plan(padded.metadata)  # now into the shape's fixed buffers
+        runner.backend.plan(padded.metadata, planned)  # now into the shape's fixed buffers
         inputs = {"input_ids": ids, "positions": pos}  # staged: fixed addresses per shape
         for name in ("features", "context_rows"):
             if getattr(padded, name) is not None:

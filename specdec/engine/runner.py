@@ -105,7 +105,9 @@ class ModelRunner:
     """
 
     def __init__(self, model, name: str, attention_backend: str, page_size: int, device,
-                 num_layers: int | None = None) -> None:
+                 num_layers: int | None = None, invariant: bool = False) -> None:
+        """``invariant``: the engine computes row-invariantly (``attention_backend`` "auto"
+        then picks the row-invariant attention where it runs)."""
         self.model = model
         self.name = name
         self.cfg = model.cfg
@@ -115,7 +117,7 @@ class ModelRunner:
         self.dtype = model.embed.dtype
         c = self.cfg
         self.backend = create_backend(attention_backend, AttentionSpec(
-            c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.device))
+            c.num_heads, c.num_kv_heads, c.head_dim, self.dtype, self.device), invariant)
         self.kv: KVManager | None = None
         self.graphs: CudaGraphRunner | None = None
         # the inputs of steps up to max_rows rows go to the device in one copy (enable_cuda_graphs
@@ -142,8 +144,11 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, runner {self.name!r} is on "
                              f"{self.device}")
-        self.staging = Staging(self.device, 5 * max_rows)  # ids, positions, 2T write, logits
         self.graphs = CudaGraphRunner(self, max_batch, max_rows, max_kv_len)
+        # a graphed step's inputs: ids, positions, 2T write rows, logits rows (<= T), and what
+        # the backend plans from (the invariant backend: 3T row arrays, B + 1 + B pages each)
+        b = max(s.batch_size for s in self.graphs.shapes)
+        self.staging = Staging(self.device, 8 * max_rows + (b + 1) * (self.graphs.max_pages + 1))
 
     def forward(self, batch: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardResult:
         """Run ``batch`` (host inputs: padded to a graph shape if one holds it, staged to the
@@ -155,22 +160,39 @@ class ModelRunner:
             shape = None if self.graphs is None else self.graphs.shape_for(batch)
             run = batch if shape is None else pad_batch(batch, shape, self.graphs.scratch)
             md = run.metadata
-            ids, pos, md.write_index, rows = self.staging.stage([
+            ids, pos, md.write_index, *planned, rows = self.staging.stage([
                 run.input_ids, run.positions, kv_write_index(md.slots, md.page_size),
-                batch.logits_indices])
+                *self.backend.stage_arrays(md), batch.logits_indices])
             if shape is None:
-                self.backend.plan(md)
+                self.backend.plan(md, planned)
                 out = self.run_model(_inputs(run, ids, pos), capture_layers)
                 hidden, layers = out.hidden, out.layer_hidden
             else:
-                hidden, layers = self.graphs.replay(shape, run, ids, pos, capture_layers,
-                                                    batch.num_rows)
+                hidden, layers = self.graphs.replay(shape, run, ids, pos, planned,
+                                                    capture_layers, batch.num_rows)
             logits = logits_hidden = None
             if rows.numel():
                 logits_hidden = hidden.index_select(0, rows)
                 logits = self.model.compute_logits(logits_hidden)
         return ForwardResult(logits, hidden, layers, timer.stop(), shape is not None,
                              logits_hidden)
+
+    def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> int:
+        """Capture now the graph of every shape the runner may replay, for forwards that
+        capture ``capture_layers`` and take no features (the target's), so that no step pays
+        a capture later (each is a few warm-up forwards and a capture). The graphs replay
+        steps of any content: each is captured over dummy requests. Returns how many."""
+        assert self.graphs is not None, f"runner {self.name!r}: no CUDA graphs enabled"
+        empty = self.pack([], [], [], logits="none")
+        with torch.inference_mode():
+            for shape in self.graphs.shapes:
+                run = pad_batch(empty, shape, self.graphs.scratch)
+                md = run.metadata
+                ids, pos, md.write_index, *planned = self.staging.stage([
+                    run.input_ids, run.positions, kv_write_index(md.slots, md.page_size),
+                    *self.backend.stage_arrays(md)])
+                self.graphs.replay(shape, run, ids, pos, planned, capture_layers, 0)
+        return self.graphs.num_graphs
 
     def run_model(self, inputs: dict[str, torch.Tensor], capture_layers: tuple[int, ...]):
         """The model over one planned batch's inputs (``input_ids``, ``positions``, and

@@ -142,14 +142,26 @@ def _mask_rows(b: int, mask: torch.Tensor, qo: int, kv: int) -> tuple[list[int],
 
 @triton.jit
 def _highest_bit(x):
-    """Index of the highest set bit of an int64 scalar (63 when negative), -1 for 0."""
+    """Index of the highest set bit of an int64 scalar (63 when negative), -1 for 0: a binary
+    search over 32, 16, ... 1-bit shifts, written out (a constexpr cannot be reassigned in a
+    loop when compiled for a GPU, though the interpreter allows it)."""
     y = tl.where(x < 0, 0, x)
-    n = 0
-    for i in tl.static_range(6):
-        shift: tl.constexpr = 32 >> i
-        big = (y >> shift) != 0
-        n += tl.where(big, shift, 0)
-        y = tl.where(big, y >> shift, y)
+    big = (y >> 32) != 0
+    n = tl.where(big, 32, 0)
+    y = tl.where(big, y >> 32, y)
+    big = (y >> 16) != 0
+    n += tl.where(big, 16, 0)
+    y = tl.where(big, y >> 16, y)
+    big = (y >> 8) != 0
+    n += tl.where(big, 8, 0)
+    y = tl.where(big, y >> 8, y)
+    big = (y >> 4) != 0
+    n += tl.where(big, 4, 0)
+    y = tl.where(big, y >> 4, y)
+    big = (y >> 2) != 0
+    n += tl.where(big, 2, 0)
+    y = tl.where(big, y >> 2, y)
+    n += tl.where((y >> 1) != 0, 1, 0)
     return tl.where(x < 0, 63, tl.where(x == 0, -1, n))
 
 
@@ -275,16 +287,17 @@ def _check(q, kv_cache, rows: RowMetadata, kv_indptr, kv_indices, out) -> None:
                          f"{kv_cache.dtype}")
     if q.stride(2) != 1 or kv_cache.stride(4) != 1:
         raise ValueError("q and kv_cache need a contiguous last (head_dim) dimension")
-    want = {"row_request": torch.int32, "row_limit": torch.int32, "row_tree": torch.int64}
-    for name, dtype in want.items():
+    ints = (torch.int32, torch.int64)  # (int64: as the engine stages them, in one copy)
+    want = {"row_request": ints, "row_limit": ints, "row_tree": (torch.int64,)}
+    for name, dtypes in want.items():
         x = getattr(rows, name)
-        if x.dtype != dtype or tuple(x.shape) != (t,) or x.device != q.device:
-            raise ValueError(f"rows.{name} must be {dtype} [{t}] on {q.device}, got {x.dtype} "
-                             f"{tuple(x.shape)} on {x.device}")
+        if x.dtype not in dtypes or tuple(x.shape) != (t,) or x.device != q.device:
+            raise ValueError(f"rows.{name} must be {' or '.join(map(str, dtypes))} [{t}] on "
+                             f"{q.device}, got {x.dtype} {tuple(x.shape)} on {x.device}")
     for name, x in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices)):
-        if x.dtype != torch.int32 or x.dim() != 1 or x.device != q.device:
-            raise ValueError(f"{name} must be a 1-d int32 tensor on {q.device}, got {x.dtype} "
-                             f"{tuple(x.shape)} on {x.device}")
+        if x.dtype not in ints or x.dim() != 1 or x.device != q.device:
+            raise ValueError(f"{name} must be a 1-d int32 or int64 tensor on {q.device}, got "
+                             f"{x.dtype} {tuple(x.shape)} on {x.device}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype
                             or out.device != q.device or out.stride(2) != 1):
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} on {q.device} with a "

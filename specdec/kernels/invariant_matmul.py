@@ -167,3 +167,21 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
                              f"{bias.device}")
         if not bias.is_contiguous():
             raise ValueError("bias must be contiguous")
+
+
+class InvariantLinear:
+    """The engine's matmul hook on a GPU with ``linear_kernels="invariant"``: F.linear's
+    signature, ``invariant_linear`` underneath (F.linear where gradients are wanted: training
+    never goes through the engine's hook, but a trainable head's layer may)."""
+
+    key = f"triton-invariant (BLOCK_M {BLOCK_M}, no split-K)"
+    weight_bytes = None  # the models' own weights: nothing prepared apart
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return torch.nn.functional.linear(x, weight, bias)
+        return invariant_linear(x if x.is_contiguous() else x.contiguous(), weight, bias)
+
+    def describe(self) -> dict:
+        return {"key": self.key, "block_m": BLOCK_M, "target_programs": TARGET_PROGRAMS}

@@ -4,6 +4,8 @@
   weight prepared now, and on each decoder they cover its layers as compiled calls
   (``FusedLayers``); where they do not load, the timed table below, said in the log.
 * ``"tuned"`` on a CPU: ``LinearKernels.tune`` (F.linear-based paths timed here, cached).
+* ``"invariant"`` on CUDA: the Triton row-invariant matmul (``specdec.kernels``), where
+  triton imports; else F.linear, said in the log.
 * ``"plain"``, or any other device: F.linear.
 """
 
@@ -71,6 +73,16 @@ def _choose(models: list, choice: str, dtype: torch.dtype, device: torch.device,
         logger.info("linear kernels: %s, %d weights prepared (%.0f MB)", kernels.key,
                     kernels.num_prepared, kernels.weight_bytes / 1e6)
         return kernels
+    if not on_cpu and choice == "invariant":
+        from specdec.kernels import triton_available
+
+        if triton_available():
+            from specdec.kernels.invariant_matmul import InvariantLinear
+
+            logger.info("linear kernels: %s", InvariantLinear.key)
+            return InvariantLinear()
+        logger.info("linear kernels: triton does not import here: F.linear (cuBLAS), whose "
+                    "result for a row depends on the step's rows (not row-invariant)")
     if not on_cpu or choice == "plain":
         return LinearKernels.plain()
     if choice == "invariant":

@@ -17,11 +17,19 @@ def spec(device="cpu", dtype=torch.float32) -> AttentionSpec:
 
 
 def test_names_and_auto():
-    assert CHOICES == ("auto", "torch", "flashinfer", "flex")
+    from specdec.kernels import triton_available
+
+    assert CHOICES == ("auto", "torch", "invariant", "flashinfer", "flex")
     assert resolve_backend("auto", "cpu", torch.bfloat16) == "torch"
+    assert resolve_backend("auto", "cpu", torch.bfloat16, invariant=True) == "torch"
     assert resolve_backend("auto", "cuda", torch.float32) == "torch"  # flashinfer has no fp32
     want = "flashinfer" if flashinfer_available() else "torch"
     assert resolve_backend("auto", "cuda:0", torch.bfloat16) == want
+    # a row-invariant engine gets the row-invariant kernel on CUDA (in float32 too), where
+    # triton imports; float64 has no Triton kernel
+    invariant = "invariant" if triton_available() else want
+    assert resolve_backend("auto", "cuda", torch.bfloat16, invariant=True) == invariant
+    assert resolve_backend("auto", "cuda", torch.float64, invariant=True) == "torch"
     assert resolve_backend("flex", "cpu", torch.float32) == "flex"
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch"):
         resolve_backend("sdpa", "cpu", torch.float32)
@@ -46,7 +54,7 @@ def test_engine_config_defaults_and_checks():
     assert EngineConfig(device="cuda", dtype="float32").torch_dtype == torch.float32
     assert cpu.attention_backend == "auto" and cpu.cuda_graphs is True
     with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, "
-                                         "flashinfer, flex, got 'fa3'"):
+                                         "invariant, flashinfer, flex, got 'fa3'"):
         EngineConfig(attention_backend="fa3")
     with pytest.raises(ValueError, match="cuda_graphs must be True or False"):
         EngineConfig(cuda_graphs="yes")

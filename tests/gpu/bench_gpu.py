@@ -40,12 +40,15 @@ def main() -> int:
     p.add_argument("--shapes", default="smollm2-135m,llama-1b")
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--quick", action="store_true", help="fewer batch sizes and taus")
+    p.add_argument("--profile", action="store_true", help="torch.profiler tables of a step too")
     p.add_argument("--models", default="/tmp/specdec-gpu-models")
     p.add_argument("--device", default="cuda",
                    help="cuda; cpu dry-runs the script's logic on tiny shapes (no kernels timed)")
     args = p.parse_args()
-    global DEVICE
+    global DEVICE, FAST
     DEVICE = args.device
+    if DEVICE != "cuda":  # the dry run's stand-in for flashinfer + cuBLAS
+        FAST = dict(attention_backend="torch", linear_kernels="plain")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"env": _env()}
@@ -69,8 +72,9 @@ def bench_shape(shape: str, folder: Path, args) -> dict:
         ("decode_kernels", lambda: decode_kernels(shape) if DEVICE == "cuda" else {}),
         ("step_costs", lambda: step_costs(folder, [1, 8] if args.quick else [1, 8, 32, 64])),
         ("speculation", lambda: speculation(folder, args.tokens, args.quick)),
-        ("profile", lambda: profile(folder)),
     ]
+    if args.profile:
+        sections.append(("profile", lambda: profile(folder)))
     for name, fn in sections:
         t1 = time.perf_counter()
         try:
@@ -126,12 +130,20 @@ def _timed_generate(llm, prompts, tokens: int, steps: dict | None = None) -> tup
     return sum(len(o.token_ids) for o in outs) / seconds, outs
 
 
+FAST = dict(attention_backend="flashinfer", linear_kernels="plain")  # not row-invariant
+
+
 def plain_decode(folder: Path, batches: list[int], tokens: int) -> dict:
-    """Tokens/s of the plain engine by batch size (graphs), and eager at batch 1."""
+    """Tokens/s of the plain engine by batch size, in the default (row-invariant) mode with
+    graphs; at batch 1 also eager, and the fast mode (flashinfer + cuBLAS: what exactness
+    costs)."""
     vocab = _vocab(folder)
     res = {"tokens_per_request": tokens, "prompt_len": PROMPT_LEN}
+    t0 = time.perf_counter()
     graphs = _llm(folder, max_num_seqs=max(32, *batches))
+    res["engine_start_s"] = round(time.perf_counter() - t0, 1)
     res["backend"] = graphs.engine.runner.backend.name
+    res["linear_kernels"] = getattr(graphs.engine.kernels, "key", "")
     res["graphs_enabled"] = graphs.engine.runner.graphs is not None
     for b in batches:
         steps: dict = {}
@@ -141,17 +153,19 @@ def plain_decode(folder: Path, batches: list[int], tokens: int) -> dict:
     res["graphs_captured"] = graphs.engine.runner.graphs.num_graphs if res["graphs_enabled"] else 0
     _free(graphs)
     del graphs
-    eager = _llm(folder, cuda_graphs=False)
-    tps, _ = _timed_generate(eager, _prompts(1, vocab, seed=1), tokens)
-    res["eager_b1_tok_s"] = round(tps, 1)
-    del eager
-    torch_backend = _llm(folder, attention_backend="torch", cuda_graphs=False)
-    tps, _ = _timed_generate(torch_backend, _prompts(1, vocab, seed=1), tokens)
-    res["torch_backend_eager_b1_tok_s"] = round(tps, 1)
-    del torch_backend
-    _free()
+    for name, kw in (("eager", dict(cuda_graphs=False)), ("fast", FAST)):
+        llm = _llm(folder, **kw)
+        steps = {}
+        tps, _ = _timed_generate(llm, _prompts(1, vocab, seed=1), tokens, steps)
+        res[f"{name}_b1_tok_s"] = round(tps, 1)
+        res[f"{name}_b1_steps"] = steps
+        res[f"{name}_backend"] = llm.engine.runner.backend.name
+        del llm
+        _free()
     if res.get("eager_b1_tok_s"):
         res["graphs_over_eager_b1"] = round(res["graphs_b1_tok_s"] / res["eager_b1_tok_s"], 2)
+    if res.get("fast_b1_tok_s"):
+        res["invariant_over_fast_b1"] = round(res["graphs_b1_tok_s"] / res["fast_b1_tok_s"], 2)
     return res
 
 
@@ -271,11 +285,12 @@ def _median_forward(runner, batch) -> float:
 
 
 def speculation(folder: Path, tokens: int, quick: bool) -> dict:
-    """The oracle drafter at set taus (4-node chains, static budget 4) vs plain, batch 1 and 8:
-    tokens/s, measured tau, speedup. The continuations come from the plain run itself, so the
-    proposals are the target's own tokens (bf16: a kernel difference can flip a near-tie; the
-    drafter then stops proposing for that request, which shows as a lower measured tau)."""
-    from specdec.drafters.oracle import error_rate_for_tau, oracle_plugin
+    """The oracle drafter at set taus (4-node chains, static budget 4) vs plain, batch 1 and 8,
+    in the default (row-invariant) mode: tokens/s, measured tau, speedup (measured, and as
+    tau x T(plain step) / T(spec step)), the token match (must be 1). Then the fast mode
+    (flashinfer + cuBLAS) at tau 3, batch 1: its match, and where it first differs, the plain
+    run's top-2 logit gap there (a near-tie flipped by a kernel difference)."""
+    from specdec.drafters.oracle import error_rate_for_tau
 
     vocab, depth = _vocab(folder), 4
     taus = [2.0, 3.0] if quick else [1.5, 2.0, 3.0, 4.0, 5.0]
@@ -293,26 +308,59 @@ def speculation(folder: Path, tokens: int, quick: bool) -> dict:
         _free()
         for tau in taus:
             rate = error_rate_for_tau(tau, depth) if tau < depth + 1 else 0.0
-            spec = _llm(folder, drafter="oracle",
-                        plugins=(oracle_plugin(truth, rate, depth=depth),),
-                        controller="static", controller_args={"budget": depth})
-            steps: dict = {}
-            tps, got = _timed_generate(spec, prompts, tokens, steps)
-            same = sum(a == w for o, p in zip(got, prompts) for a, w in zip(o.token_ids,
-                                                                             truth[tuple(p)]))
-            measured = sum(o.metrics.tau for o in got) / len(got)
-            res[f"b{b}_tau{tau}"] = {
-                "error_rate": round(rate, 4), "tok_s": round(tps, 1),
-                "speedup": round(tps / plain_tps, 2), "measured_tau": round(measured, 2),
-                "token_match": round(same / sum(len(o.token_ids) for o in got), 4),
-                "steps": steps}
-            t_spec = steps.get("speculative", {}).get("ms", {}).get("step")
-            if t_plain and t_spec:  # what tau buys at these step costs
-                res[f"b{b}_tau{tau}"]["speedup_from_step_costs"] = round(
-                    measured * t_plain / t_spec, 2)
-            del spec
-            _free()
+            res[f"b{b}_tau{tau}"] = _spec_run(folder, prompts, truth, rate, depth, tokens,
+                                              plain_tps, t_plain)
+    prompts = _prompts(1, vocab, seed=101)
+    fast = _llm(folder, **FAST)
+    plain_tps, outs = _timed_generate(fast, prompts, tokens)
+    truth = {tuple(p): o.token_ids for p, o in zip(prompts, outs)}
+    run = _spec_run(folder, prompts, truth, error_rate_for_tau(3.0, depth), depth, tokens,
+                    plain_tps, None, **FAST)
+    run["first_mismatch"] = _first_mismatch(fast, prompts, truth, run.pop("outputs"))
+    res["fast_b1_tau3.0"] = run
     return res
+
+
+def _spec_run(folder, prompts, truth, rate, depth, tokens, plain_tps, t_plain, **kw) -> dict:
+    from specdec.drafters.oracle import oracle_plugin
+
+    spec = _llm(folder, drafter="oracle", plugins=(oracle_plugin(truth, rate, depth=depth),),
+                controller="static", controller_args={"budget": depth}, **kw)
+    steps: dict = {}
+    tps, got = _timed_generate(spec, prompts, tokens, steps)
+    same = sum(a == w for o, p in zip(got, prompts) for a, w in zip(o.token_ids, truth[tuple(p)]))
+    measured = sum(o.metrics.tau for o in got) / len(got)
+    out = {"error_rate": round(rate, 4), "tok_s": round(tps, 1),
+           "speedup": round(tps / plain_tps, 2), "measured_tau": round(measured, 2),
+           "token_match": round(same / sum(len(o.token_ids) for o in got), 4), "steps": steps,
+           "outputs": [o.token_ids for o in got]}
+    t_spec = steps.get("speculative", {}).get("ms", {}).get("step")
+    if t_plain and t_spec:  # what tau buys at these step costs
+        out["speedup_from_step_costs"] = round(measured * t_plain / t_spec, 2)
+    if kw == {}:
+        out.pop("outputs")
+    del spec
+    _free()
+    return out
+
+
+def _first_mismatch(plain, prompts, truth, outputs) -> dict | None:
+    """The first position where the speculative output left the plain one, and the plain
+    run's gap between its top two log-probabilities there (the logits' top-2 gap)."""
+    from specdec.sampling_params import SamplingParams
+
+    for p, got in zip(prompts, outputs):
+        want = truth[tuple(p)]
+        i = next((j for j, (a, w) in enumerate(zip(got, want)) if a != w), None)
+        if i is None:
+            continue
+        params = SamplingParams(temperature=0, max_tokens=i + 1, ignore_eos=True, logprobs=2)
+        lp = plain.generate([p], params)[0].logprobs[i]
+        top = lp.top
+        gap = top[0][1] - top[1][1] if len(top) > 1 else None
+        return {"position": i, "plain_token": want[i], "spec_token": got[i],
+                "top2_logprob_gap": gap, "top2": [list(t) for t in top]}
+    return None
 
 
 def profile(folder: Path, tokens: int = 32, top: int = 30) -> dict:
@@ -400,11 +448,22 @@ def _markdown(results: dict) -> str:
         if "graphs_over_eager_b1" in plain:
             lines.append(f"- CUDA graphs / eager at b1: {plain['graphs_over_eager_b1']}x "
                          "(target >= 2)")
+        if "invariant_over_fast_b1" in plain:
+            lines.append(f"- row-invariant / fast (flashinfer + cuBLAS) plain b1: "
+                         f"{plain['invariant_over_fast_b1']}x")
         spec = res.get("speculation", {})
-        if "b1_tau3.0" in spec:
-            lines.append(f"- speculation at tau 3 / plain, b1: {spec['b1_tau3.0']['speedup']}x "
-                         f"(measured tau {spec['b1_tau3.0']['measured_tau']}; target >= 2)")
-        for name in ("plain", "hf_b1", "decode_kernels", "step_costs", "speculation"):
+        for b, target in ((1, 2.0), (8, 1.3)):
+            run = spec.get(f"b{b}_tau3.0")
+            if run:
+                lines.append(f"- speculation at tau 3 / plain, b{b}: {run['speedup']}x "
+                             f"(from step costs {run.get('speedup_from_step_costs')}x; measured "
+                             f"tau {run['measured_tau']}; token match {run['token_match']}; "
+                             f"target >= {target})")
+        fast = spec.get("fast_b1_tau3.0")
+        if fast:
+            lines.append(f"- fast mode, tau 3, b1: {fast['speedup']}x, token match "
+                         f"{fast['token_match']}, first mismatch {fast.get('first_mismatch')}")
+        for name in ("plain", "hf_b1", "decode_kernels", "step_costs", "speculation", "profile"):
             lines += ["", f"### {name}", "", "```", json.dumps(res.get(name), indent=1)[:4000],
                       "```"]
         lines.append("")

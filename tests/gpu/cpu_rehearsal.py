@@ -2,8 +2,9 @@
 
 flashinfer is replaced by the model of its wrappers (tests/attention/flashinfer_api_model.py),
 CUDA-graph capture by a stand-in with a graph's semantics (tests/graph_helpers.py), and the
-engine behaves as on CUDA (dtype "auto" is bfloat16, backend "auto" is flashinfer, CUDA graphs
-on). What runs is the tests' own logic and the engine's GPU-path orchestration, not kernels: the
+engine behaves as on CUDA (dtype "auto" is bfloat16, backend "auto" is flashinfer, as on CUDA
+without triton: tests of the row-invariant kernel name it, and it runs under Triton's
+interpreter; CUDA graphs on, the decoders' one-kernel-per-step forward). What runs is the tests' own logic and the engine's GPU-path orchestration, not kernels: the
 two tests that call CUDA's graph and sync-debug APIs directly are left out.
 
 Since no kernel speed or accuracy is at stake here, the rehearsal is sized for a slow shared CPU:
@@ -18,6 +19,7 @@ rehearsal's minutes, for the same code paths), and "tiny-gpu" by ``REHEARSAL_TIN
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +38,7 @@ REHEARSAL_TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=
 
 
 def _install() -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the invariant kernel, before triton loads
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/
     import gpu_helpers
     from attention import flashinfer_api_model
@@ -51,13 +54,21 @@ def _install() -> None:
     attention.flashinfer_available = lambda: True
     reference_resolve = attention.resolve_backend
 
-    def resolve(name, device, dtype):
+    def resolve(name, device, dtype, invariant=False):
+        # "auto" as on CUDA without triton: flashinfer's model for half dtypes (the tests that
+        # are about the invariant kernel ask for it by name: Triton's interpreter is slow)
         half = dtype in (torch.bfloat16, torch.float16)
-        return "flashinfer" if name == "auto" and half else reference_resolve(name, device, dtype)
+        return "flashinfer" if name == "auto" and half else reference_resolve(name, device, dtype,
+                                                                              invariant)
 
     def enable_runner(self, max_batch, max_rows, max_kv_len):
         self.graphs = cuda_graphs.CudaGraphRunner(self, max_batch, max_rows, max_kv_len,
                                                   capture=RerunCapture())
+
+    def layer_ops(parts, models):  # the decoders' CUDA forward (torch ops on the CPU)
+        for m in models:
+            if hasattr(m, "layer_ops"):
+                m.layer_ops = True
 
     def graphed_runners(parts):
         runners = [parts.runner, *parts.drafter_runners] if parts.config.cuda_graphs else []
@@ -69,6 +80,7 @@ def _install() -> None:
     attention.resolve_backend = resolve
     runner.ModelRunner.enable_cuda_graphs = enable_runner
     build._graphed_runners = graphed_runners
+    build._install_layer_ops = layer_ops
     EngineConfig.torch_dtype = property(
         lambda self: torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype])
 
@@ -78,10 +90,13 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run everything in test_gpu.py but the CUDA-API tests, whatever its skip marks say."""
+    """Run everything in test_gpu.py but the CUDA-API tests and the Triton kernel's cases
+    (under the interpreter they take minutes at these shapes; the invariant backend is
+    rehearsed in tests/attention/test_invariant_backend.py), whatever the skip marks say."""
     keep = []
     for item in items:
-        if item.path.name == "test_gpu.py" and item.originalname not in CUDA_ONLY:
+        if item.path.name == "test_gpu.py" and item.originalname not in CUDA_ONLY \
+                and "[invariant-" not in item.name:
             item.own_markers = [m for m in item.own_markers if m.name != "skipif"]
             keep.append(item)
     items[:] = keep

@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Issue 10's GPU check: one prepared run on a CUDA machine (an H200 through the device tool),
-# leaving its report under $OUT. Here first: `bash tests/gpu/fetch_wheels.sh` (flashinfer has to
-# travel as a wheel); then, through the device tool, with `.whl` carried:
+# The GPU check: one prepared run on a CUDA machine (an H200 through the device tool), leaving
+# its report under $OUT. Here first: `bash tests/gpu/fetch_wheels.sh` (flashinfer and gguf travel
+# as wheels) and, for the real model, `bash tests/gpu/stage_real.sh` (.gpu/: SmolLM2's GGUF folder
+# and MT-Bench's prompts); then, through the device tool, with `.whl` (and `.gpu`) carried:
 #     bash tests/gpu/run.sh
-# It installs flashinfer and specdec offline, compiles flashinfer's kernels in parallel
-# (warm_jit.py), runs tests/gpu (flashinfer and flex against the
-# torch backend, CUDA-graph replay against eager, greedy speculation against plain, seeded
-# sampling) and then tests/gpu/bench_gpu.py (speed). Each phase has its own time limit; what a
-# phase measured is in $OUT even if a later one fails. $OUT: run.log (phases and their times),
-# env.txt, jit.log, gpu-tests.log (with every test's seconds), checks.jsonl (errors and match
-# rates the tests measured), bench.json + bench.md + bench.log: 8 files, what the device tool
-# brings back at most.
-# PHASES ("jit tests bench" by default; "bench" alone on a rerun on a warm machine), JIT_TIMEOUT
-# / TESTS_TIMEOUT / BENCH_TIMEOUT (seconds; 240 / 300 / 200 by default: the JIT phase compiles
-# what the tests then find built, so install + all three fit one 600 s device call) and
-# BENCH_ARGS (e.g. --quick, or --shapes smollm2-135m) adjust it.
+# Phases, each under its own time limit, each leaving what it measured in $OUT even if a later
+# one fails:
+#   jit    flashinfer's kernels compiled in parallel and the Triton kernels for the bench's
+#          shapes (warm_jit.py)
+#   tests  the GPU tests, a smoke test (LLM on the device) first, -v, a limit per test
+#          (tests/gpu/test_gpu.py, tests/kernels, tests/attention/test_invariant_backend.py)
+#   bench  tests/gpu/bench_gpu.py: random weights in real shapes (bench.json, bench.md)
+#   real   SmolLM2-135M-Instruct itself (if .gpu/ came): `specdec bench` on MT-Bench, plain and
+#          ngram / suffix / eagle3 under goodput, batch 1 and 8, outputs against plain
+# $OUT (8 files, what the device tool brings back at most): run.log (machine, phases, seconds,
+# JIT times), gpu-tests.log, checks.jsonl (what the tests measured), bench.json, bench.md,
+# bench.log, real.json, real.log.
+# PHASES ("jit tests bench real" by default), JIT_TIMEOUT / TESTS_TIMEOUT / TEST_TIMEOUT /
+# BENCH_TIMEOUT / REAL_TIMEOUT (seconds), BENCH_ARGS (e.g. --quick, --shapes smollm2-135m) and
+# REAL_ARGS (e.g. "--num-prompts 8") adjust it.
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/specdec-gpu-out}
@@ -23,7 +27,7 @@ export PYTHONUNBUFFERED=1 SPECDEC_GPU_REPORT="$OUT/checks.jsonl" MAX_JOBS=16
 START=$(date +%s)
 log() { echo "[$(($(date +%s) - START)) s] $*" | tee -a "$OUT/run.log"; }
 
-{ nvidia-smi; python3 -V; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$OUT/env.txt" 2>&1
+{ nvidia-smi; python3 -V; python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"; } >> "$OUT/run.log" 2>&1
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >> "$OUT/run.log" 2>&1 && export PYTHONPATH=/tmp/site
@@ -34,20 +38,20 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >> "$OU
   || log "pip install -e . failed (see above)"
 log "flashinfer: $(python3 -c 'import flashinfer; print(flashinfer.__version__)' 2>&1 | tail -1)"
 
-PHASES=${PHASES:-jit tests bench}
+PHASES=${PHASES:-jit tests bench real}
 if [[ " $PHASES " == *" jit "* ]]; then
-  log "flashinfer JIT: start"
-  timeout "${JIT_TIMEOUT:-240}" python3 tests/gpu/warm_jit.py > "$OUT/jit.log" 2>&1
-  log "flashinfer JIT: exit $? ($(tail -n 1 "$OUT/jit.log"))"
+  log "JIT: start"
+  timeout "${JIT_TIMEOUT:-180}" python3 tests/gpu/warm_jit.py >> "$OUT/run.log" 2>&1
+  log "JIT: exit $?"
 fi
 if [[ " $PHASES " == *" tests "* ]]; then
-  log "tests/gpu: start"
+  log "tests: start"
   # only the GPU tests (the CPU dry run and the rehearsal are CI's), each named as it runs and
-  # under its own limit; the smoke test (LLM on the device) is the file's first
-  timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest tests/gpu/test_gpu.py -v -rA \
-    -p no:cacheprovider --timeout="${TEST_TIMEOUT:-120}" --durations=0 \
-    > "$OUT/gpu-tests.log" 2>&1
-  log "tests/gpu: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
+  # under its own limit; the smoke test (LLM on the device) is test_gpu.py's first
+  timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/gpu/test_gpu.py tests/kernels \
+    tests/attention/test_invariant_backend.py -v -rA -p no:cacheprovider \
+    --timeout="${TEST_TIMEOUT:-90}" --durations=15 > "$OUT/gpu-tests.log" 2>&1
+  log "tests: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 fi
 if [[ " $PHASES " == *" bench "* ]]; then
   log "bench: start"
@@ -55,8 +59,21 @@ if [[ " $PHASES " == *" bench "* ]]; then
     > "$OUT/bench.log" 2>&1
   log "bench: exit $?"
 fi
+if [[ " $PHASES " == *" real "* ]]; then
+  if [[ -f .gpu/mt_bench.jsonl && -d .gpu/cache/models ]]; then
+    log "real: start"
+    SPECDEC_CACHE=$PWD/.gpu/cache timeout "${REAL_TIMEOUT:-200}" python3 -m specdec.cli bench \
+      --model smollm2-135m-instruct --device cuda --dataset .gpu/mt_bench.jsonl \
+      --num-prompts 16 --max-new-tokens 128 --repeats 1 --warmup 1 --batch-sizes 1,8 \
+      --drafters ngram,suffix,eagle3 --controllers goodput --baseline plain \
+      --json "$OUT/real.json" ${REAL_ARGS:-} > "$OUT/real.log" 2>&1
+    log "real: exit $?"
+  else
+    log "real: skipped (no .gpu/: bash tests/gpu/stage_real.sh here)"
+  fi
+fi
 
 grep -E "passed|failed|error|PASSED|FAILED|ERROR" "$OUT/gpu-tests.log" | tail -n 40
 cat "$OUT/checks.jsonl" 2>/dev/null
-head -n 12 "$OUT/bench.md" 2>/dev/null
-tail -n 5 "$OUT/bench.log"
+head -n 16 "$OUT/bench.md" 2>/dev/null
+tail -n 5 "$OUT/bench.log" "$OUT/real.log" 2>/dev/null

@@ -28,4 +28,10 @@ def test_bench_gpu_dry_run_on_the_cpu(tmp_path):
     assert report["step_costs"]["graphs_b8_r16_ms"] > 0
     spec = report["speculation"]
     assert spec["b1_tau3.0"]["token_match"] == 1.0 and spec["b1_tau3.0"]["measured_tau"] > 1.5
+    # every run says how its steps ran: graphed / eager, copies and reads per step
+    steps = spec["b1_tau3.0"]["steps"]["speculative"]
+    assert {"graphed_steps", "eager_steps", "h2d_copies_per_step",
+            "d2h_reads_per_step"} <= set(steps)
+    assert steps["d2h_reads_per_step"] == 1.0 and steps["h2d_copies_per_step"] <= 2
+    assert "fast_b1_tau3.0" in spec and "invariant_over_fast_b1" in report["plain"]
     assert "speculation at tau 3" in (out / "bench.md").read_text()

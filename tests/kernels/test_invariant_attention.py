@@ -221,11 +221,14 @@ def test_bad_inputs_are_value_errors():
         attend(step.q[:, :3], cache, rows, md)
     with pytest.raises(ValueError, match="one dtype of"):
         attend(step.q.to(torch.bfloat16), cache, rows, md)
-    bad = RowMetadata(rows.row_request.long(), rows.row_limit, rows.row_tree)
-    with pytest.raises(ValueError, match="rows.row_request must be torch.int32"):
+    bad = RowMetadata(rows.row_request.float(), rows.row_limit, rows.row_tree)
+    with pytest.raises(ValueError, match="rows.row_request must be torch.int32 or torch.int64"):
         attend(step.q, cache, bad, md)
-    with pytest.raises(ValueError, match="kv_indices must be a 1-d int32 tensor"):
-        invariant_attention(step.q, cache, rows, md.kv_indptr, md.kv_indices.long(), SCALE)
+    with pytest.raises(ValueError, match="kv_indices must be a 1-d int32 or int64 tensor"):
+        invariant_attention(step.q, cache, rows, md.kv_indptr, md.kv_indices.float(), SCALE)
+    # int64 index arrays (as the engine stages them) give the same result
+    wide = RowMetadata(rows.row_request.long(), rows.row_limit.long(), rows.row_tree)
+    assert torch.equal(attend(step.q, cache, wide, md), attend(step.q, cache, rows, md))
     with pytest.raises(ValueError, match="need q \\[T, H, D\\]"):
         attend(step.q[0], cache, rows, md)
     with pytest.raises(ValueError, match="out must be torch.float32 \\(1, 4, 64\\)"):
