@@ -159,7 +159,7 @@ class Eagle3Drafter(BaseDrafter):
                 kv.register_full(r.state.table, _head_keys(r.page_keys, r.token_ids, kv.page_size,
                                                            r.state.table.num_keyed),
                                  r.state.num_cached)
-        return out.final_hidden.index_select(0, batch.logits_indices), out.logits.log_softmax(-1)
+        return out.logits_hidden, out.logits.log_softmax(-1)
 
     def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor):
         """Levels of candidates per request, and per request the expanded rows as

@@ -60,10 +60,13 @@ if [[ " $PHASES " == *" bench "* ]]; then
   log "bench: exit $?"
 fi
 if [[ " $PHASES " == *" real "* ]]; then
-  if [[ -f .gpu/mt_bench.jsonl && -d .gpu/cache/models ]]; then
+  if [[ ! -d .gpu/cache/models ]] && ls .gpu/p*/part.* > /dev/null 2>&1; then
+    bash tests/gpu/stage_real.sh join >> "$OUT/run.log" 2>&1
+  fi
+  if [[ -f .gpu/meta/mt_bench.jsonl && -d .gpu/cache/models ]]; then
     log "real: start"
     SPECDEC_CACHE=$PWD/.gpu/cache timeout "${REAL_TIMEOUT:-200}" python3 -m specdec.cli bench \
-      --model smollm2-135m-instruct --device cuda --dataset .gpu/mt_bench.jsonl \
+      --model smollm2-135m-instruct --device cuda --dataset .gpu/meta/mt_bench.jsonl \
       --num-prompts 16 --max-new-tokens 128 --repeats 1 --warmup 1 --batch-sizes 1,8 \
       --drafters ngram,suffix,eagle3 --controllers goodput --baseline plain \
       --json "$OUT/real.json" ${REAL_ARGS:-} > "$OUT/real.log" 2>&1
