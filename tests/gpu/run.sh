@@ -16,7 +16,8 @@
 # $OUT (8 files, what the device tool brings back at most): run.log (machine, phases, seconds,
 # JIT times), gpu-tests.log, checks.jsonl (what the tests measured), bench.json, bench.md,
 # bench.log, real.json, real.log.
-# PHASES ("jit tests bench real" by default), JIT_TIMEOUT / TESTS_TIMEOUT / TEST_TIMEOUT /
+# PHASES ("jit tests bench real" by default), TESTS_K (pytest -k: a subset of the tests),
+# JIT_TIMEOUT / TESTS_TIMEOUT / TEST_TIMEOUT /
 # BENCH_TIMEOUT / REAL_TIMEOUT (seconds), BENCH_ARGS (e.g. --quick, --shapes smollm2-135m) and
 # REAL_ARGS (e.g. "--num-prompts 8") adjust it.
 set -u
@@ -50,7 +51,8 @@ if [[ " $PHASES " == *" tests "* ]]; then
   # under its own limit; the smoke test (LLM on the device) is test_gpu.py's first
   timeout "${TESTS_TIMEOUT:-240}" python3 -m pytest tests/gpu/test_gpu.py tests/kernels \
     tests/attention/test_invariant_backend.py -v -rA -p no:cacheprovider \
-    --timeout="${TEST_TIMEOUT:-90}" --durations=15 > "$OUT/gpu-tests.log" 2>&1
+    --timeout="${TEST_TIMEOUT:-90}" --durations=15 ${TESTS_K:+-k "$TESTS_K"} \
+    > "$OUT/gpu-tests.log" 2>&1
   log "tests: exit $? ($(tail -n 1 "$OUT/gpu-tests.log"))"
 fi
 if [[ " $PHASES " == *" bench "* ]]; then
