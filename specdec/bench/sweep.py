@@ -173,9 +173,10 @@ def run_sweep(args) -> dict:
     systems = make_sweep_systems(args, batch_sizes)
     tok = systems[0].runner.llm.tokenizer
     items = first_turn_items(questions, tok)
-    for s in systems:  # warm-up, untimed: one prompt per system
-        if args.warmup:
-            s.runner.run([items[0].prompt_ids], pass_salt(None))
+    failed: dict[str, str] = {}  # a speculative system that failed: its error (the rest go on)
+    if args.warmup:  # untimed: one prompt per system
+        systems = [s for s in systems
+                   if _survives(s, failed, [items[0].prompt_ids], pass_salt(None)) is not None]
     tallies: dict[tuple[str, int], Tally] = {}
     steps_before: dict[tuple[str, int], int] = {}
     recorded: dict[tuple[str, int], StepRecorder] = {}
@@ -194,9 +195,10 @@ def run_sweep(args) -> dict:
                 for start in range(0, len(items), bs):
                     batch = items[start:start + bs]
                     prompts = [it.prompt_ids for it in batch]
-                    for s in live:
-                        tallies[(s.name, bs)].add(r, batch, *s.runner.run(
-                            prompts, pass_salt(r, bs)))
+                    for s in [s for s in live if s.name not in failed]:
+                        out = _survives(s, failed, prompts, pass_salt(r, bs))
+                        if out is not None:
+                            tallies[(s.name, bs)].add(r, batch, *out)
                     bar.update(len(batch))
             for s in live:
                 drafting[(s.name, bs)] = _draft_figures(before[s.name], _engine_totals(s))
@@ -204,6 +206,8 @@ def run_sweep(args) -> dict:
                     part = StepRecorder()
                     part.steps = s.recorder.steps[steps_before[(s.name, bs)]:]
                     recorded[(s.name, bs)] = part
+    systems = [s for s in systems if s.name not in failed]
+    tallies = {k: v for k, v in tallies.items() if k[0] not in failed}
     runs = build_runs(systems, tallies, recorded, batch_sizes, args.slo_tpot_ms)
     for row in runs:
         row.update(drafting.get((row["system"], row["batch_size"])) or {})
@@ -211,10 +215,27 @@ def run_sweep(args) -> dict:
               "num_prompts": len(questions), "config": run_config(args),
               "runtime": runtime_info(systems[0].runner.llm.engine)}
     report["best_static"] = best_static(runs)
+    if failed:
+        report["failed"] = failed
     if args.plot:
         plot_runs(runs, args.plot)
         report["plot"] = str(args.plot)
     return report
+
+
+def _survives(system, failed: dict[str, str], prompts, salt):
+    """``system.runner.run(prompts, salt)``, or None when it raised: a speculative system is
+    then dropped from the sweep with its error (said on stderr and in the report's
+    ``failed``), the others go on; plain decoding failing ends the sweep."""
+    try:
+        return system.runner.run(prompts, salt)
+    except Exception as e:
+        if system.name == "plain":
+            raise
+        failed[system.name] = f"{type(e).__name__}: {e}"
+        print(f"bench sweep: {system.name} failed and is left out: {failed[system.name]}",
+              file=sys.stderr)
+        return None
 
 
 def _engine_totals(system) -> tuple[int, float, float] | None:

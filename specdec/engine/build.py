@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,6 +75,7 @@ class EngineParts:
     kernels: LinearKernels | PreparedLinears | None = None
     cache_namespace: str = ""  # everything that changes the KV a token sequence leaves
     tier: DiskTier | HostTier | None = None
+    build_seconds: dict[str, float] = field(default_factory=dict)  # seconds per build stage
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -108,6 +109,7 @@ class EngineParts:
 
 
 def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
+    clock = _Clock()
     device = torch.device(config.device)
     _check_device(device)
     pm = plugins.get_plugin_manager(plugins_)
@@ -122,6 +124,7 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
                                      blocks=config.weights != "dequantized",
                                      quantize=config.quantize)
     tokenizer = load_tokenizer(folder)
+    clock.mark("load")
     drafter_runners: list[ModelRunner] = []
 
     def new_runner(model, name: str = "drafter", num_layers: int | None = None) -> ModelRunner:
@@ -136,15 +139,20 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
                         _runner(config, model, "target"), drafter_runners,
                         VerifyStage.create(pm, config.verifier, cfg.vocab_size),
                         *create_drafter_and_controller(pm, config, target))
+    clock.mark("runners, drafter")
     parts.kv_split = _allocate_kv(parts)
     _enable_cuda_graphs(parts)
+    clock.mark("kv")
     _prepare_weights(parts)
+    clock.mark("weights, kernels")
     _capture_graphs(parts)
+    clock.mark("cuda graphs")
     if parts.drafter is not None and hasattr(parts.controller, "setup"):
         parts.controller.setup(ControllerContext(parts.step_costs, str(device),
                                                  config.max_num_seqs,
                                                  config.max_num_batched_tokens,
                                                  sources=parts.sources))
+        clock.mark("controller setup")
     # pages are shared only within one namespace (and a tier file of another is re-made): the
     # weights (path and fingerprint), the numbers (dtype, weights, activations, kernels) and
     # the KV layout of one page
@@ -153,7 +161,23 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
         config.activations, config.linear_kernels,
         tuple(parts.runner.kv.cache.tensor[:, 0].shape))))
     parts.tier = _open_tier(parts)
+    parts.build_seconds = clock.seconds
+    logger.info("engine built in %.1f s: %s", sum(clock.seconds.values()),
+                ", ".join(f"{k} {v:.1f} s" for k, v in clock.seconds.items()))
     return parts
+
+
+class _Clock:
+    """Seconds per build stage (``EngineParts.build_seconds``: where a slow start goes)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = round(now - self._last, 3)
+        self._last = now
 
 
 def _runner(config: EngineConfig, model, name: str, num_layers: int | None = None):

@@ -177,20 +177,17 @@ class ModelRunner:
         return ForwardResult(logits, hidden, layers, timer.stop(), shape is not None,
                              logits_hidden)
 
-    def capture_graphs(self, capture_layers: tuple[int, ...] = (), rows_per_request: int = 8
-                       ) -> int:
-        """Capture now the graphs of decode steps and of steps of up to ``rows_per_request``
-        rows a request (a decode row and its draft), for forwards that capture
-        ``capture_layers`` and take no features (the target's), so that no such step pays a
-        capture later (each is a few warm-up forwards and a capture); longer rows (prefill
-        chunks) are captured at their first use. The graphs replay steps of any content: each
-        is captured over dummy requests. Returns how many the runner has."""
+    def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> int:
+        """Capture now the graph of every shape, for forwards that capture ``capture_layers``
+        and take no features (the target's), so that no step pays a capture later (each is a
+        few warm-up forwards and a capture: ~40 ms at the SmolLM2-135M shape on an H200, which
+        a first prefill of a new row count paid in the middle of a run when shapes were
+        captured at first use). The graphs replay steps of any content: each is captured over
+        dummy requests. Returns how many the runner has."""
         assert self.graphs is not None, f"runner {self.name!r}: no CUDA graphs enabled"
         empty = self.pack([], [], [], logits="none")
-        shapes = [s for s in self.graphs.shapes
-                  if s.decode or s.num_rows <= (s.batch_size - 1) * rows_per_request]
         with torch.inference_mode():
-            for shape in shapes:
+            for shape in self.graphs.shapes:
                 run = pad_batch(empty, shape, self.graphs.scratch)
                 md = run.metadata
                 ids, pos, md.write_index, *planned = self.staging.stage([

@@ -114,28 +114,25 @@ def row_metadata(qo_lens: Sequence[int], kv_lens: Sequence[int],
 
 def _mask_rows(b: int, mask: torch.Tensor, qo: int, kv: int) -> tuple[list[int], list[int]]:
     """(limits, trees) of one request's custom-mask rows: limit = the row's leading run of
-    True, tree = the columns after it as bits. Two torch calls per mask, then per row a Python
-    int made from the row's packed bits."""
+    True, tree = the columns after it as bits. A row need not see all the context (an EAGLE-3
+    head's rows see the prefix and only their ancestors among the rows it fed before): what it
+    sees past its leading run must lie within TREE_BITS slots. One packbits per mask, then per
+    row a Python int made from its bits."""
     if tuple(mask.shape) != (qo, kv) or mask.dtype != torch.bool:
         raise ValueError(f"request {b}: custom mask must be bool [{qo}, {kv}], got "
                          f"{mask.dtype} {tuple(mask.shape)}")
-    ctx = kv - qo
-    mask = mask.cpu()
-    if ctx and not bool(mask[:, :ctx].all()):
-        raise ValueError(f"request {b}: every row of a custom mask must see the first "
-                         f"kv_len - qo_len = {ctx} slots (the request's context)")
-    width = -(-qo // 8)
-    packed = np.packbits(mask[:, ctx:].numpy(), axis=1, bitorder="little").tobytes()
+    width = -(-kv // 8)
+    packed = np.packbits(mask.cpu().numpy(), axis=1, bitorder="little").tobytes()
     limits, trees = [], []
     for i in range(qo):
-        seen = int.from_bytes(packed[i * width:(i + 1) * width], "little")  # bit j: slot ctx + j
-        run = (~seen & (seen + 1)).bit_length() - 1  # trailing ones: the rest of the prefix
+        seen = int.from_bytes(packed[i * width:(i + 1) * width], "little")  # bit j: slot j
+        run = (~seen & (seen + 1)).bit_length() - 1  # trailing ones: the leading visible run
         tree = seen >> run
         if tree >> TREE_BITS:
             raise ValueError(f"request {b}: row {i} of its custom mask sees a slot more than "
-                             f"{TREE_BITS} slots past its first hidden one; the invariant "
-                             f"kernel takes trees of at most {TREE_BITS} nodes")
-        limits.append(ctx + run)
+                             f"{TREE_BITS} slots past its first hidden one (slot {run}); the "
+                             f"invariant kernel takes at most {TREE_BITS} such slots a row")
+        limits.append(run)
         trees.append(tree - (1 << TREE_BITS) if tree >> (TREE_BITS - 1) else tree)  # as int64
     return limits, trees
 

@@ -84,3 +84,34 @@ def test_bf16_greedy_speculation_through_graphs_equals_plain(tiny_llama, tree):
     assert totals.steps and totals.eager_steps == 0 and totals.d2h_reads == totals.steps
     assert totals.h2d_copies <= 2 * totals.steps
     assert sum(g.replays for g in capture.graphs) >= totals.steps
+
+
+def test_eagle3_head_attends_through_the_invariant_backend(tmp_path):
+    """An EAGLE-3 head's expansion rows see the prefix and only their ancestors among the rows
+    fed before them (not all their context): the invariant kernel takes such masks, and
+    speculation with a random head equals plain decoding (float32, graphs stand-ins)."""
+    import sys
+    from pathlib import Path
+
+    from conftest import make_tiny_model
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafters"))
+    from drafter_helpers import random_head
+
+    from specdec.engine.llm import LLM
+    from specdec.models.loader import load_model
+    from specdec.sampling_params import SamplingParams
+
+    folder = make_tiny_model(tmp_path / "l4", num_hidden_layers=4, seed=4)
+    head = random_head(*load_model(folder, torch.float32, "cpu", 256))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 5, 6, 9]]
+    kw = dict(model=str(folder), dtype="float32", attention_backend="invariant",
+              enable_prefix_caching=False, max_num_seqs=2, max_num_batched_tokens=64)
+    want = [o.token_ids for o in LLM(**kw).generate(prompts, params)]
+    spec = LLM(**kw, drafter="eagle3", drafter_args={"head": head, "depth": 3, "topk": 2},
+               controller="static", controller_args={"budget": 5})
+    graph_everything(spec.engine)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == want
+    assert got[0].metrics.draft_tokens_proposed > 0

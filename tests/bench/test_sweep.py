@@ -106,3 +106,26 @@ def test_bench_never_serves_a_prompt_twice_under_one_salt(tmp_path, chat_model, 
     salts = {salt for _, salt, _ in seen}
     assert None not in salts and "bench-warmup" in salts
     assert len(salts) == (1 + 2 * 2 if sweep else 1 + 2)
+
+
+def test_a_failing_system_is_left_out_and_the_sweep_goes_on(tmp_path, chat_model, dataset,
+                                                            monkeypatch, capsys):
+    """A speculative system whose requests fail (here every draft_model proposal raises) is
+    dropped with its error in the report; plain decoding and the other drafters are measured."""
+    from specdec.drafters.draft_model import DraftModelDrafter
+
+    def broken(self, requests):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(DraftModelDrafter, "propose", broken)
+    out = tmp_path / "f.json"
+    argv = ["bench", "--dataset", dataset, "--model", chat_model, "--dtype", "float64",
+            "--quick", "--drafters", "ngram,draft_model", "--controllers", "static:3",
+            "--drafter-args", '{"draft_model": {"early_exit_layers": 1}}', "--baseline", "none",
+            "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["systems"] == ["plain", "ngram/static:3"]
+    assert "broken on purpose" in report["failed"]["draft_model/static:3"]
+    assert {r["system"] for r in report["runs"]} == {"plain", "ngram/static:3"}
+    assert "draft_model/static:3 failed and is left out" in capsys.readouterr().err

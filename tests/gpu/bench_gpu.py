@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import statistics
 import sys
 import time
@@ -51,16 +52,20 @@ def main() -> int:
         FAST = dict(attention_backend="torch", linear_kernels="plain")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the engine's own log (where an engine's start goes, graphs captured) into bench.log
+    log = logging.getLogger("specdec")
+    log.setLevel(logging.INFO)
+    log.addHandler(logging.StreamHandler(sys.stdout))
     results: dict = {"env": _env()}
     for shape in args.shapes.split(","):
-        results[shape] = bench_shape(shape, Path(args.models) / shape, args)
+        results[shape] = bench_shape(shape, Path(args.models) / shape, args, out, results)
         _write(out, results)
     _write(out, results)
     print((out / "bench.md").read_text())
     return 0
 
 
-def bench_shape(shape: str, folder: Path, args) -> dict:
+def bench_shape(shape: str, folder: Path, args, out: Path, results: dict) -> dict:
     t0 = time.perf_counter()
     res: dict = {}
     folder = make_model(folder, shape)
@@ -86,6 +91,7 @@ def bench_shape(shape: str, folder: Path, args) -> dict:
         res[name + "_seconds"] = round(time.perf_counter() - t1, 1)
         print(f"[{shape}] {name}: {time.perf_counter() - t1:.1f} s", flush=True)
         _free()
+        _write(out, {**results, shape: res})  # what a later section's time limit cuts stays
     return res
 
 
@@ -142,6 +148,7 @@ def plain_decode(folder: Path, batches: list[int], tokens: int) -> dict:
     t0 = time.perf_counter()
     graphs = _llm(folder, max_num_seqs=max(32, *batches))
     res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    res["engine_start_by_stage_s"] = graphs.engine.parts.build_seconds
     res["backend"] = graphs.engine.runner.backend.name
     res["linear_kernels"] = getattr(graphs.engine.kernels, "key", "")
     res["graphs_enabled"] = graphs.engine.runner.graphs is not None

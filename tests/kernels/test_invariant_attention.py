@@ -81,9 +81,15 @@ def test_row_metadata_bit_63_and_bad_masks():
     with pytest.raises(ValueError, match="row 5 of its custom mask sees a slot more than 64"):
         row_metadata([70], [80], [mask])
     mask[5, 10 + 64] = False
-    mask[3, 4] = False
-    with pytest.raises(ValueError, match="must see the first kv_len - qo_len = 10 slots"):
+    # a row that does not see all the context (an EAGLE-3 head's row beside its uncles): its
+    # leading run ends at the first hidden slot, and what it sees past it are bits
+    mask[3, 4] = False  # row 3 then sees slot 73, 69 past its first hidden slot
+    with pytest.raises(ValueError, match="row 3 of its custom mask sees a slot more than 64"):
         row_metadata([70], [80], [mask])
+    head = torch.ones(2, 12, dtype=torch.bool)
+    head[0, 5] = head[0, 8:] = False  # row 0 sees 0..4, 6, 7; row 1 every slot
+    rows = row_metadata([2], [12], [head])
+    assert rows.row_limit.tolist() == [5, 12] and rows.row_tree.tolist() == [0b110, 0]
     with pytest.raises(ValueError, match="custom mask must be bool \\[70, 80\\]"):
         row_metadata([70], [80], [mask[:, :79]])
     with pytest.raises(ValueError, match="need 0 <= qo_len <= kv_len"):
