@@ -75,3 +75,21 @@ def test_flashinfer_on_the_cpu_is_a_clear_error(tiny_llama):
 
     with pytest.raises(ValueError, match="'flashinfer' runs on CUDA devices only"):
         LLM(model=str(tiny_llama), attention_backend="flashinfer")
+
+
+@pytest.mark.parametrize(("device", "want"), [("cuda", 1), ("cuda:0", 0), ("cuda:1", 1)])
+def test_the_device_is_made_current_through_torchs_own_set_device(monkeypatch, device, want):
+    """The engine makes its device current with torch.cuda.set_device, run for real here: only
+    CUDA's availability and the driver call under it are stubbed (the first GPU run found
+    ``set_device(torch.device("cuda"))`` refused by torch, which no CPU test had called)."""
+    from specdec.engine.build import _check_device
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", calls.append, raising=False)
+    _check_device(torch.device(device))
+    assert calls == [want]
+    with pytest.raises(ValueError, match="device 'cuda:7' but this machine has 2 CUDA"):
+        _check_device(torch.device("cuda:7"))

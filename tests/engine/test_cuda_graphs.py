@@ -204,18 +204,21 @@ def test_graphed_runner_gives_what_the_eager_runner_gives(model, flashinfer_api_
     assert torch.equal(got.final_hidden, before)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(("batch", "seats"), [(1, 1), (3, 8), (8, 8)])
 def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_api_model,
-                                                        batch):
+                                                        batch, seats):
     """The engine with every runner graphed (the CPU stand-ins above) and the oracle drafter:
-    token for token the torch backend's plain greedy output; steps really went through graphs."""
+    token for token the torch backend's plain greedy output; steps really went through graphs,
+    a full batch's too (``max_num_seqs`` requests: the padding dummy has a seat of its own);
+    every step staged its inputs in one copy and read one result back."""
     from specdec.drafters.oracle import oracle_plugin
     from specdec.engine.llm import LLM
     from specdec.sampling_params import SamplingParams
 
-    prompts = [[5, 6, 7, 8, 5, 6, 9], [3, 4, 3, 4, 3], [9, 8, 7, 1, 2]][:batch]
+    prompts = [[5, 6, 7, 8, 5, 6, 9], [3, 4, 3, 4, 3], [9, 8, 7, 1, 2], [4, 4, 4, 5],
+               [1, 2, 1, 2, 1], [8, 8, 9], [2, 7, 2, 7, 2, 7], [6, 5, 4]][:batch]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kw = dict(model=str(tiny_llama), dtype="float64", max_num_seqs=8,
+    kw = dict(model=str(tiny_llama), dtype="float64", max_num_seqs=seats,
               max_num_batched_tokens=64)
     want = [o.token_ids for o in LLM(**kw).generate(prompts, params)]
     truth = {tuple(p): w for p, w in zip(prompts, want)}
@@ -232,5 +235,8 @@ def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_a
         for runner in [llm.engine.runner, *llm.engine.drafter_runners]:  # no page leaked
             pool = runner.kv.pool
             assert pool.num_free == pool.num_pages - len(runner.graphs.scratch)
+        kind = llm.engine.totals.budget["speculative" if drafter else "plain"]
+        assert kind.steps and kind.eager_steps == 0 and kind.graphed_steps == kind.steps
+        assert kind.d2h_reads == kind.steps and kind.h2d_copies == kind.steps
         if drafter:
             assert sum(sum(o.metrics.accepted_by_depth) for o in got) > 0
