@@ -31,7 +31,7 @@ from specdec.attention.backend import AttentionSpec
 from specdec.attention.kv_rows import kv_write_index
 from specdec.attention.metadata import AttentionMetadata, build_metadata, host_tensor
 from specdec.engine.cuda_graphs import CudaGraphRunner, pad_batch
-from specdec.engine.staging import Staging
+from specdec.engine.staging import ALIGN, Staging
 from specdec.kv.block_table import BlockTable
 from specdec.kv.manager import KVManager
 
@@ -148,7 +148,8 @@ class ModelRunner:
         # a graphed step's inputs: ids, positions, 2T write rows, logits rows (<= T), and what
         # the backend plans from (the invariant backend: 3T row arrays, B + 1 + B pages each)
         b = max(s.batch_size for s in self.graphs.shapes)
-        self.staging = Staging(self.device, 8 * max_rows + (b + 1) * (self.graphs.max_pages + 1))
+        self.staging = Staging(self.device, 8 * max_rows + (b + 1) * (self.graphs.max_pages + 1)
+                               + 10 * ALIGN)  # (each of the <= 10 arrays aligned)
 
     def forward(self, batch: ForwardBatch, capture_layers: tuple[int, ...] = ()) -> ForwardResult:
         """Run ``batch`` (host inputs: padded to a graph shape if one holds it, staged to the

@@ -4,11 +4,16 @@ A forward of T rows needs on the device its token ids [T], positions [T], the ca
 K/V go to [2T] and the rows whose logits are asked for [R]: int64 arrays built on the host.
 ``Staging.stage`` writes them back to back into a pinned host buffer and copies that into a
 device buffer the runner keeps, in one asynchronous copy; the forward reads views of it. The
-views of a T-row step sit at the same addresses every time (ids at [0, T), positions [T, 2T),
-write rows [2T, 4T), then the logits rows), so a graph captured for T rows reads each later
-T-row step's inputs where they land: no copy of its own. Example, T = 2, R = 1::
+views of a T-row step sit at the same addresses every time (the ids first, then the positions,
+the write rows, what the attention backend plans from, the logits rows), so a graph captured
+for T rows reads each later T-row step's inputs where they land: no copy of its own. Example,
+T = 2, R = 1 (``.`` padding)::
 
-    device buffer  [ id0 id1 | pos0 pos1 | k0 k1 v0 v1 | row0 | ... ]
+    device buffer  [ id0 id1 . . | pos0 pos1 . . | k0 k1 v0 v1 . | row0 . . | ... ]
+
+Each array starts at a multiple of ALIGN entries (128 bytes): Triton compiles a kernel once per
+alignment of its pointer arguments, and arrays at offsets that depend on T would have made
+every shape's graph capture compile the attention kernel again (seconds each).
 
 The copy out of a pinned buffer runs after the host has moved on, so the pinned buffers are a
 ring, and one is written again only once its last copy finished (an event each). Arrays larger
@@ -23,6 +28,7 @@ from __future__ import annotations
 import torch
 
 RING = 4  # pinned buffers in flight (one forward's staging each)
+ALIGN = 16  # int64 entries: every array starts 128-byte aligned
 
 
 class Staging:
@@ -45,22 +51,35 @@ class Staging:
         from offset 0 of the device buffer."""
         self.copies += 1
         sizes = [a.numel() for a in arrays]
-        total = sum(sizes)
+        starts, total = [], 0
+        for n in sizes:
+            starts.append(total)
+            total += -(-n // ALIGN) * ALIGN
         if total > self.capacity:  # too large to keep: a buffer of its own, not graphed
-            flat = torch.cat(arrays)
+            buf = torch.empty(total, dtype=torch.int64)
+            _fill(buf, arrays, starts)
             if self._on_gpu:
-                flat = flat.pin_memory().to(self.device, non_blocking=True)
-            return list(flat.split(sizes))
+                buf = buf.pin_memory().to(self.device, non_blocking=True)
+            return _views(buf, starts, sizes)
         if not self._on_gpu:
-            return list(torch.cat(arrays, out=self._device_buf[:total]).split(sizes))
+            _fill(self._device_buf, arrays, starts)
+            return _views(self._device_buf, starts, sizes)
         i = self._next
         self._next = (i + 1) % RING
         if self._done[i] is not None:
             self._done[i].synchronize()  # its previous copy has left the pinned buffer
-        host = self._pinned[i][:total]
-        torch.cat(arrays, out=host)
-        dev = self._device_buf[:total]
-        dev.copy_(host, non_blocking=True)
+        host = self._pinned[i]
+        _fill(host, arrays, starts)
+        self._device_buf[:total].copy_(host[:total], non_blocking=True)
         event = self._done[i] = self._done[i] or torch.cuda.Event()
         event.record()
-        return list(dev.split(sizes))
+        return _views(self._device_buf, starts, sizes)
+
+
+def _fill(buf: torch.Tensor, arrays: list[torch.Tensor], starts: list[int]) -> None:
+    for a, start in zip(arrays, starts):
+        buf[start:start + a.numel()].copy_(a)
+
+
+def _views(buf: torch.Tensor, starts: list[int], sizes: list[int]) -> list[torch.Tensor]:
+    return [buf[start:start + n] for start, n in zip(starts, sizes)]

@@ -371,9 +371,10 @@ def _first_mismatch(plain, prompts, truth, outputs) -> dict | None:
 
 
 def profile(folder: Path, tokens: int = 32, top: int = 30) -> dict:
-    """Where a step's host time goes: torch.profiler over a plain and an oracle (tau 3, 4-node
-    chains) run at batch 1, the ops with the most self CPU time, and the calls that wait on
-    the device (synchronize, item, tolist, copies to the host)."""
+    """Where a step's time goes, by torch.profiler over 32-token runs at batch 1: with graphs
+    (plain, and the oracle at tau 3 with 4-node chains), the ops with the most self CPU time
+    (host work; kernels inside a graph are not attributed); eagerly, the kernels with the most
+    device time per step (their durations are the device's own, whatever the host adds)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -387,19 +388,26 @@ def profile(folder: Path, tokens: int = 32, top: int = 30) -> dict:
         truth, error_rate_for_tau(3.0, 4), depth=4),), controller="static",
         controller_args={"budget": 4})
     res = {}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-    for name, llm in (("plain", plain), ("spec", spec)):
+    cuda = DEVICE == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    runs = [("plain", plain, "self_cpu_time_total"), ("spec", spec, "self_cpu_time_total"),
+            ("plain_eager_kernels", _llm(folder, cuda_graphs=False),
+             "self_device_time_total" if cuda else "self_cpu_time_total")]
+    for name, llm, key in runs:
         llm.generate(prompts, _params(8))
         steps0 = llm.engine.totals.steps
         with torch_profile(activities=activities) as prof:
             llm.generate(prompts, _params(tokens))
         steps = max(llm.engine.totals.steps - steps0, 1)
-        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
-        res[name] = {"steps": steps, "ops": [
+        events = prof.key_averages()
+        rows = sorted(events, key=lambda e: -getattr(e, key, 0.0))[:top]
+        res[name] = {"steps": steps, "sorted_by": key, "ops": [
             {"op": e.key, "calls_per_step": round(e.count / steps, 2),
-             "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1)} for e in rows]}
-        print(f"--- profile {name}: {steps} steps\n" + prof.key_averages().table(
-            sort_by="self_cpu_time_total", row_limit=top), flush=True)
+             "self_cpu_us_per_step": round(e.self_cpu_time_total / steps, 1),
+             "self_device_us_per_step": round(getattr(e, "self_device_time_total", 0.0)
+                                              / steps, 1)} for e in rows]}
+        print(f"--- profile {name}: {steps} steps\n" + events.table(sort_by=key,
+                                                                     row_limit=top), flush=True)
     return res
 
 
