@@ -173,6 +173,7 @@ class CudaGraphRunner:
         self._graphs: dict[tuple, _Graph] = {}
         self._capture_fn = capture or CudaCapture()
         self.capture_seconds = 0.0
+        self.eager_said = False  # a step that fits no shape was logged (once per runner)
 
     @property
     def num_graphs(self) -> int:

@@ -21,6 +21,7 @@ Example, two requests feeding 3 and 1 tokens::
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ from specdec.engine.cuda_graphs import CudaGraphRunner, pad_batch
 from specdec.engine.staging import ALIGN, Staging
 from specdec.kv.block_table import BlockTable
 from specdec.kv.manager import KVManager
+
+logger = logging.getLogger("specdec")
 
 
 @dataclass
@@ -165,6 +168,11 @@ class ModelRunner:
                 run.input_ids, run.positions, kv_write_index(md.slots, md.page_size),
                 *self.backend.stage_arrays(md), batch.logits_indices])
             if shape is None:
+                if self.graphs is not None and not self.graphs.eager_said:
+                    self.graphs.eager_said = True  # (counted per step: StepStats.graphed)
+                    logger.info("runner %s: a step of %d requests and %d rows fits no CUDA "
+                                "graph shape: it and its like run eagerly", self.name,
+                                md.batch_size, batch.num_rows)
                 self.backend.plan(md, planned)
                 out = self.run_model(_inputs(run, ids, pos), capture_layers)
                 hidden, layers = out.hidden, out.layer_hidden
