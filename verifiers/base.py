@@ -84,24 +84,20 @@ class VerifyOutput:
     accepted: torch.Tensor  # [B, D] int64 accepted node indices, -1 padded (D >= max k_b)
     tokens: torch.Tensor  # [B, D + 1] int64 emitted tokens, -1 padded
     num_accepted: torch.Tensor  # [B] int64 k_b
-    # the same as host lists, when a verifier made them there (to_results returns them)
-    results: list[VerifyResult] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_results(cls, results: list[VerifyResult], depth: int) -> VerifyOutput:
         """The padded tensors of host results (D = ``depth``, at least every result's
-        accepted length), made in one tensor op; ``results`` kept."""
+        accepted length), made in one tensor op."""
         d = depth
         rows = [r.accepted + [-1] * (d - len(r.accepted)) + r.tokens
                 + [-1] * (d + 1 - len(r.tokens)) + [len(r.accepted)] for r in results]
         flat = torch.tensor(rows, dtype=torch.int64).view(len(results), 2 * d + 2)
-        return cls(flat[:, :d], flat[:, d:2 * d + 1], flat[:, -1], results)
+        return cls(flat[:, :d], flat[:, d:2 * d + 1], flat[:, -1])
 
     def to_results(self, to_host: Callable[[torch.Tensor], torch.Tensor] = None
                    ) -> list[VerifyResult]:
         """Per-request host lists (on a device: one copy, through ``to_host``)."""
-        if self.results is not None:
-            return self.results
         acc, tok, k = self.accepted, self.tokens, self.num_accepted
         if not acc.is_cpu:
             b, d = acc.shape

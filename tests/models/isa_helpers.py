@@ -32,3 +32,13 @@ def run_capped(module: str, body: str, cap: str | None, timeout: int = 300,
     assert done.returncode == 0, (f"exit {done.returncode} after {done.stdout[-300:]!r}: "
                                   f"{done.stderr[-3000:]}")
     return done.stdout
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags")
+            for f in line.split(":", 1)[1].split()}
