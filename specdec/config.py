@@ -14,7 +14,7 @@ from specdec.models.quantize import CHOICES as QUANTIZE_CHOICES
 
 LINEAR_CHOICES = ("invariant", "tuned", "plain")
 WEIGHT_CHOICES = ("auto", "native", "dequantized")
-ACTIVATION_CHOICES = ("float", "q8")
+ACTIVATION_CHOICES = ("auto", "float", "q8")
 
 @dataclass
 class EngineConfig:
@@ -56,8 +56,10 @@ class EngineConfig:
     # "q8": each row rounded to int8 per block of 32 as llama.cpp's CPU backend does
     # (specdec.models.q8_activations: still row-invariant, so speculation stays exactly plain
     # decoding; ~2-3x cheaper rows, numbers within ~0.5 % of the fp32 model's); needs the
-    # native weights
-    activations: str = "float"
+    # native weights. "auto": q8 where the target computes with quantized blocks (a GGUF's, or
+    # quantize's), what llama.cpp computes for such a file; float otherwise (fp32 / bf16 / fp16
+    # weights, the GPU). ``LLMEngine.activations`` says which ran
+    activations: str = "auto"
     # a safetensors checkpoint's matrices quantized at load into GGUF blocks, matrix by matrix:
     # "q8_0" or "q4_k" (Q8_0 where in_features % 256 != 0), then computed as a GGUF's blocks
     # are (float or q8 activations; specdec.models.quantize); None: as stored (a bf16 / fp16

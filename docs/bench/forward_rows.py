@@ -27,6 +27,7 @@ import torch
 from specdec import LLM
 from specdec.bench.physics import bandwidth_gbs, fma_rate
 from specdec.engine.costs import StepCosts, profile_forward
+from specdec.models import native
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -65,7 +66,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     rows = tuple(sorted({int(n) for n in args.rows.split(",")}))
-    bw, fma = bandwidth_gbs(), fma_rate()
+    bw, fma = bandwidth_gbs(), fma_rate(native.load())
     out = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
            "model": args.model, "bandwidth_gbs": bw, "fma_per_s": fma, "runs": []}
     print(f"stream bandwidth {bw:.1f} GB/s, fp32 matmul {fma / 1e9:.1f} G multiply-adds/s")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 
-from specdec.bench.physics import bandwidth_gbs, fma_rate, int8_rate
+from specdec.bench.physics import machine_rates
 
 
 def snapshot(engines: dict) -> dict:
@@ -24,10 +24,9 @@ def step_budget(engines: dict, before: dict) -> dict:
     Beside them the physics measured here: the forward's memory-bound time (the weight bytes
     a forward streams / the stream bandwidth), T(rows) of the target forward (the engine's
     step profile) with the cost of an extra row against its compute-bound time (the target's
-    multiply-adds per row / the rate of that arithmetic: torch's fp32 or int8 GEMM), and the
-    drafter's fitted draft time by depth (goodput)."""
-    rates = {"bandwidth_gbs": bandwidth_gbs(), "fp32_macs_per_s": fma_rate(),
-             "int8_macs_per_s": int8_rate()}
+    multiply-adds per row / the rate of that arithmetic in specdec's own float or q8
+    kernels), and the drafter's fitted draft time by depth (goodput)."""
+    rates = machine_rates()
     out = {**rates, "systems": {}}
     for name, old in before.items():
         engine = engines[name]
@@ -44,7 +43,8 @@ def _forward_physics(engine, rates: dict) -> dict:
     costs = engine.step_costs()
     ms = {n: 1e3 * costs.seconds(n) for n in BUDGET_ROWS}
     macs = sum(w.numel() for w in engine.model.matrices())
-    rate = rates["int8_macs_per_s" if engine.activations == "q8" else "fp32_macs_per_s"]
+    rate = rates["int8_macs_per_s" if engine.activations == "q8" else "fp32_macs_per_s"] \
+        or rates["fp32_macs_per_s"]
     draft = getattr(engine.drafting.controller, "draft", None)
     return {
         "forward_memory_bound_ms": engine.weight_bytes_per_forward / rates["bandwidth_gbs"] / 1e6,

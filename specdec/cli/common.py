@@ -78,11 +78,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "Q8_0/Q4_K/Q5_K/Q6_K: the same tokens as dequantized, a fraction of the "
                         "bytes), dequantized (fp32), or "
                         "auto (default: native where it can run)")
-    p.add_argument("--activations", default="float", choices=ACTIVATION_CHOICES,
-                   help="what a GGUF's blocks multiply: float (default: the fp32 model's "
-                        "numbers) or q8 (rows rounded to int8 per block of 32, as llama.cpp "
-                        "does: cheaper rows, still lossless speculation, numbers within ~0.5 %% "
-                        "of fp32's)")
+    p.add_argument("--activations", default="auto", choices=ACTIVATION_CHOICES,
+                   help="what quantized blocks (a GGUF's, or --quantize's) multiply: q8 (rows "
+                        "rounded to int8 per block of 32, as llama.cpp does: ~2x cheaper on "
+                        "AVX2, still lossless speculation, numbers within ~0.5 %% of fp32's), "
+                        "float (the fp32 model's numbers, bitwise), or auto (default: q8 for "
+                        "quantized blocks, float for float weights)")
     p.add_argument("--quantize", default=None, choices=QUANTIZE_CHOICES,
                    help="quantize a safetensors checkpoint's matrices at load into GGUF blocks: "
                         "q8_0, or q4_k (q8_0 where the inputs are not a multiple of 256); "

@@ -35,6 +35,7 @@ from specdec.kv.host_tier import HostTier
 from specdec.kv.tier import DiskTier
 from specdec.models import native
 from specdec.models.aliases import GGUF_NAME
+from specdec.models.block_weight import BlockWeight
 from specdec.models.checkpoint_weights import checkpoint_panels, from_checkpoint
 from specdec.models.config import ModelConfig, model_config_from_hf
 from specdec.models.draft_weights import draft_panels, mode_of
@@ -76,6 +77,9 @@ class EngineParts:
     cache_namespace: str = ""  # everything that changes the KV a token sequence leaves
     tier: DiskTier | HostTier | None = None
     build_seconds: dict[str, float] = field(default_factory=dict)  # seconds per build stage
+    # what the target's blocks multiply: "float" | "q8" (EngineConfig.activations, "auto"
+    # resolved by what the weights turned out to be: _resolve_activations)
+    activations: str = "float"
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -89,10 +93,6 @@ class EngineParts:
     def device(self) -> torch.device:
         return torch.device(self.config.device)
 
-    @property
-    def activations(self) -> str:
-        """What the GGUF's blocks multiply ("float" | "q8": EngineConfig.activations)."""
-        return self.config.activations
 
     @property
     def weight_bytes_per_forward(self) -> int:
@@ -158,7 +158,7 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
     # the KV layout of one page
     parts.cache_namespace = "|".join(map(str, (
         folder.resolve(), weights_fingerprint(folder), config.torch_dtype, parts.weights,
-        config.activations, config.linear_kernels,
+        parts.activations, config.linear_kernels,
         tuple(parts.runner.kv.cache.tensor[:, 0].shape))))
     parts.tier = _open_tier(parts)
     parts.build_seconds = clock.seconds
@@ -236,6 +236,7 @@ def _prepare_weights(parts: EngineParts) -> None:
     """The target's GGUF blocks (``weights``), the draft models' quantized matrices
     (``draft_weights``) and the kernels that run them (``linear_kernels``)."""
     draft_models = _draft_models(parts)
+    parts.activations = _resolve_activations(parts)
     adopted = _native_weights(parts)
     parts.weights = (parts.config.quantize or "native") if adopted else "dequantized"
     quantized = _draft_weights(parts, draft_models, adopted)
@@ -257,6 +258,24 @@ def _install_layer_ops(parts: EngineParts, models: list) -> None:
             m.layer_ops = True
 
 
+def _resolve_activations(parts: EngineParts) -> str:
+    """``EngineConfig.activations``, "auto" resolved: "q8" where the target computes with
+    quantized blocks in the compiled kernels (a GGUF's own, or blocks ``quantize`` makes of a
+    checkpoint), what llama.cpp computes for such a file; "float" for float weights (an fp32,
+    bf16 or fp16 checkpoint as stored, a float GGUF), dequantized weights, other dtypes and
+    devices."""
+    c = parts.config
+    if c.activations != "auto":
+        return c.activations
+    if (c.weights == "dequantized" or _kernels_refusal(c) is not None
+            or parts.device.type != "cpu"):
+        return "float"
+    if from_checkpoint(parts.model):
+        return "q8" if c.quantize is not None else "float"
+    blocks = any(isinstance(w, BlockWeight) for w in parts.model.matrices())
+    return "q8" if blocks else "float"
+
+
 def _native_weights(parts: EngineParts) -> list:
     """The panels ``EngineConfig.weights`` gives the target: a safetensors checkpoint's own
     bf16 / fp16 bytes or its blocks quantized at load (specdec.models.checkpoint_weights), or
@@ -265,20 +284,23 @@ def _native_weights(parts: EngineParts) -> list:
     "auto": where they can run)."""
     c = parts.config
     if from_checkpoint(parts.model):  # a checkpoint's own bytes, or blocks quantized at load
-        adopted = checkpoint_panels(parts.model, c.weights, c.activations,
+        adopted = checkpoint_panels(parts.model, c.weights, parts.activations,
                                     _kernels_refusal(c))
     else:
         adopted = native_panels(parts.model, parts.folder / GGUF_NAME, c.weights, parts.dtype,
-                                parts.device, c.linear_kernels, c.activations)
+                                parts.device, c.linear_kernels, parts.activations,
+                                strict=c.activations == "q8")
     if not adopted:
         materialize(parts.model)  # its blocks, if any, cannot run here: fp32 matrices instead
+        if c.activations == "auto":
+            parts.activations = "float"
     for runner in parts.drafter_runners:
         m = runner.model
         if m is parts.model or getattr(m, "source_folder", None) is None:
             continue
         panels = [] if c.weights == "dequantized" else native_panels(
             m, m.source_folder / GGUF_NAME, "auto", parts.dtype, parts.device,
-            c.linear_kernels, c.activations, strict=False)
+            c.linear_kernels, parts.activations, strict=False)
         if not panels:
             materialize(m)
         adopted += panels
@@ -316,7 +338,7 @@ def _draft_weights(parts: EngineParts, models: list, adopted: list) -> list:
     models = [m for m in models if not any(id(w) in have for w in m.matrices())]
     c = parts.config
     return draft_panels(models, c.draft_weights, parts.dtype, parts.device, c.linear_kernels,
-                        c.activations)
+                        parts.activations)
 
 
 def _open_tier(parts: EngineParts) -> DiskTier | HostTier | None:

@@ -205,9 +205,55 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
+/* R (1 to 3) rows over two pairs at once (b and b + stride; columns y .. y + 31), over the whole
+ * of K (nblk blocks) from 0. One pair gives a step 2R fma chains, each waiting on the fma
+ * latency (4 cycles a k for its 16 weights at one row, where the pipes take them in ~1.25:
+ * docs/bench/avx2_float_kernels.py); two pairs give 4R independent chains, and each row's
+ * broadcast serves both. The element order is the one pair's: one chain over ascending k. */
+#define INIT2P(r) __m256 a##r = _mm256_setzero_ps(), b##r = _mm256_setzero_ps(),              \
+                         c##r = _mm256_setzero_ps(), e##r = _mm256_setzero_ps();
+#define ROW2P(r) {                                                                             \
+        const __m256 xr = _mm256_broadcast_ss(x + r * K + k);                                  \
+        a##r = _mm256_fmadd_ps(xr, v0, a##r);                                                  \
+        b##r = _mm256_fmadd_ps(xr, v1, b##r);                                                  \
+    }
+#define ROW2Q(r) {                                                                             \
+        const __m256 xr = _mm256_broadcast_ss(x + r * K + k);                                  \
+        c##r = _mm256_fmadd_ps(xr, v0, c##r);                                                  \
+        e##r = _mm256_fmadd_ps(xr, v1, e##r);                                                  \
+    }
+#define STORE2P(r) _mm256_storeu_ps(y + r * ldy, a##r);                                        \
+    _mm256_storeu_ps(y + r * ldy + PW, b##r);                                                  \
+    _mm256_storeu_ps(y + r * ldy + 2 * PW, c##r);                                              \
+    _mm256_storeu_ps(y + r * ldy + 3 * PW, e##r);
+#ifndef AHEAD
+#define AHEAD 2 /* blocks a pair's stream is prefetched ahead */
+#endif
+#define DIRECT2P(KIND, BYTES, R, EACH)                                                         \
+    AVX2 static void KIND##_p2r##R(const float* x, int64_t K, const uint8_t* b, int64_t stride,\
+                                   int64_t nblk, float* y, int64_t ldy) {                      \
+        EACH(INIT2P)                                                                           \
+        for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
+            for (int o = 0; o < BYTES; o += 64) {                                              \
+                _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);                 \
+                _mm_prefetch((const char*)b + stride + AHEAD * BYTES + o, _MM_HINT_T0);        \
+            }                                                                                  \
+            const scales s0 = KIND##_scales(b), s1 = KIND##_scales(b + stride);                \
+            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+                __m256 v0, v1;                                                                 \
+                const int64_t k = j * SD_QBLOCK + kk;                                          \
+                KIND##_step(b, &s0, kk, &v0, &v1);                                            \
+                EACH(ROW2P)                                                                    \
+                KIND##_step(b + stride, &s1, kk, &v0, &v1);                                   \
+                EACH(ROW2Q)                                                                    \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE2P)                                                                          \
+    }
 #define GGUF_FORMAT(KIND, BYTES)                                                               \
     UNPACK(KIND, BYTES)                                                                        \
-    DIRECT(KIND, BYTES, 1, EACH1) DIRECT(KIND, BYTES, 2, EACH2) DIRECT(KIND, BYTES, 3, EACH3)
+    DIRECT(KIND, BYTES, 1, EACH1) DIRECT(KIND, BYTES, 2, EACH2) DIRECT(KIND, BYTES, 3, EACH3)  \
+    DIRECT2P(KIND, BYTES, 1, EACH1) DIRECT2P(KIND, BYTES, 2, EACH2)
 GGUF_FORMAT(q4_1, SD_Q4_1_PAIR_BYTES)
 GGUF_FORMAT(q8_0, SD_Q8_0_PAIR_BYTES)
 GGUF_FORMAT(q4_f, SD_Q4_F_PAIR_BYTES)
@@ -348,10 +394,37 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
         KSTEPS(KIND, BYTES, HEAD, SUB, EACH(ROW))                                              \
         EACH(STORE)                                                                            \
     }
+/* R rows over two pairs at once, as DIRECT2P (nsb super-blocks: the whole of K) */
+#define KDIRECT2P(KIND, BYTES, HEAD, SUB, R, EACH)                                             \
+    AVX2 static void KIND##_p2r##R(const float* x, int64_t K, const uint8_t* b, int64_t stride,\
+                                   int64_t nsb, float* y, int64_t ldy) {                       \
+        uint8_t tmp0[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
+        uint8_t tmp1[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
+        EACH(INIT2P)                                                                           \
+        for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
+            for (int j = 0; j < 8; j++) {                                                      \
+                PREFETCH_SHARE(b + BYTES, BYTES, j)                                            \
+                PREFETCH_SHARE(b + stride + BYTES, BYTES, j)                                   \
+                const scales s0 = KIND##_scales(b, j), s1 = KIND##_scales(b + stride, j);      \
+                const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \
+                const uint8_t* q1 = KIND##_sub(b + stride + HEAD + SUB * j, tmp1);             \
+                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
+                    __m256 v0, v1;                                                             \
+                    const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
+                    KIND##_step(q0, &s0, kk, &v0, &v1);                                       \
+                    EACH(ROW2P)                                                                \
+                    KIND##_step(q1, &s1, kk, &v0, &v1);                                       \
+                    EACH(ROW2Q)                                                                \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        EACH(STORE2P)                                                                          \
+    }
 #define KQUANT_FORMAT(KIND, BYTES, HEAD, SUB)                                                  \
     KUNPACK(KIND, BYTES, HEAD, SUB)                                                            \
     KDIRECT(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT(KIND, BYTES, HEAD, SUB, 2, EACH2)         \
-    KDIRECT(KIND, BYTES, HEAD, SUB, 3, EACH3)
+    KDIRECT(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT2P(KIND, BYTES, HEAD, SUB, 1, EACH1)       \
+    KDIRECT2P(KIND, BYTES, HEAD, SUB, 2, EACH2)
 KQUANT_FORMAT(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 KQUANT_FORMAT(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
@@ -603,8 +676,12 @@ KQUANT_FORMAT16(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 KQUANT_FORMAT16(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
 
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
+/* R rows over two pairs, the second `stride` bytes on, over the whole of K (AVX2) */
+typedef void (*pairs2_fn)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*,
+                          int64_t);
 #define TWO_ROWS 8    /* most rows of a tile over two pairs at a time (AVX-512) */
 #define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
+#define PAIRS2_ROWS 2 /* AVX2: up to this many rows over two pairs (8 accumulators; 12 spill) */
 /* a format's kernels over units of `width` k (32: a block; 256: a super-block) of `bytes` */
 typedef struct {
     int64_t width, bytes;
@@ -613,9 +690,11 @@ typedef struct {
     /* 1 to TWO_ROWS rows over two pairs, the second `stride` bytes on (AVX-512; NULL: AVX2) */
     void (*two[TWO_ROWS])(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
                           int);
+    pairs2_fn pairs2[PAIRS2_ROWS]; /* AVX2: 1 to PAIRS2_ROWS rows over two pairs */
 } gguf_kernels;
 #define GGUF_KERNELS(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                          \
-                                          {KIND##_r1, KIND##_r2, KIND##_r3}, {NULL}}
+                                          {KIND##_r1, KIND##_r2, KIND##_r3}, {NULL},            \
+                                          {KIND##_p2r1, KIND##_p2r2}}
 /* by format code (the float-activation GGUF formats; the others are never looked up here) */
 static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
@@ -631,7 +710,7 @@ static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
                                              KIND##_z5, KIND##_z6, KIND##_z7, KIND##_z8},   \
                                             {KIND##_two1, KIND##_two2, KIND##_two3,         \
                                              KIND##_two4, KIND##_two5, KIND##_two6,         \
-                                             KIND##_two7, KIND##_two8}}
+                                             KIND##_two7, KIND##_two8}, {NULL}}
 static const gguf_kernels GGUF_TABLE16[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS16(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
     [SD_Q8_0] = GGUF_KERNELS16(q8_0, SD_QBLOCK, SD_Q8_0_PAIR_BYTES),
@@ -695,6 +774,21 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
         }
         return;
     }
+    if (T <= DIRECT_ROWS) { /* T == 0 never gets here (sd_linear_for) */
+        /* each thread a run of pairs (as even as possible), each over the whole of K (with one
+         * row tile nothing is reused from cache); up to PAIRS2_ROWS rows two pairs at a time */
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t stride = (K / width) * bytes, q1 = pairs * (t + 1) / nt;
+        int64_t q = pairs * t / nt;
+        const uint8_t* data = (const uint8_t*)w->data;
+        if (T <= PAIRS2_ROWS)
+            for (; q + 1 < q1; q += 2)
+                g->pairs2[T - 1](x, K, data + q * stride, stride, K / width, y + 2 * q * PW, ldy);
+        for (; q < q1; q++)
+            g->direct[T - 1](x, K, data + q * stride, K / width, y + 2 * q * PW, ldy, 1);
+#pragma omp barrier
+        return;
+    }
 #pragma omp for schedule(static)
     for (int64_t q = 0; q < pairs; q++) {
         const uint8_t* pair = (const uint8_t*)w->data + q * (K / width) * bytes;
@@ -702,10 +796,6 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
             const int64_t kn = K - k0 < step ? K - k0 : step;
             const uint8_t* blocks = pair + (k0 / width) * bytes;
             float* yq = y + 2 * q * PW;
-            if (T >= 1 && T <= DIRECT_ROWS) { /* T == 0 never gets here (sd_linear_for) */
-                g->direct[T - 1](x + k0, K, blocks, kn / width, yq, ldy, k0 == 0);
-                continue;
-            }
             g->unpack(blocks, kn / width, buf);
             for (int64_t i = 0, t = 0; i < tiles; i++) {
                 const int64_t r = base + (i < extra);

@@ -122,7 +122,7 @@ def test_transformers_reads_the_shape_and_the_asked_scale(hf):
 
 @pytest.fixture(scope="module")
 def llm(tiny):
-    return LLM(model=str(tiny), max_model_len=256)
+    return LLM(model=str(tiny), max_model_len=256, activations="float")  # HF's fp32 numbers
 
 
 def test_specdec_loads_the_file_on_its_blocks_and_its_logits_are_hfs(llm, hf):

@@ -164,7 +164,7 @@ def test_smollm2_matches_hf_generate(smollm2_dir):
     # without the prefix cache: the chats share their template's system-prompt page, which
     # would spare the pages whose lack must force a preemption here
     engine_args = dict(model=str(smollm2_dir), max_num_batched_tokens=64, page_size=16,
-                       num_pages=14, max_model_len=224)
+                       num_pages=14, max_model_len=224, activations="float")  # HF's numbers
     llm = LLM(enable_prefix_caching=False, **engine_args)
     tok = llm.tokenizer
     chats = ["What is the capital of France?", "Write a haiku about autumn.",

@@ -116,7 +116,7 @@ def test_a_fused_matrix_of_two_types_runs_in_parts(tmp_path, cache):
     """q|k Q4_1 beside v Q8_0 (as a Q4_K_M file's attn_v): native weights in parts, the
     dequantized model's tokens, in the model's fused row order."""
     path = _user_file(tmp_path, kind="Q4_1", kinds={"blk.0.attn_v.weight": "Q8_0"})
-    kw = dict(model=str(path), max_model_len=64)
+    kw = dict(model=str(path), max_model_len=64, activations="float")  # as the fp32 model
     nat = LLM(weights="native", **kw)
     assert nat.engine.weights == "native"
     qkv = nat.engine.kernels.prepared(nat.engine.model.layers[0].qkv_weight)

@@ -108,8 +108,9 @@ def test_weights_option_is_checked(tiny_llama):
 
 @pytest.fixture(scope="module")
 def smollm2_engines(smollm2_dir):
-    """The real model on its native blocks and on its dequantized weights."""
-    kw = dict(model=str(smollm2_dir), max_model_len=512)
+    """The real model on its native blocks and on its dequantized weights (float activations:
+    the fp32 model's numbers, which the two must share bitwise)."""
+    kw = dict(model=str(smollm2_dir), max_model_len=512, activations="float")
     return LLM(weights="native", **kw), LLM(weights="dequantized", **kw)
 
 
@@ -129,7 +130,7 @@ def test_smollm2_native_tokens_are_the_dequantized_ones(smollm2_engines, smollm2
     plain = [o.token_ids for o in nat.generate(prompts, sp)]
     assert plain == [o.token_ids for o in deq.generate(prompts, sp)]
     spec = LLM(model=str(smollm2_dir), max_model_len=512, drafter="ngram", controller="static",
-               controller_args={"budget": 4})
+               controller_args={"budget": 4}, activations="float")
     assert spec.engine.weights == "native"  # auto
     assert [o.token_ids for o in spec.generate(prompts, sp)] == plain
 
@@ -165,7 +166,7 @@ def test_smollm2_a_gguf_draft_model_runs_on_its_blocks_too(smollm2_engines, smol
     nat, _ = smollm2_engines
     spec = LLM(model=str(smollm2_dir), max_model_len=256, drafter="draft_model",
                drafter_args={"model": str(smollm2_dir), "max_depth": 3}, controller="static",
-               controller_args={"budget": 3})
+               controller_args={"budget": 3}, activations="float")
     assert spec.engine.weights == "native"
     # the target's blocks and the draft model's (its own copy of the same file)
     assert 180e6 < spec.engine.kernels.weight_bytes < 200e6
@@ -193,7 +194,8 @@ def test_smollm2_panels_are_cached_beside_the_file(smollm2_engines, smollm2_dir,
 
     monkeypatch.setattr(q8_activations, "preparer", not_prepared)
     nat, _ = smollm2_engines
-    cached = LLM(model=str(smollm2_dir), weights="native", max_model_len=256)
+    cached = LLM(model=str(smollm2_dir), weights="native", max_model_len=256,
+                 activations="float")
     assert cached.engine.kernels.weight_bytes == nat.engine.kernels.weight_bytes
     sp = SamplingParams(temperature=0, max_tokens=8)
     assert cached.generate(["Hello"], sp)[0].token_ids == nat.generate(["Hello"], sp)[0].token_ids
@@ -201,6 +203,7 @@ def test_smollm2_panels_are_cached_beside_the_file(smollm2_engines, smollm2_dir,
     os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
     try:
         with pytest.raises(ValueError, match="panels prepared"):
-            LLM(model=str(smollm2_dir), weights="native", max_model_len=256)
+            LLM(model=str(smollm2_dir), weights="native", max_model_len=256,
+                activations="float")
     finally:
         os.utime(gguf, ns=(st.st_atime_ns, st.st_mtime_ns))

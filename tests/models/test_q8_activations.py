@@ -60,7 +60,7 @@ def test_kernel_is_bitwise_the_reference(kind, out, blocks):
 
 
 def test_activations_option_is_checked(tiny_llama):
-    with pytest.raises(ValueError, match="activations must be one of float, q8"):
+    with pytest.raises(ValueError, match="activations must be one of auto, float, q8"):
         LLM(model=str(tiny_llama), activations="int4")
     with pytest.raises(ValueError, match="activations='q8' computes with a GGUF's own blocks: "
                                          "it needs weights='native' or 'auto'"):
