@@ -4,13 +4,14 @@ pyproject.toml lists the packages by hand (package-dir maps drafters/, verifiers
 and training/ into specdec.*, which automatic discovery cannot follow), so a new package folder
 has to be added there: the first tests read the source tree against pyproject (instant, and they
 name what is missing); the last builds a wheel from a copy of the sources and reads its file list.
-That wheel has no compiled kernels (``SPECDEC_NO_NATIVE=1``: the C build alone is ~20 s); .ci/run
-builds the real wheel, installs it into a fresh venv and generates with it.
+That wheel has no compiled kernels (``SPECDEC_NO_NATIVE=1``: the C build alone takes ~15 s):
+.ci/run builds the real wheel, installs it into a fresh venv and generates with it.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import functools
 import os
 import shutil
 import subprocess
@@ -31,7 +32,8 @@ PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]  # {"specdec.drafters": 
 # files in the package folders that are not shipped, and why (anything else must be package data)
 NOT_SHIPPED = {"specdec/native/*.c": "compiled by setup.py at install",
                "specdec/native/*.h": "compiled by setup.py at install"}
-BUILD_LEFTOVERS = ("__pycache__", "*.pyc", "*.so", "*.egg-info")
+# build outputs and hidden files (an editor's swap file): never in a clean checkout
+BUILD_LEFTOVERS = ("__pycache__", "*.pyc", "*.so", "*.egg-info", ".*")
 
 
 def _files(root: Path):
@@ -43,6 +45,7 @@ def _files(root: Path):
             yield path
 
 
+@functools.cache
 def _source_files() -> dict[str, Path]:
     """Installed path (e.g. ``specdec/drafters/ngram.py``) -> the file in this checkout, for
     every file under the package-dir roots."""

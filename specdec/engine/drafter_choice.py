@@ -1,17 +1,28 @@
-"""``--drafter auto``: the drafter measured fastest for this model on this machine.
+"""``--drafter auto``: the drafter to decode with, chosen without a minute of measuring first.
 
-At first use for a model, machine (CPU, torch, threads), engine settings and set of shipped
-drafters, a short calibration run times plain decoding and each candidate — ``ngram`` and every
-drafter shipped for the model, each under the goodput controller — on built-in prompts
-(explaining, listing, code, rewriting a given text), greedy, the systems interleaved prompt by
-prompt after a warm-up. The fastest candidate wins — under goodput a drafter drafts only where
-its measured acceptance pays, so it costs little where it does not — unless it is slower than
-plain decoding by more than ``TOLERANCE`` (then ``None``: plain decoding). The choice and its figures are logged and cached as JSON under
-``$SPECDEC_CACHE/drafter_choice`` (atomically), beside the kernel tables and step costs.
+The choice is made from what was measured before (a prior shipped per model and CPU class) or,
+where this machine was calibrated for the model and settings, from that measurement:
+
+- **prior** (``PRIOR``): for SmolLM2-135M-Instruct, ``ngram`` on every CPU class: measured
+  fastest, or within a percent or two of the fastest, on an AVX2-only EPYC (1.02 x plain in
+  float, 1.07 x in q8), a Sapphire Rapids (1.01 / 1.04 x) and an AVX-512 EPYC (docs/drafters.md,
+  docs/benchmarks.md); the learned drafters came out 0.89-1.03 x there, each start loading
+  them costs seconds, and ngram under the goodput controller drafts only where its measured
+  acceptance pays (its step costs and acceptance are learned online during the run), so a
+  prompt it does not suit costs ~1 %. Any other model: ``ngram`` too (nothing is shipped for
+  it). On CUDA no drafter has been measured with a real model yet: ``ngram``.
+- **calibration** (``calibrate=True``, ``specdec generate --calibrate``): a short run (about
+  35 s on 2 cores) times plain decoding and each candidate — ``ngram`` and every drafter
+  shipped for the model, each under the goodput controller — on built-in prompts (explaining,
+  listing, code, rewriting a given text), greedy, interleaved prompt by prompt after a
+  warm-up. The fastest wins unless it is slower than plain decoding by more than
+  ``TOLERANCE`` (then ``None``: plain decoding). The figures are logged and cached as JSON
+  under ``$SPECDEC_CACHE/drafter_choice`` (atomically); later ``auto`` choices for the same
+  model, machine and settings read them instead of the prior.
 
     choice = choose_drafter("smollm2-135m-instruct", dtype="auto", device="cpu")
     choice.drafter        # "ngram", "eagle3", ... or None
-    choice.tokens_per_s   # {"plain": 55.1, "ngram": 60.3, ...}
+    choice.source         # "prior", "measured" or "cached"
 """
 
 from __future__ import annotations
@@ -45,13 +56,24 @@ SETTINGS = ("dtype", "device", "weights", "activations", "draft_weights", "linea
             "attention_backend", "cuda_graphs", "verifier")
 
 
+# (model alias, CPU class) -> drafter; a missing entry falls back to (None, CPU class), then
+# "ngram". CPU classes: the compiled kernels' widest q8 instruction set ("amx", "avx512-vnni",
+# "avx-vnni", "avx2"), "cpu" without them, "cuda".
+PRIOR = {
+    ("smollm2-135m-instruct", "amx"): "ngram",
+    ("smollm2-135m-instruct", "avx512-vnni"): "ngram",
+    ("smollm2-135m-instruct", "avx2"): "ngram",
+}
+
+
 @dataclass(frozen=True)
 class Choice:
     drafter: str | None  # None: plain decoding
-    tokens_per_s: dict[str, float]  # "plain" and every candidate
+    tokens_per_s: dict[str, float]  # "plain" and every candidate (empty for the prior)
     machine: str
     seconds: float  # the calibration's duration (when it ran)
     from_cache: bool = False
+    source: str = "measured"  # "prior" | "measured" | "cached"
 
 
 def candidates(model_path: str) -> list[str]:
@@ -62,23 +84,48 @@ def candidates(model_path: str) -> list[str]:
 
 
 def choose_drafter(model: str, use_cache: bool = True, max_tokens: int = MAX_TOKENS,
-                   **engine_args) -> Choice:
-    """The fastest drafter for ``model`` with ``engine_args`` (LLM's keyword arguments, e.g.
-    dtype, device, weights) here: from the cache, else measured now (see module docstring)."""
+                   calibrate: bool = False, **engine_args) -> Choice:
+    """The drafter for ``model`` with ``engine_args`` (LLM's keyword arguments, e.g. dtype,
+    device, weights) here: this machine's calibration when one is cached, a new one when
+    ``calibrate``, else the prior (see the module docstring)."""
     from specdec.models.loader import resolve_model_path
 
     folder = str(resolve_model_path(model))
     names = candidates(folder)
     machine = cache_key(torch.float32, torch.get_num_threads())
     path = _cache_path(folder, names, machine, engine_args)
-    if use_cache and path.is_file():
+    if use_cache and path.is_file() and not calibrate:
         with open(path) as f:
-            choice = Choice(**{**json.load(f), "from_cache": True})
+            choice = Choice(**{**json.load(f), "from_cache": True, "source": "cached"})
         logger.info(describe(choice))
         return choice
+    if not calibrate:
+        return prior_choice(model, folder, machine, engine_args.get("device", "cpu"))
     choice = _measure(folder, names, machine, max_tokens, engine_args)
     logger.info("%s on %s", describe(choice), machine)
     _write(path, choice)
+    return choice
+
+
+def cpu_class(device: str = "cpu") -> str:
+    """The class of machine the prior is keyed by (see PRIOR)."""
+    if str(device).startswith("cuda"):
+        return "cuda"
+    from specdec.models import native
+
+    kernels = native.load()
+    return kernels.q8_isa if kernels is not None else "cpu"
+
+
+def prior_choice(model: str, folder: str, machine: str, device: str = "cpu") -> Choice:
+    """The shipped prior for ``model`` (an alias, or the folder it resolved to) on this class
+    of machine; nothing is measured."""
+    alias = Path(folder).name if Path(folder).resolve().parent == (
+        cache_dir() / "models").resolve() else str(model)
+    klass = cpu_class(device)
+    drafter = PRIOR.get((alias, klass), PRIOR.get((None, klass), "ngram"))
+    choice = Choice(drafter, {}, machine, 0.0, source="prior")
+    logger.info(describe(choice, klass))
     return choice
 
 
@@ -110,8 +157,11 @@ def _measure(folder: str, names: list[str], machine: str, max_tokens: int,
                   round(time.perf_counter() - start, 1))
 
 
-def describe(choice: Choice) -> str:
+def describe(choice: Choice, klass: str | None = None) -> str:
     """One line for the user: the choice and the figures it was made from."""
+    if choice.source == "prior":
+        return (f"drafter auto: {choice.drafter or 'none'} (the prior for this model on "
+                f"{klass or 'this'} machines; --calibrate measures the candidates here)")
     how = "cached" if choice.from_cache else f"measured in {choice.seconds:.0f} s"
     return f"drafter auto: {choice.drafter or 'none'} ({how}: {_figures(choice)})"
 
@@ -141,7 +191,7 @@ def _cache_path(folder: str, names: list[str], machine: str, engine_args: dict) 
 def _write(path: Path, choice: Choice) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = {k: v for k, v in asdict(choice).items() if k != "from_cache"}
+    data = {k: v for k, v in asdict(choice).items() if k not in ("from_cache", "source")}
     try:
         tmp.write_text(json.dumps(data, indent=2) + "\n")
         os.replace(tmp, path)

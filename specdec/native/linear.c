@@ -276,13 +276,18 @@ GGUF_FORMAT(i8_f16, SD_I8_F16_PAIR_BYTES)
  * A sub-block's scales are made in registers exactly as gguf-py makes them (float32:
  * D = fl(d * sc), M = fl(dmin * m), negated: the add -M), then the sub-block is dequantized as
  * Q4_F's / I8_F16's block: the same weights, bitwise. */
-AVX2 static inline scales q4_k_scales(const uint8_t* h, int j) {
+/* a super-block's fp16 d (in d0, d1) and dmin (Q4_K, Q5_K: in m0, m1) as float32, once per
+ * super-block; a sub-block's scales are made from them (q4_k_scales, q6_k_scales) */
+AVX2 static inline scales q4_k_head(const uint8_t* h) { return q4_1_scales(h); }
+AVX2 static inline scales q6_k_head(const uint8_t* h) { return q8_0_scales(h); }
+#define q5_k_head q4_k_head
+AVX2 static inline scales q4_k_scales(const uint8_t* h, const scales* hd, int j) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const uint8_t* sc = h + 64 + 16 * j;
     const uint8_t* m = h + 192 + 16 * j;
-    scales s = {_mm256_mul_ps(f16x8(h), u8x8(sc)), _mm256_mul_ps(f16x8(h + 16), u8x8(sc + 8)),
-                _mm256_xor_ps(_mm256_mul_ps(f16x8(h + 32), u8x8(m)), sign),
-                _mm256_xor_ps(_mm256_mul_ps(f16x8(h + 48), u8x8(m + 8)), sign)};
+    scales s = {_mm256_mul_ps(hd->d0, u8x8(sc)), _mm256_mul_ps(hd->d1, u8x8(sc + 8)),
+                _mm256_xor_ps(_mm256_mul_ps(hd->m0, u8x8(m)), sign),
+                _mm256_xor_ps(_mm256_mul_ps(hd->m1, u8x8(m + 8)), sign)};
     return s;
 }
 AVX2 static inline void q4_k_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
@@ -290,18 +295,17 @@ AVX2 static inline void q4_k_step(const uint8_t* qb, const scales* s, int kk, __
     nibble_step(qb, s, kk, w0, w1);
 }
 /* Q6_K: d (of k 0-15) and m (of k 16-31) as I8_F16's */
-AVX2 static inline scales q6_k_scales(const uint8_t* h, int j) {
+AVX2 static inline scales q6_k_scales(const uint8_t* h, const scales* hd, int j) {
     const uint8_t* sc = h + 32 + 32 * j;
-    const __m256 d0 = f16x8(h), d1 = f16x8(h + 16);
-    scales s = {_mm256_mul_ps(d0, i8x8(sc)), _mm256_mul_ps(d1, i8x8(sc + 8)),
-                _mm256_mul_ps(d0, i8x8(sc + 16)), _mm256_mul_ps(d1, i8x8(sc + 24))};
+    scales s = {_mm256_mul_ps(hd->d0, i8x8(sc)), _mm256_mul_ps(hd->d1, i8x8(sc + 8)),
+                _mm256_mul_ps(hd->d0, i8x8(sc + 16)), _mm256_mul_ps(hd->d1, i8x8(sc + 24))};
     return s;
 }
 /* Q6_K's quants of a sub-block -> q - 32 as int8 [32 k][16 rows] in `out` (I8_F16's quants),
  * 32 bytes at a time: element e = 16k + row has its low 4 bits in byte e % 256 (low nibble for
  * e < 256, else high), its high 2 bits in byte 256 + e % 128 at bits 2 (e / 128) */
 AVX2 static inline const uint8_t* q6_k_bytes(const uint8_t* qb, uint8_t* out) {
-    const __m256i low = _mm256_set1_epi8(15), three = _mm256_set1_epi8(3);
+    const __m256i low = _mm256_set1_epi8(15), bits45 = _mm256_set1_epi8(0x30);
     const __m256i off = _mm256_set1_epi8(32);
     for (int o = 0; o < 128; o += 32) {
         const __m256i l0 = _mm256_loadu_si256((const __m256i*)(qb + o));
@@ -310,13 +314,15 @@ AVX2 static inline const uint8_t* q6_k_bytes(const uint8_t* qb, uint8_t* out) {
         const __m256i lo[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
                                _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
-        for (int p = 0; p < 4; p++) {
-            const __m256i hi =
-                _mm256_and_si256(_mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * p)), three);
+        /* bits 2p, 2p + 1 of each byte of h to bits 4, 5 of that byte: one 16-bit shift (a
+         * byte's bits 4-5 come from its own bits either way) and a mask */
+        const __m256i hi[4] = {_mm256_and_si256(_mm256_slli_epi16(h, 4), bits45),
+                               _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45),
+                               _mm256_and_si256(h, bits45),
+                               _mm256_and_si256(_mm256_srli_epi16(h, 2), bits45)};
+        for (int p = 0; p < 4; p++)
             _mm256_storeu_si256((__m256i*)(out + o + 128 * p),
-                                _mm256_sub_epi8(_mm256_or_si256(lo[p], _mm256_slli_epi16(hi, 4)),
-                                                off));
-        }
+                                _mm256_sub_epi8(_mm256_or_si256(lo[p], hi[p]), off));
     }
     return out;
 }
@@ -369,9 +375,10 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
 #define KSTEPS(KIND, BYTES, HEAD, SUB, BODY)                                                   \
     uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                              \
     for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                            \
+        const scales hd = KIND##_head(b);                                                      \
         for (int j = 0; j < 8; j++) {                                                          \
             PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                          \
-            const scales s = KIND##_scales(b, j);                                              \
+            const scales s = KIND##_scales(b, &hd, j);                                         \
             const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                           \
             for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
                 __m256 v0, v1;                                                                 \
@@ -402,10 +409,12 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
         uint8_t tmp1[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
         EACH(INIT2P)                                                                           \
         for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
+            const scales hd0 = KIND##_head(b), hd1 = KIND##_head(b + stride);                  \
             for (int j = 0; j < 8; j++) {                                                      \
                 PREFETCH_SHARE(b + BYTES, BYTES, j)                                            \
                 PREFETCH_SHARE(b + stride + BYTES, BYTES, j)                                   \
-                const scales s0 = KIND##_scales(b, j), s1 = KIND##_scales(b + stride, j);      \
+                const scales s0 = KIND##_scales(b, &hd0, j);                                   \
+                const scales s1 = KIND##_scales(b + stride, &hd1, j);                          \
                 const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \
                 const uint8_t* q1 = KIND##_sub(b + stride + HEAD + SUB * j, tmp1);             \
                 for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
