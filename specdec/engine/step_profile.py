@@ -31,14 +31,24 @@ from specdec.models.linear import cache_key
 logger = logging.getLogger("specdec")
 
 
+# On a CPU the profile stops at this many rows: a forward's time is linear in its rows well
+# before it (the kernels are compute-bound from a few rows on), so larger row counts extrapolate
+# the last slope and are refined online, and a first start spends ~1 s profiling, not the ~8
+# that rows up to 256 took (logits for every row included) on a 2-core CPU
+CPU_PROFILE_ROWS = 32
+
+
 def engine_step_costs(engine) -> StepCosts:
     """Reads the engine's runner, config, model config, dtype, device, kernels, max_model_len."""
-    wanted = tuple(n for n in DEFAULT_GRID if n <= engine.config.max_num_batched_tokens)
+    most = engine.config.max_num_batched_tokens
+    if engine.device.type == "cpu":
+        most = min(most, CPU_PROFILE_ROWS)
+    wanted = tuple(n for n in DEFAULT_GRID if n <= most)
     free = engine.runner.kv.num_free_pages * engine.config.page_size
     context, grid = plan_profile(wanted, free, engine.max_model_len)
     if len(grid) < 2:
         return _flat_costs(engine, wanted, context, grid, free)
-    if (context, grid) != (DEFAULT_CONTEXT, wanted):
+    if context != DEFAULT_CONTEXT or grid != wanted:
         logger.info("step costs: profiling rows %d..%d over a context of %d (the full profile "
                     "is rows up to %d over %d, but the KV has %d free slots and max_model_len "
                     "is %d); larger row counts extrapolate the last slope, refined online",

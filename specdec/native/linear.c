@@ -229,14 +229,20 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
 #ifndef AHEAD
 #define AHEAD 2 /* blocks a pair's stream is prefetched ahead */
 #endif
+#ifndef AHEAD_HINT
+#define AHEAD_HINT _MM_HINT_T0
+#endif
+#ifndef KAHEAD
+#define KAHEAD 1 /* super-blocks a pair's stream is prefetched ahead */
+#endif
 #define DIRECT2P(KIND, BYTES, R, EACH)                                                         \
     AVX2 static void KIND##_p2r##R(const float* x, int64_t K, const uint8_t* b, int64_t stride,\
                                    int64_t nblk, float* y, int64_t ldy) {                      \
         EACH(INIT2P)                                                                           \
         for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
             for (int o = 0; o < BYTES; o += 64) {                                              \
-                _mm_prefetch((const char*)b + AHEAD * BYTES + o, _MM_HINT_T0);                 \
-                _mm_prefetch((const char*)b + stride + AHEAD * BYTES + o, _MM_HINT_T0);        \
+                _mm_prefetch((const char*)b + AHEAD * BYTES + o, AHEAD_HINT);                  \
+                _mm_prefetch((const char*)b + stride + AHEAD * BYTES + o, AHEAD_HINT);         \
             }                                                                                  \
             const scales s0 = KIND##_scales(b), s1 = KIND##_scales(b + stride);                \
             for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
@@ -370,6 +376,9 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
 #define PREFETCH_SHARE(p, BYTES, j)                                                            \
     for (int o = ((BYTES) * (j) / 8) & ~63; o < (BYTES) * ((j) + 1) / 8; o += 64)               \
         _mm_prefetch((const char*)(p) + o, _MM_HINT_T0);
+#define PREFETCH_SHARE_H(p, BYTES, j, HINT)                                                    \
+    for (int o = ((BYTES) * (j) / 8) & ~63; o < (BYTES) * ((j) + 1) / 8; o += 64)               \
+        _mm_prefetch((const char*)(p) + o, HINT);
 /* the steps of nsb super-blocks of a pair (the ones after them prefetched): at input k, the
  * 16 weights of the step in v0, v1 (one vector per panel), then BODY */
 #define KSTEPS(KIND, BYTES, HEAD, SUB, BODY)                                                   \
@@ -411,8 +420,8 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
         for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
             const scales hd0 = KIND##_head(b), hd1 = KIND##_head(b + stride);                  \
             for (int j = 0; j < 8; j++) {                                                      \
-                PREFETCH_SHARE(b + BYTES, BYTES, j)                                            \
-                PREFETCH_SHARE(b + stride + BYTES, BYTES, j)                                   \
+                PREFETCH_SHARE_H(b + KAHEAD * BYTES, BYTES, j, AHEAD_HINT)                     \
+                PREFETCH_SHARE_H(b + stride + KAHEAD * BYTES, BYTES, j, AHEAD_HINT)            \
                 const scales s0 = KIND##_scales(b, &hd0, j);                                   \
                 const scales s1 = KIND##_scales(b + stride, &hd1, j);                          \
                 const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \

@@ -103,7 +103,25 @@ def _goodput_engine_logs(caplog, **kw):
     return llm, caplog.text
 
 
-def test_goodput_starts_with_a_small_kv_budget(tiny_llama, tmp_path, monkeypatch, caplog):
+@pytest.fixture
+def full_profile(monkeypatch):
+    """Rows up to 256 profiled on the CPU too (as on a GPU), for the plan's tests."""
+    import specdec.engine.step_profile as step_profile
+
+    monkeypatch.setattr(step_profile, "CPU_PROFILE_ROWS", 256)
+
+
+def test_a_cpu_profiles_up_to_32_rows_and_extrapolates(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    llm = LLM(model=str(tiny_llama), dtype="float32", drafter="ngram")
+    costs = llm.engine.drafting.controller.costs
+    assert costs.rows[-1] == 32
+    slope = (costs.seconds(32) - costs.seconds(24)) / 8
+    assert costs.seconds(256) == pytest.approx(costs.seconds(32) + 224 * slope)
+
+
+def test_goodput_starts_with_a_small_kv_budget(tiny_llama, tmp_path, monkeypatch, caplog,
+                                               full_profile):
     """24 pages of 4 (96 slots) cannot hold the full profile (64 + 256 slots): fewer points over
     a shorter context, said in the log (issue 16: 'profiling needs 320 free KV slots')."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
@@ -114,7 +132,7 @@ def test_goodput_starts_with_a_small_kv_budget(tiny_llama, tmp_path, monkeypatch
     assert llm.engine.kv.pool.num_free == llm.engine.kv.pool.num_pages
 
 
-def test_goodput_starts_with_a_short_model(tmp_path, monkeypatch, caplog):
+def test_goodput_starts_with_a_short_model(tmp_path, monkeypatch, caplog, full_profile):
     """max_position_embeddings 256: the profile stays inside the model's positions (issue 16:
     IndexError in rope.py)."""
     from conftest import make_tiny_model
@@ -126,7 +144,8 @@ def test_goodput_starts_with_a_short_model(tmp_path, monkeypatch, caplog):
     assert costs.rows[-1] == 192 and "max_model_len is 256" in log
 
 
-def test_a_small_profile_is_not_reused_for_a_large_engine(tiny_llama, tmp_path, monkeypatch):
+def test_a_small_profile_is_not_reused_for_a_large_engine(tiny_llama, tmp_path, monkeypatch,
+                                                          full_profile):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     kw = dict(model=str(tiny_llama), dtype="float32", drafter="ngram")
     small = LLM(**kw, page_size=4, num_pages=24, max_model_len=80)
