@@ -161,7 +161,8 @@ def describe(choice: Choice, klass: str | None = None) -> str:
     """One line for the user: the choice and the figures it was made from."""
     if choice.source == "prior":
         return (f"drafter auto: {choice.drafter or 'none'} (the prior for this model on "
-                f"{klass or 'this'} machines; --calibrate measures the candidates here)")
+                f"{klass + ' machines' if klass else 'this class of machine'}; --calibrate "
+                f"measures the candidates here)")
     how = "cached" if choice.from_cache else f"measured in {choice.seconds:.0f} s"
     return f"drafter auto: {choice.drafter or 'none'} ({how}: {_figures(choice)})"
 
