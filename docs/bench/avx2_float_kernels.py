@@ -2,8 +2,10 @@
 commit's kernels beside the work tree's, in one run, interleaved, medians of repeats; and
 plain decoding's tokens/s with each, in subprocesses taken in turn.
 
-    .venv/bin/python docs/bench/avx2_float_kernels.py [--base HEAD] [--rows 1,2,3]
+    .venv/bin/python docs/bench/avx2_float_kernels.py [--base COMMIT] [--rows 1,2,3]
         [--threads 2] [--repeats 9] [--rounds 4] [--tokens 128] [--no-e2e] [--no-kernels]
+
+(issue 45's change: ``--base c68e8c8``, the kernels before it.)
 
 Both libraries are compiled here from specdec/native/*.c (the base's from git, ``--base``;
 the work tree's as it is) with setup.py's flags, and loaded side by side (ctypes keeps their
@@ -13,7 +15,7 @@ same machine at the same moments.
 Kernels (random blocks, specdec.bench.random_blocks, prepared as the engine prepares them):
 
 - ``hot``: one matrix of each shape, called again and again: it stays in L2, so the time is
-  the kernel's compute (plus ~10 us of call: ctypes, the OpenMP team; shown as ``call``).
+  the kernel's compute (plus ~5-10 us of call: ctypes, the OpenMP team; shown as ``call``).
 - ``token``: every matrix a decode step streams, one call per (format, inputs) with the step's
   matrices of that kind stacked into one (the same panel pairs and k-steps per pair, no call
   overhead per layer), taken in turn as a step takes them: the weights come from DRAM.
@@ -31,15 +33,24 @@ End to end: ``LLM(model="smollm2-135m-instruct", activations="float", drafter=No
 excluded), one subprocess per (round, library), base and work tree alternating; the model is
 fetched once into ``$SPECDEC_CACHE`` (set it to one folder for every run).
 
-The port model (AVX2 on AMD Zen 3 / Zen 4, 256-bit ops; measured with independent chains on a
-Zen 4: FMA and vmulps on 2 pipes, vcvtdq2ps / vpsrlvd on 2 others, vpmovsx/zx and shuffles on
-2 pipes that overlap one of each, logic ops on all 4; broadcasts from memory on the load
-ports only). Per 8 weights and R rows: Q4_1 / Q4_K a 32-bit broadcast, vpsrlvd, vpand,
-vcvtdq2ps, the dequantizing fma, R fmas: 5 + (R - 1) ops on the 4 pipes, the fma pipes
-(1 + R) / 2 cycles, so max(1.25, 1.5, 2.0) = 1.25 / 1.5 / 2.0 cycles at R = 1 / 2 / 3;
-Q8_0 / Q6_K vpmovsxbd, vcvtdq2ps, vmulps, R fmas: max(4 / 4, (1 + R) / 2) = 1.0 / 1.5 /
-2.0 (Q6_K adds its 6-bit unpacking, ~1.6 logic ops per 8 weights: 1.4 at R = 1).
-Ratios only mean something within one run: say which CPU.
+The port model, measured here first (``ports``: each mix's instructions in a loop, cycles per
+8 weights on one core). AVX2 on AMD Zen 4 (Zen 3 has the same 4 FP pipes): fmas and vmulps
+on 2 pipes (FP0/1), vcvtdq2ps and the shifts on 2 others (FP2/3), vpmovsx/zx and shuffles on
+FP1/2, logic ops on all 4; vpmaddubsw, vpmaddwd, vpsignb on the fma pipes; vector loads 2 a
+cycle (a broadcast from memory takes a load port only). Per 8 weights and R rows:
+
+- Q4_1 / Q4_K: a broadcast, vpsrlvd, vpand, vcvtdq2ps, the dequantizing fma, R fmas: 4 + R
+  ops on 4 pipes, 1 + R of them fmas: 1.25 cycles at R = 1 (all four pipes bind), 1.5 and 2.0
+  at R = 2, 3 (the fma pipes bind);
+- Q8_0 (Q6_K's step too): vpmovsxbd, vcvtdq2ps, vmulps, R fmas: counted 1.0 / 1.5 / 2.0,
+  measured 1.18 / 1.67 / 2.29 (the shuffle takes an fma pipe part of the time); Q6_K adds its
+  6-bit unpacking, ~21 logic ops a 128 weights (+0.33);
+- chained (each group's load -> unpack -> convert -> dequantize -> fma), one row: Q4 1.47,
+  Q8_0 1.41: what the out-of-order core makes of the mixes;
+- llama.cpp's AVX2 int8 blocks, one row: Q4_1 x Q8_1 0.55, Q8_0 x Q8_0 0.75.
+
+The compute-bound column takes the measured mixes. Ratios only mean something within one run:
+say which CPU.
 """
 
 from __future__ import annotations
@@ -60,26 +71,102 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("cpu_kernels", "linear", "linear_q8", "attention", "layer", "suffix")
 # setup.py's flags (no contraction of a * b + c into an fma the C code does not ask for)
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c11", "-fPIC"]
-# cycles per 8 weights at 1, 2, 3 rows (the port model in the docstring)
-CYCLES = {"Q4_1": (1.25, 1.5, 2.0), "Q4_K": (1.25, 1.5, 2.0), "Q8_0": (1.0, 1.5, 2.0),
-          "Q6_K": (1.4, 1.6, 2.0)}
-CLOCK_C = r"""
+# Q6_K's 6-bit unpacking: ~21 logic ops a sub-block's 128 bytes, on any of the 4 pipes
+Q6K_UNPACK = 21 / 16 / 4  # cycles per 8 weights
+# the port model's mixes, as instructions of a 256-bit AVX2 loop: per 8 weights (one group),
+# each op of its own (no dependency but the fma accumulators, 8 chains): what the ports allow
+MIXES = {
+    "vfmadd231ps alone": ["FMA"],
+    "vpsrlvd + vcvtdq2ps (the same 2 pipes?)": ["SRLV", "CVT"],
+    "vfmadd231ps + vpmovsxbd (3 pipes?)": ["FMA", "SXBD"],
+    "Q4_1 / Q4_K, 1 row: srlv and cvt fma fma": ["BCD", "SRLV", "AND", "CVT", "MUL", "FMA"],
+    "Q4_1 / Q4_K, 2 rows": ["BCD", "SRLV", "AND", "CVT", "MUL", "FMA", "FMA"],
+    "Q4_1 / Q4_K, 3 rows": ["BCD", "SRLV", "AND", "CVT", "MUL", "FMA", "FMA", "FMA"],
+    "Q8_0, 1 row: sxbd cvt mul fma": ["SXBDM", "CVT", "MUL", "FMA"],
+    "Q8_0, 2 rows": ["SXBDM", "CVT", "MUL", "FMA", "FMA"],
+    "Q8_0, 3 rows": ["SXBDM", "CVT", "MUL", "FMA", "FMA", "FMA"],
+    # llama.cpp's AVX2 block dot products (ggml-cpu x86 quants.c), one row, per 32 weights / 4
+    "llama.cpp Q4_1 x Q8_1 block / 4": ["SRLW", "INS", "AND", "MADDUBS", "MADDWD", "CVT", "FMA",
+                                        "MUL"],
+    "llama.cpp Q8_0 x Q8_0 block / 4": ["SIGN", "SIGN", "MADDUBS", "MADDWD", "CVT", "FMA", "MUL"],
+}
+BLOCK_MIXES = ("llama.cpp",)  # mixes per 32 weights
+OPS = {"FMA": "vfmadd231ps %%ymm1, %%ymm2, %%ymm{a}", "MUL": "vmulps %%ymm1, %%ymm2, %%ymm{t}",
+       "SRLV": "vpsrlvd %%ymm1, %%ymm2, %%ymm{t}", "AND": "vpand %%ymm1, %%ymm2, %%ymm{t}",
+       "CVT": "vcvtdq2ps %%ymm2, %%ymm{t}", "SXBD": "vpmovsxbd %%xmm2, %%ymm{t}",
+       "SXBDM": "vpmovsxbd 8(%1), %%ymm{t}", "BCD": "vpbroadcastd 4(%1), %%ymm{t}",
+       "SRLW": "vpsrlw $4, %%ymm2, %%ymm{t}", "INS": "vinserti128 $1, %%xmm1, %%ymm2, %%ymm{t}",
+       "MADDUBS": "vpmaddubsw %%ymm1, %%ymm2, %%ymm{t}",
+       "MADDWD": "vpmaddwd %%ymm1, %%ymm2, %%ymm{t}", "SIGN": "vpsignb %%ymm1, %%ymm2, %%ymm{t}"}
+# the same with each group's dependency chain (load -> unpack -> convert -> dequantize -> fma):
+# what an out-of-order core makes of it
+CHAINS = {
+    "Q4_1 / Q4_K, 1 row, chained": "vpbroadcastd {o}(%1), %%ymm{t}\n vpsrlvd %%ymm1, %%ymm{t}, "
+    "%%ymm{t}\n vpand %%ymm2, %%ymm{t}, %%ymm{t}\n vcvtdq2ps %%ymm{t}, %%ymm{t}\n vfmadd132ps "
+    "%%ymm3, %%ymm4, %%ymm{t}\n vfmadd231ps %%ymm{t}, %%ymm5, %%ymm{a}\n",
+    "Q8_0, 1 row, chained": "vpmovsxbd {o}(%1), %%ymm{t}\n vcvtdq2ps %%ymm{t}, %%ymm{t}\n "
+    "vmulps %%ymm3, %%ymm{t}, %%ymm{t}\n vfmadd231ps %%ymm{t}, %%ymm5, %%ymm{a}\n"}
+PORTS_C = r"""
 #include <stdio.h>
 #include <time.h>
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
                           return t.tv_sec + 1e-9 * t.tv_nsec; }
-int main(void) { /* a chain of 1-cycle adds: adds per second = the core clock */
-    double best = 1e9;
-    for (int r = 0; r < 7; r++) {
-        long n = 2000000; double t0 = now();
+static float buf[1024] __attribute__((aligned(64)));
+static double ghz;
+#define ZERO(i) "vxorps %%ymm" #i ", %%ymm" #i ", %%ymm" #i "\n"
+#define LOOP(NAME, GROUPS, BODY) { double best = 1e9;                                          \
+    for (int r = 0; r < 200; r++) { long n = 2000; double t0 = now();                         \
+        __asm__ volatile(ZERO(0) ZERO(1) ZERO(2) ZERO(3) ZERO(4) ZERO(5) ZERO(6) ZERO(7)        \
+                         ZERO(8) ZERO(9) ZERO(10) ZERO(11) ZERO(12) ZERO(13) ZERO(14) ZERO(15)  \
+                         "1:\n" BODY "dec %0\n jnz 1b" : "+r"(n) : "r"(buf) : "cc", "memory",  \
+                         "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", \
+                         "xmm9", "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");         \
+        double t = now() - t0; if (t < best) best = t; }                                       \
+    printf("%s\t%f\n", NAME, best * ghz * 1e9 / 2000 / (GROUPS)); }
+int main(void) {
+    double best = 1e9; /* a chain of 1-cycle adds, the fastest of many short runs: the clock */
+    for (int r = 0; r < 300; r++) {
+        long n = 20000; double t0 = now();
         __asm__ volatile("1:\n\t.rept 100\n\tadd $1, %%rax\n\t.endr\n\tdec %0\n\tjnz 1b"
                          : "+r"(n) :: "rax", "cc");
         double t = now() - t0; if (t < best) best = t;
     }
-    printf("%f\n", 2e8 / best / 1e9);
+    ghz = 2e6 / best / 1e9;
+    printf("clock\t%f\n", ghz);
+@LOOPS@
     return 0;
 }
 """
+
+
+def ports_c() -> str:
+    """PORTS_C with a loop per mix (8 groups an iteration) and per chain (4 groups)."""
+    loops = []
+    for name, ops in MIXES.items():
+        body, acc, tmp = [], 0, 0
+        for _ in range(8):
+            for op in ops:
+                if op == "FMA":
+                    body.append(OPS[op].format(a=8 + acc % 8))
+                    acc += 1
+                else:
+                    body.append(OPS[op].format(t=3 + tmp % 5))
+                    tmp += 1
+        groups = 8 * (4 if name.startswith(BLOCK_MIXES) else 1)
+        loops.append(f'    LOOP("{name}", {groups}, "' + "\\n".join(body) + '\\n")')
+    for name, group in CHAINS.items():  # 4 groups, 4 accumulators, the x broadcast once
+        body = "vbroadcastss 256(%1), %%ymm5\\n" + "".join(
+            group.format(o=8 * i, t=6 + i, a=12 + i).replace("\n", "\\n") for i in range(4))
+        loops.append(f'    LOOP("{name}", 4, "{body}")')
+    return PORTS_C.replace("@LOOPS@", "\n".join(loops))
+
+
+def ports(tmp: Path) -> dict[str, float]:
+    """{'clock': GHz, mix: cycles per 8 weights} measured here (one core)."""
+    (tmp / "ports.c").write_text(ports_c())
+    subprocess.run(["gcc", "-O2", str(tmp / "ports.c"), "-o", str(tmp / "ports")], check=True)
+    out = subprocess.run([str(tmp / "ports")], capture_output=True, text=True, check=True)
+    return {k: float(v) for k, v in (line.split("\t") for line in out.stdout.splitlines())}
 
 
 def build(tmp: Path, name: str, base: str | None) -> Path:
@@ -99,13 +186,6 @@ def build(tmp: Path, name: str, base: str | None) -> Path:
     subprocess.run(["gcc", "-shared", "-fopenmp", *(str(src / f"{s}.o") for s in SOURCES),
                     "-o", str(lib)], check=True)
     return lib
-
-
-def clock_ghz(tmp: Path) -> float:
-    (tmp / "clock.c").write_text(CLOCK_C)
-    subprocess.run(["gcc", "-O2", str(tmp / "clock.c"), "-o", str(tmp / "clock")], check=True)
-    return max(float(subprocess.run([str(tmp / "clock")], capture_output=True, text=True,
-                                    check=True).stdout) for _ in range(3))
 
 
 def blocks(kind: str, out: int, inp: int, seed: int):
@@ -135,7 +215,15 @@ TOKEN = {"smollm2-135m": [("Q4_1", 30 * (960 + 576 + 3072), 576), ("Q4_1", 30 * 
                           ("Q6_K", 12 * 2048, 8192)]}
 
 
-def time_kernels(libs: dict, args, ghz: float, bw: float) -> list[dict]:
+def cycles(mix: dict[str, float]) -> dict[str, tuple[float, ...]]:
+    """Cycles per 8 weights at 1, 2, 3 rows of each format: its measured mix (ports)."""
+    q4 = tuple(mix[f"Q4_1 / Q4_K, {r}"] for r in ("1 row: srlv and cvt fma fma", "2 rows",
+                                                  "3 rows"))
+    q8 = tuple(mix[f"Q8_0, {r}"] for r in ("1 row: sxbd cvt mul fma", "2 rows", "3 rows"))
+    return {"Q4_1": q4, "Q4_K": q4, "Q8_0": q8, "Q6_K": tuple(c + Q6K_UNPACK for c in q8)}
+
+
+def time_kernels(libs: dict, args, ghz: float, bw: float, per8: dict) -> list[dict]:
     import torch
 
     from specdec.models import native
@@ -192,7 +280,7 @@ def time_kernels(libs: dict, args, ghz: float, bw: float) -> list[dict]:
             med = {n: statistics.median(times[(model, mode, kind, out, inp, r, n)])
                    for n in names}
             mb = p.nbytes / 1e6
-            compute = out * inp / 8 * CYCLES[kind][min(r, 3) - 1] / (ghz * 1e9) / args.threads
+            compute = out * inp / 8 * per8[kind][min(r, 3) - 1] / (ghz * 1e9) / args.threads
             memory = p.nbytes / (bw * 1e9)
             print(f"{model:13} {mode:5} {kind:4} {f'{out}x{inp}':>12} {mb:7.2f}  "
                   + "  ".join(f"{1e3 * med[n]:9.3f}" for n in names)
@@ -286,12 +374,17 @@ def main() -> None:
         libs = {"base": build(tmp, "base", args.base), "new": build(tmp, "new", None)}
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), "?")
-        ghz, bw = clock_ghz(tmp), bandwidth_gbs()
+        mix, bw = ports(tmp), bandwidth_gbs()
+        ghz = mix.pop("clock")
         print(f"CPU {cpu}, AVX2 path; clock {ghz:.2f} GHz (a 1-cycle add chain), stream "
               f"bandwidth {bw:.1f} GB/s; base = {args.base}, new = the work tree")
-        result = {"cpu": cpu, "ghz": ghz, "bandwidth_gbs": bw, "base": args.base}
+        print("cycles per 8 weights, one core (independent ops but the fma chains: the ports; "
+              "chained: each group's load -> fma):")
+        for name, c in mix.items():
+            print(f"  {name:44} {c:6.3f}")
+        result = {"cpu": cpu, "ghz": ghz, "bandwidth_gbs": bw, "base": args.base, "ports": mix}
         if not args.no_kernels:
-            result["kernels"] = time_kernels(libs, args, ghz, bw)
+            result["kernels"] = time_kernels(libs, args, ghz, bw, cycles(mix))
         if not args.no_e2e:
             result["e2e"] = end_to_end(libs, args)
     if args.json:

@@ -6,7 +6,8 @@
  * panels: the microkernel takes two at a time), so one weight panel is streamed from memory
  * once for every row of the call (rows are tiled by up to 6 in registers; the tile size does
  * not touch any element's order). K runs in blocks, each reused by every row tile from cache
- * while the next one streams in. Threads split the panel pairs.
+ * while the next one streams in (with one row tile, a GGUF pair runs over all of K at once).
+ * Threads split the panel pairs.
  *
  * Formats: fp32, bf16, fp16 panels (16-bit weights widened exactly in registers), and a GGUF's
  * blocks in the kernel formats (kernels.h; specdec/models/gguf_blocks.py), dequantized exactly
@@ -171,6 +172,14 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
     *w1 = _mm256_mul_ps(i8x8(q + 8), kk < 16 ? s->d1 : s->m1);
 }
 
+/* the steps kk of a block, in runs: the formats with a scale per 16 k (I8_F16, Q6_K: kk < 16 ?
+ * d : m) in two runs of 16, so that the compiler picks a run's scales once, not at every step
+ * (Q6_K, one row over two pairs: 1.95 -> 1.87 cycles per 8 weights) */
+enum { q4_1_RUN = 32, q8_0_RUN = 32, q4_f_RUN = 32, q5_f_RUN = 32, i8_f16_RUN = 16,
+       q4_k_RUN = 32, q6_k_RUN = 16, q5_k_RUN = 32 };
+#define KSTEP_LOOP(KIND, kk)                                                                   \
+    for (int kh = 0; kh < SD_QBLOCK; kh += KIND##_RUN)                                         \
+        for (int kk = kh; kk < kh + KIND##_RUN; kk++)
 /* nblk blocks of a pair unpacked to buf [32 * nblk][16], the blocks after them prefetched */
 #define UNPACK(KIND, BYTES)                                                                    \
     AVX2 static void unpack_##KIND(const uint8_t* b, int64_t nblk, float* buf) {              \
@@ -178,7 +187,7 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
             for (int o = 0; o < BYTES; o += 64)                                                \
                 _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
             const scales s = KIND##_scales(b);                                                 \
-            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+            KSTEP_LOOP(KIND, kk) {                                                             \
                 __m256 w0, w1;                                                                 \
                 KIND##_step(b, &s, kk, &w0, &w1);                                              \
                 _mm256_storeu_ps(buf + (j * SD_QBLOCK + kk) * 2 * PW, w0);                     \
@@ -187,7 +196,8 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
         }                                                                                      \
     }
 /* R (1 to 3) rows straight over nblk blocks (dequantized in registers, no buffer: with so few
- * rows the fma chains alone would wait on their latency) */
+ * rows the fma chains alone would wait on their latency); called over the whole of K, so the
+ * blocks nblk on, prefetched, are the next pair's */
 #define DIRECT(KIND, BYTES, R, EACH)                                                           \
     AVX2 static void KIND##_r##R(const float* x, int64_t K, const uint8_t* b, int64_t nblk,   \
                                  float* y, int64_t ldy, int first) {                           \
@@ -196,7 +206,7 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
             for (int o = 0; o < BYTES; o += 64)                                                \
                 _mm_prefetch((const char*)b + nblk * BYTES + o, _MM_HINT_T0);                  \
             const scales s = KIND##_scales(b);                                                 \
-            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+            KSTEP_LOOP(KIND, kk) {                                                             \
                 __m256 v0, v1;                                                                 \
                 KIND##_step(b, &s, kk, &v0, &v1);                                              \
                 const int64_t k = j * SD_QBLOCK + kk;                                          \
@@ -205,12 +215,15 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
         }                                                                                      \
         EACH(STORE)                                                                            \
     }
-/* R (1 to 3) rows over two pairs at once (b and b + stride; columns y .. y + 31), over the whole
- * of K (nblk blocks) from 0. One pair gives a step 2R fma chains, each waiting on the fma
- * latency (4 cycles a k for its 16 weights at one row, where the pipes take them in ~1.25:
- * docs/bench/avx2_float_kernels.py); two pairs give 4R independent chains, and each row's
- * broadcast serves both. The element order is the one pair's: one chain over ascending k. */
-#define INIT2P(r) __m256 a##r = _mm256_setzero_ps(), b##r = _mm256_setzero_ps(),              \
+/* One row over two pairs at once (b and b + stride; columns y .. y + 31), over the whole of K
+ * (nblk blocks), from 0. One pair gives a row 2 fma chains, so a k waits on the fma latency:
+ * 4 cycles for 16 weights, 2 cycles per 8, where the pipes take a 4-bit step's srlv, and,
+ * cvt, dequantizing fma and fma in 1.25 (docs/bench/avx2_float_kernels.py: the port model);
+ * two pairs give 4 independent chains and measured 1.53 (Q4_1) and 1.41 (Q8_0) against 2.0,
+ * one core, from L2. Each element is still one chain over ascending k from 0. (Two rows: two
+ * pairs' 8 accumulators leave no registers for their scales, and the scale loads then bind
+ * (vector loads: 2 a cycle); one pair's 4 chains run as fast, 2.04. Three rows: 12 spill.) */
+#define INIT2P(r) __m256 a##r = _mm256_setzero_ps(), b##r = _mm256_setzero_ps(),               \
                          c##r = _mm256_setzero_ps(), e##r = _mm256_setzero_ps();
 #define ROW2P(r) {                                                                             \
         const __m256 xr = _mm256_broadcast_ss(x + r * K + k);                                  \
@@ -226,31 +239,26 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
     _mm256_storeu_ps(y + r * ldy + PW, b##r);                                                  \
     _mm256_storeu_ps(y + r * ldy + 2 * PW, c##r);                                              \
     _mm256_storeu_ps(y + r * ldy + 3 * PW, e##r);
-#ifndef AHEAD
-#define AHEAD 2 /* blocks a pair's stream is prefetched ahead */
-#endif
-#ifndef AHEAD_HINT
-#define AHEAD_HINT _MM_HINT_T0
-#endif
-#ifndef KAHEAD
-#define KAHEAD 1 /* super-blocks a pair's stream is prefetched ahead */
-#endif
+/* the next two pairs (2 * stride on: contiguous, so one sequential stream) prefetched over the
+ * steps of these two, two blocks a step (b, j blocks on, + j blocks: block 2j of the next two);
+ * prefetching each of the two streams being read a little ahead measured 5-20 % slower from
+ * DRAM (2 threads, SmolLM2-135M's matrices) */
+#define PF_NEXT2(b, stride, j, BYTES)                                                          \
+    for (int o = 0; o < 2 * (BYTES); o += 64)                                                  \
+        _mm_prefetch((const char*)(b) + 2 * (stride) + (j) * (BYTES) + o, _MM_HINT_T0);
 #define DIRECT2P(KIND, BYTES, R, EACH)                                                         \
-    AVX2 static void KIND##_p2r##R(const float* x, int64_t K, const uint8_t* b, int64_t stride,\
-                                   int64_t nblk, float* y, int64_t ldy) {                      \
+    AVX2 static void KIND##_p2r##R(const float* x, int64_t K, const uint8_t* b,                \
+                                   int64_t stride, int64_t nblk, float* y, int64_t ldy) {      \
         EACH(INIT2P)                                                                           \
         for (int64_t j = 0; j < nblk; j++, b += BYTES) {                                       \
-            for (int o = 0; o < BYTES; o += 64) {                                              \
-                _mm_prefetch((const char*)b + AHEAD * BYTES + o, AHEAD_HINT);                  \
-                _mm_prefetch((const char*)b + stride + AHEAD * BYTES + o, AHEAD_HINT);         \
-            }                                                                                  \
+            PF_NEXT2(b, stride, j, BYTES)                                                      \
             const scales s0 = KIND##_scales(b), s1 = KIND##_scales(b + stride);                \
-            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+            KSTEP_LOOP(KIND, kk) {                                                             \
                 __m256 v0, v1;                                                                 \
                 const int64_t k = j * SD_QBLOCK + kk;                                          \
-                KIND##_step(b, &s0, kk, &v0, &v1);                                            \
+                KIND##_step(b, &s0, kk, &v0, &v1);                                             \
                 EACH(ROW2P)                                                                    \
-                KIND##_step(b + stride, &s1, kk, &v0, &v1);                                   \
+                KIND##_step(b + stride, &s1, kk, &v0, &v1);                                    \
                 EACH(ROW2Q)                                                                    \
             }                                                                                  \
         }                                                                                      \
@@ -259,7 +267,7 @@ AVX2 static inline void i8_f16_step(const uint8_t* b, const scales* s, int kk, _
 #define GGUF_FORMAT(KIND, BYTES)                                                               \
     UNPACK(KIND, BYTES)                                                                        \
     DIRECT(KIND, BYTES, 1, EACH1) DIRECT(KIND, BYTES, 2, EACH2) DIRECT(KIND, BYTES, 3, EACH3)  \
-    DIRECT2P(KIND, BYTES, 1, EACH1) DIRECT2P(KIND, BYTES, 2, EACH2)
+    DIRECT2P(KIND, BYTES, 1, EACH1)
 GGUF_FORMAT(q4_1, SD_Q4_1_PAIR_BYTES)
 GGUF_FORMAT(q8_0, SD_Q8_0_PAIR_BYTES)
 GGUF_FORMAT(q4_f, SD_Q4_F_PAIR_BYTES)
@@ -282,18 +290,13 @@ GGUF_FORMAT(i8_f16, SD_I8_F16_PAIR_BYTES)
  * A sub-block's scales are made in registers exactly as gguf-py makes them (float32:
  * D = fl(d * sc), M = fl(dmin * m), negated: the add -M), then the sub-block is dequantized as
  * Q4_F's / I8_F16's block: the same weights, bitwise. */
-/* a super-block's fp16 d (in d0, d1) and dmin (Q4_K, Q5_K: in m0, m1) as float32, once per
- * super-block; a sub-block's scales are made from them (q4_k_scales, q6_k_scales) */
-AVX2 static inline scales q4_k_head(const uint8_t* h) { return q4_1_scales(h); }
-AVX2 static inline scales q6_k_head(const uint8_t* h) { return q8_0_scales(h); }
-#define q5_k_head q4_k_head
-AVX2 static inline scales q4_k_scales(const uint8_t* h, const scales* hd, int j) {
+AVX2 static inline scales q4_k_scales(const uint8_t* h, int j) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const uint8_t* sc = h + 64 + 16 * j;
     const uint8_t* m = h + 192 + 16 * j;
-    scales s = {_mm256_mul_ps(hd->d0, u8x8(sc)), _mm256_mul_ps(hd->d1, u8x8(sc + 8)),
-                _mm256_xor_ps(_mm256_mul_ps(hd->m0, u8x8(m)), sign),
-                _mm256_xor_ps(_mm256_mul_ps(hd->m1, u8x8(m + 8)), sign)};
+    scales s = {_mm256_mul_ps(f16x8(h), u8x8(sc)), _mm256_mul_ps(f16x8(h + 16), u8x8(sc + 8)),
+                _mm256_xor_ps(_mm256_mul_ps(f16x8(h + 32), u8x8(m)), sign),
+                _mm256_xor_ps(_mm256_mul_ps(f16x8(h + 48), u8x8(m + 8)), sign)};
     return s;
 }
 AVX2 static inline void q4_k_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
@@ -301,10 +304,11 @@ AVX2 static inline void q4_k_step(const uint8_t* qb, const scales* s, int kk, __
     nibble_step(qb, s, kk, w0, w1);
 }
 /* Q6_K: d (of k 0-15) and m (of k 16-31) as I8_F16's */
-AVX2 static inline scales q6_k_scales(const uint8_t* h, const scales* hd, int j) {
+AVX2 static inline scales q6_k_scales(const uint8_t* h, int j) {
     const uint8_t* sc = h + 32 + 32 * j;
-    scales s = {_mm256_mul_ps(hd->d0, i8x8(sc)), _mm256_mul_ps(hd->d1, i8x8(sc + 8)),
-                _mm256_mul_ps(hd->d0, i8x8(sc + 16)), _mm256_mul_ps(hd->d1, i8x8(sc + 24))};
+    const __m256 d0 = f16x8(h), d1 = f16x8(h + 16);
+    scales s = {_mm256_mul_ps(d0, i8x8(sc)), _mm256_mul_ps(d1, i8x8(sc + 8)),
+                _mm256_mul_ps(d0, i8x8(sc + 16)), _mm256_mul_ps(d1, i8x8(sc + 24))};
     return s;
 }
 /* Q6_K's quants of a sub-block -> q - 32 as int8 [32 k][16 rows] in `out` (I8_F16's quants),
@@ -321,7 +325,8 @@ AVX2 static inline const uint8_t* q6_k_bytes(const uint8_t* qb, uint8_t* out) {
                                _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
                                _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
         /* bits 2p, 2p + 1 of each byte of h to bits 4, 5 of that byte: one 16-bit shift (a
-         * byte's bits 4-5 come from its own bits either way) and a mask */
+         * byte's bits 4-5 come from its own bits either way) and a mask (21 ops a 128 bytes,
+         * were 26: one row over two pairs 2.02 -> 1.95 cycles per 8 weights) */
         const __m256i hi[4] = {_mm256_and_si256(_mm256_slli_epi16(h, 4), bits45),
                                _mm256_and_si256(_mm256_slli_epi16(h, 2), bits45),
                                _mm256_and_si256(h, bits45),
@@ -376,20 +381,16 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
 #define PREFETCH_SHARE(p, BYTES, j)                                                            \
     for (int o = ((BYTES) * (j) / 8) & ~63; o < (BYTES) * ((j) + 1) / 8; o += 64)               \
         _mm_prefetch((const char*)(p) + o, _MM_HINT_T0);
-#define PREFETCH_SHARE_H(p, BYTES, j, HINT)                                                    \
-    for (int o = ((BYTES) * (j) / 8) & ~63; o < (BYTES) * ((j) + 1) / 8; o += 64)               \
-        _mm_prefetch((const char*)(p) + o, HINT);
 /* the steps of nsb super-blocks of a pair (the ones after them prefetched): at input k, the
  * 16 weights of the step in v0, v1 (one vector per panel), then BODY */
 #define KSTEPS(KIND, BYTES, HEAD, SUB, BODY)                                                   \
     uint8_t tmp[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                              \
     for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                            \
-        const scales hd = KIND##_head(b);                                                      \
         for (int j = 0; j < 8; j++) {                                                          \
             PREFETCH_SHARE(b + nsb * BYTES, BYTES, j)                                          \
-            const scales s = KIND##_scales(b, &hd, j);                                         \
+            const scales s = KIND##_scales(b, j);                                              \
             const uint8_t* qb = KIND##_sub(b + HEAD + SUB * j, tmp);                           \
-            for (int kk = 0; kk < SD_QBLOCK; kk++) {                                           \
+            KSTEP_LOOP(KIND, kk) {                                                             \
                 __m256 v0, v1;                                                                 \
                 KIND##_step(qb, &s, kk, &v0, &v1);                                             \
                 const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                                \
@@ -410,28 +411,25 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
         KSTEPS(KIND, BYTES, HEAD, SUB, EACH(ROW))                                              \
         EACH(STORE)                                                                            \
     }
-/* R rows over two pairs at once, as DIRECT2P (nsb super-blocks: the whole of K) */
+/* one row over two pairs at once, as DIRECT2P (nsb super-blocks: the whole of K) */
 #define KDIRECT2P(KIND, BYTES, HEAD, SUB, R, EACH)                                             \
-    AVX2 static void KIND##_p2r##R(const float* x, int64_t K, const uint8_t* b, int64_t stride,\
-                                   int64_t nsb, float* y, int64_t ldy) {                       \
+    AVX2 static void KIND##_p2r##R(const float* x, int64_t K, const uint8_t* b,                \
+                                   int64_t stride, int64_t nsb, float* y, int64_t ldy) {       \
         uint8_t tmp0[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
         uint8_t tmp1[SD_QBLOCK * 2 * PW] __attribute__((aligned(32)));                         \
         EACH(INIT2P)                                                                           \
         for (int64_t h = 0; h < nsb; h++, b += BYTES) {                                        \
-            const scales hd0 = KIND##_head(b), hd1 = KIND##_head(b + stride);                  \
             for (int j = 0; j < 8; j++) {                                                      \
-                PREFETCH_SHARE_H(b + KAHEAD * BYTES, BYTES, j, AHEAD_HINT)                     \
-                PREFETCH_SHARE_H(b + stride + KAHEAD * BYTES, BYTES, j, AHEAD_HINT)            \
-                const scales s0 = KIND##_scales(b, &hd0, j);                                   \
-                const scales s1 = KIND##_scales(b + stride, &hd1, j);                          \
+                PREFETCH_SHARE(b + 2 * stride + h * BYTES, 2 * (BYTES), j)                     \
+                const scales s0 = KIND##_scales(b, j), s1 = KIND##_scales(b + stride, j);      \
                 const uint8_t* q0 = KIND##_sub(b + HEAD + SUB * j, tmp0);                      \
                 const uint8_t* q1 = KIND##_sub(b + stride + HEAD + SUB * j, tmp1);             \
-                for (int kk = 0; kk < SD_QBLOCK; kk++) {                                       \
+                KSTEP_LOOP(KIND, kk) {                                                         \
                     __m256 v0, v1;                                                             \
                     const int64_t k = (h * 8 + j) * SD_QBLOCK + kk;                            \
-                    KIND##_step(q0, &s0, kk, &v0, &v1);                                       \
+                    KIND##_step(q0, &s0, kk, &v0, &v1);                                        \
                     EACH(ROW2P)                                                                \
-                    KIND##_step(q1, &s1, kk, &v0, &v1);                                       \
+                    KIND##_step(q1, &s1, kk, &v0, &v1);                                        \
                     EACH(ROW2Q)                                                                \
                 }                                                                              \
             }                                                                                  \
@@ -441,8 +439,7 @@ AVX2 static inline void q6_k_step(const uint8_t* q, const scales* s, int kk, __m
 #define KQUANT_FORMAT(KIND, BYTES, HEAD, SUB)                                                  \
     KUNPACK(KIND, BYTES, HEAD, SUB)                                                            \
     KDIRECT(KIND, BYTES, HEAD, SUB, 1, EACH1) KDIRECT(KIND, BYTES, HEAD, SUB, 2, EACH2)         \
-    KDIRECT(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT2P(KIND, BYTES, HEAD, SUB, 1, EACH1)       \
-    KDIRECT2P(KIND, BYTES, HEAD, SUB, 2, EACH2)
+    KDIRECT(KIND, BYTES, HEAD, SUB, 3, EACH3) KDIRECT2P(KIND, BYTES, HEAD, SUB, 1, EACH1)
 KQUANT_FORMAT(q4_k, SD_Q4_K_PAIR_BYTES, SD_Q4_K_HEAD, 256)
 KQUANT_FORMAT(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 KQUANT_FORMAT(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
@@ -694,12 +691,8 @@ KQUANT_FORMAT16(q6_k, SD_Q6_K_PAIR_BYTES, SD_Q6_K_HEAD, SD_Q6_K_SUB)
 KQUANT_FORMAT16(q5_k, SD_Q5_K_PAIR_BYTES, SD_Q5_K_HEAD, SD_Q5_K_SUB)
 
 typedef void (*direct_fn)(const float*, int64_t, const uint8_t*, int64_t, float*, int64_t, int);
-/* R rows over two pairs, the second `stride` bytes on, over the whole of K (AVX2) */
-typedef void (*pairs2_fn)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*,
-                          int64_t);
 #define TWO_ROWS 8    /* most rows of a tile over two pairs at a time (AVX-512) */
 #define DIRECT_ROWS 3 /* up to this many rows (6 accumulators + 2 weights + 4 scales + 3) */
-#define PAIRS2_ROWS 2 /* AVX2: up to this many rows over two pairs (8 accumulators; 12 spill) */
 /* a format's kernels over units of `width` k (32: a block; 256: a super-block) of `bytes` */
 typedef struct {
     int64_t width, bytes;
@@ -708,11 +701,11 @@ typedef struct {
     /* 1 to TWO_ROWS rows over two pairs, the second `stride` bytes on (AVX-512; NULL: AVX2) */
     void (*two[TWO_ROWS])(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t,
                           int);
-    pairs2_fn pairs2[PAIRS2_ROWS]; /* AVX2: 1 to PAIRS2_ROWS rows over two pairs */
+    /* one row over two pairs, the second `stride` bytes on, all of K (AVX2; NULL: AVX-512) */
+    void (*pairs2)(const float*, int64_t, const uint8_t*, int64_t, int64_t, float*, int64_t);
 } gguf_kernels;
 #define GGUF_KERNELS(KIND, WIDTH, BYTES) {WIDTH, BYTES, unpack_##KIND,                          \
-                                          {KIND##_r1, KIND##_r2, KIND##_r3}, {NULL},            \
-                                          {KIND##_p2r1, KIND##_p2r2}}
+                                          {KIND##_r1, KIND##_r2, KIND##_r3}, {NULL}, KIND##_p2r1}
 /* by format code (the float-activation GGUF formats; the others are never looked up here) */
 static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
@@ -728,7 +721,7 @@ static const gguf_kernels GGUF_TABLE[SD_NUM_FORMATS] = {
                                              KIND##_z5, KIND##_z6, KIND##_z7, KIND##_z8},   \
                                             {KIND##_two1, KIND##_two2, KIND##_two3,         \
                                              KIND##_two4, KIND##_two5, KIND##_two6,         \
-                                             KIND##_two7, KIND##_two8}, {NULL}}
+                                             KIND##_two7, KIND##_two8}, NULL}
 static const gguf_kernels GGUF_TABLE16[SD_NUM_FORMATS] = {
     [SD_Q4_1] = GGUF_KERNELS16(q4_1, SD_QBLOCK, SD_Q4_1_PAIR_BYTES),
     [SD_Q8_0] = GGUF_KERNELS16(q8_0, SD_QBLOCK, SD_Q8_0_PAIR_BYTES),
@@ -757,8 +750,9 @@ int sd_float_isa(void) {
  * each dequantizing two pairs in registers, a step's blocks read again from L1 by the next tile
  * (one 2048 x 2048 Q4_K matrix, hot, 2 threads: 4 rows 294 -> 152 us, 8 rows 494 -> 234, 64
  * rows 2468 -> 2029 against unpacking once into a buffer). AVX2: 1-3 rows dequantize in
- * registers; more rows unpack each k-block of a pair once into fp32 (L1) and run every row tile
- * over it. The weights, and so every fma chain, are the same either way. */
+ * registers, a pair (one row: two) over the whole of K at a time; more rows unpack each k-block
+ * of a pair once into fp32 (L1) and run every row tile over it. The weights, and so every fma
+ * chain, are the same either way. */
 static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                         int64_t ldy, int64_t tiles, int64_t base, int64_t extra) {
     const gguf_kernels* g =
@@ -793,15 +787,18 @@ static void linear_gguf(const float* x, int64_t T, int64_t K, const sd_weight* w
         return;
     }
     if (T <= DIRECT_ROWS) { /* T == 0 never gets here (sd_linear_for) */
-        /* each thread a run of pairs (as even as possible), each over the whole of K (with one
-         * row tile nothing is reused from cache); up to PAIRS2_ROWS rows two pairs at a time */
+        /* each thread a run of pairs (as even as possible), each pair over the whole of K (one
+         * row tile: no block is reused, so no k-blocks; a direct kernel prefetches the next
+         * pair as it goes, one sequential stream); one row two pairs at a time (DIRECT2P; two
+         * or three rows have 4 or 6 chains in one pair already, and two pairs' 8 or 12
+         * accumulators leave too few registers for their scales) */
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t stride = (K / width) * bytes, q1 = pairs * (t + 1) / nt;
         int64_t q = pairs * t / nt;
         const uint8_t* data = (const uint8_t*)w->data;
-        if (T <= PAIRS2_ROWS)
+        if (T == 1)
             for (; q + 1 < q1; q += 2)
-                g->pairs2[T - 1](x, K, data + q * stride, stride, K / width, y + 2 * q * PW, ldy);
+                g->pairs2(x, K, data + q * stride, stride, K / width, y + 2 * q * PW, ldy);
         for (; q < q1; q++)
             g->direct[T - 1](x, K, data + q * stride, K / width, y + 2 * q * PW, ldy, 1);
 #pragma omp barrier

@@ -268,16 +268,23 @@ def test_float_gguf_kernels_are_bitwise_on_every_isa(tmp_path):
     """The AVX-512 float-activation GGUF kernels (1-3 rows direct, more unpacked) against the
     AVX2 ones (SPECDEC_NATIVE_ISA=avx2), each in a process of its own (the choice is made once
     per process), and both against the dequantized weights' fp32 kernel: bitwise, every row
-    count 0..64, every row what it is alone."""
+    count 0..64, every row what it is alone. The AVX2 ones also on 3 threads (one row runs each
+    thread's pairs two at a time, an odd last one alone: 13 pairs split 4, 4, 5)."""
     got, isas = {}, {}
-    for cap in ("avx2", None):
+    for cap, threads in (("avx2", 1), ("avx2", 3), (None, 1)):
+        name = f"{cap}-{threads}"
         out = run_capped("test_native_shapes",
                          "print(t.KERNELS.float_isa, flush=True)\n"
-                         f"t.float_gguf_outputs({str(tmp_path / f'{cap}.pt')!r})\n", cap,
-                         threads=1)
+                         f"t.float_gguf_outputs({str(tmp_path / f'{name}.pt')!r})\n", cap,
+                         threads=threads)
         isas[cap] = out.split()[0]
-        got[cap] = torch.load(tmp_path / f"{cap}.pt")
+        got[name] = torch.load(tmp_path / f"{name}.pt")
     assert isas["avx2"] == "avx2"
+    for fmt in FLOAT_GGUF:
+        for (rows, one), (rows3, three) in zip(got["avx2-1"][fmt], got["avx2-3"][fmt]):
+            assert torch.equal(rows, rows3)
+            assert torch.equal(three.view(torch.int32), one.view(torch.int32)), (fmt, len(rows))
+    got["avx2"], got[None] = got["avx2-1"], got["None-1"]
     if isas[None] != "avx512":
         pytest.skip(f"this CPU runs {isas[None]} float kernels: no AVX-512 to compare")
     for fmt in FLOAT_GGUF:
