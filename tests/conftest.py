@@ -142,6 +142,18 @@ def smollm2_dir() -> Path:
     return alias_folder("smollm2-135m-instruct")
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_dir):
+    """HF transformers' float32 SmolLM2-135M-Instruct, read from the GGUF by transformers (the
+    model oracle): once per run, ~14 s of its own GGUF conversion. Do not modify it."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.loader import hf_weights_kwargs
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32,
+                                                **hf_weights_kwargs(smollm2_dir)).eval()
+
+
 class OracleTree:
     """Test drafter that knows the target's greedy continuation `truth`: it proposes a wrong
     token and, as that node's sibling, the next `depth` true tokens, so the accepted nodes never

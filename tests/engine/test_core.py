@@ -154,13 +154,8 @@ def test_bad_engine_config(tiny_llama):
 
 
 @pytest.mark.slow
-def test_smollm2_matches_hf_generate(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
-    from specdec.models.loader import hf_weights_kwargs
-
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32,
-                                              **hf_weights_kwargs(smollm2_dir))
+def test_smollm2_matches_hf_generate(smollm2_dir, smollm2_hf):
+    hf = smollm2_hf
     # without the prefix cache: the chats share their template's system-prompt page, which
     # would spare the pages whose lack must force a preemption here
     engine_args = dict(model=str(smollm2_dir), max_num_batched_tokens=64, page_size=16,

@@ -198,9 +198,9 @@ SMOL_PROMPTS = ("The capital of France is", "def fibonacci(n):\n    ")
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_dir):
-    model, cfg, hf = _load_both(smollm2_dir, torch.float32, max_positions=256)
-    return model, cfg, hf, load_tokenizer(smollm2_dir)
+def smollm2(smollm2_dir, smollm2_hf):
+    model, cfg, _ = load_model(smollm2_dir, torch.float32, "cpu", 256)
+    return model, cfg, smollm2_hf, load_tokenizer(smollm2_dir)
 
 
 @pytest.mark.slow
