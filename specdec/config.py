@@ -68,7 +68,8 @@ class EngineConfig:
     quantize: str | None = None
     # a learned drafter's matrices in the compiled kernels: "q8_0" / "q4_1" blocks quantized at
     # load (drafts need no exactness; a fifth / a seventh of fp32's bytes), "float" as loaded,
-    # "auto": q8_0 wherever it can run (float32, CPU, linear_kernels="invariant")
+    # "auto": wherever they can run (float32, CPU, linear_kernels="invariant") q4_1 for the
+    # learned heads (eagle3, mtp, block_diffusion) and q8_0 for a draft model, else float
     draft_weights: str = "auto"
     drafter: str | None = None
     drafter_args: dict[str, Any] = field(default_factory=dict)

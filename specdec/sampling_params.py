@@ -20,6 +20,17 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 
 
+class RequestError(ValueError):
+    """A request the engine cannot run, naming what was wrong: ``field`` is a SamplingParams
+    field ("temperature"), a path into one ("logit_bias.500": that key of it;
+    "structured_outputs.json") or "prompt" (its token ids). A server maps it to the field its
+    client wrote (specdec.serving.options.request_field)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 @dataclass
 class StructuredOutputs:
     """Constrain the output to a language; exactly one of:
@@ -44,20 +55,23 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         given = [k for k in ("json", "regex", "grammar", "choice")
                  if getattr(self, k) is not None] + (["json_object"] if self.json_object else [])
-        _check(len(given) == 1, "structured_outputs needs exactly one of json, json_object, "
-                                f"regex, grammar, choice; got {given or 'none'}")
-        _check(self.json is None or isinstance(self.json, (dict, str)),
-               f"structured_outputs.json must be a JSON schema (dict or JSON text), got "
+        _check(len(given) == 1, "structured_outputs",
+               "structured_outputs needs exactly one of json, json_object, regex, grammar, "
+               f"choice; got {given or 'none'}")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json",
+               "structured_outputs.json must be a JSON schema (dict or JSON text), got "
                f"{type(self.json).__name__}")
         for key in ("regex", "grammar"):
             value = getattr(self, key)
             _check(value is None or (isinstance(value, str) and value),
+                   f"structured_outputs.{key}",
                    f"structured_outputs.{key} must be a non-empty string, got {value!r}")
         _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and self.choice
                                        and all(isinstance(c, str) and c for c in self.choice)),
-               f"structured_outputs.choice must be a non-empty list of non-empty strings, got "
-               f"{self.choice!r}")
+               "structured_outputs.choice", "structured_outputs.choice must be a non-empty list "
+               f"of non-empty strings, got {self.choice!r}")
         _check(isinstance(self.json_object, bool) and isinstance(self.whitespace_flexible, bool),
+               "structured_outputs",
                "structured_outputs.json_object and whitespace_flexible must be bools")
 
 
@@ -118,55 +132,57 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(_is_real(self.temperature) and self.temperature >= 0,
+        _check(_is_real(self.temperature) and self.temperature >= 0, "temperature",
                f"temperature must be a finite number >= 0 (0 = greedy), {_got(self.temperature)}")
-        _check(_is_int(self.top_k) and self.top_k >= -1,
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k",
                f"top_k must be an int >= -1 (-1 or 0 = disabled), {_got(self.top_k)}")
-        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0,
+        _check(_is_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
                f"top_p must be a number in (0, 1], {_got(self.top_p)}")
-        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0,
+        _check(_is_real(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p",
                f"min_p must be a number in [0, 1], {_got(self.min_p)}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1,
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                f"max_tokens must be an int >= 1, {_got(self.max_tokens)}")
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
                f"seed must be None or an int in [0, 2**63 - 1], {_got(self.seed)}")
-        _check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES,
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n",
                f"n must be an int in [1, {MAX_SAMPLES}] (samples of the prompt), {_got(self.n)}")
-        _check(self.cache_salt is None or isinstance(self.cache_salt, str),
+        _check(self.cache_salt is None or isinstance(self.cache_salt, str), "cache_salt",
                f"cache_salt must be None or a string, got {type(self.cache_salt).__name__} "
                f"{self.cache_salt!r}")
         _check(isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) and s
                                                             for s in self.stop),
-               f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+               "stop", f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         _check(isinstance(self.stop_token_ids, (list, tuple))
                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids",
                f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
 
         for key in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, key)
-            _check(_is_real(value) and -2.0 <= value <= 2.0,
+            _check(_is_real(value) and -2.0 <= value <= 2.0, key,
                    f"{key} must be a number in [-2, 2], {_got(value)}")
         _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
-               f"repetition_penalty must be a number > 0 (1 = off), "
+               "repetition_penalty", f"repetition_penalty must be a number > 0 (1 = off), "
                f"{_got(self.repetition_penalty)}")
         _check(self.logit_bias is None or (
             isinstance(self.logit_bias, dict)
             and all(_is_int(k) and k >= 0 and _is_real(v) and abs(v) <= MAX_LOGIT_BIAS
                     for k, v in self.logit_bias.items())),
-            f"logit_bias must be a dict of token id (int >= 0) to a number in [-100, 100], "
-            f"got {self.logit_bias!r}")
-        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "logit_bias", "logit_bias must be a dict of token id (int >= 0) to a number in "
+            f"[-100, 100], got {self.logit_bias!r}")
+        _check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], "
                f"{_got(self.min_tokens)}")
         _check(isinstance(self.bad_words, (list, tuple))
                and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+               "bad_words",
                f"bad_words must be a list of non-blank strings, got {self.bad_words!r}")
         for key in ("logprobs", "prompt_logprobs"):
             value = getattr(self, key)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS),
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), key,
                    f"{key} must be None or an int in [0, {MAX_LOGPROBS}], {_got(value)}")
         _check(self.structured_outputs is None
-               or isinstance(self.structured_outputs, StructuredOutputs),
+               or isinstance(self.structured_outputs, StructuredOutputs), "structured_outputs",
                "structured_outputs must be None or a StructuredOutputs, got "
                f"{type(self.structured_outputs).__name__}")
 
@@ -200,6 +216,6 @@ def _got(value) -> str:
     return f"got {value!r}" + (" (a bool)" if isinstance(value, bool) else "")
 
 
-def _check(ok: bool, message: str) -> None:
+def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise RequestError(field, message)

@@ -49,6 +49,7 @@ HF_BASELINES = ("hf", "hf-pld")
 BASELINES = (*HF_BASELINES, *LLAMA_CPP_BASELINES, "plain", "none")
 FAMILIES = (HF_BASELINES, LLAMA_CPP_BASELINES)  # an extra baseline is compared with its own kind
 PLD_NUM_TOKENS = 10
+SPECULATION = ("drafter", "drafter_args", "controller", "controller_args")  # engine options
 
 
 def pass_salt(repeat: int | None, batch_size: int | None = None) -> str:
@@ -149,21 +150,38 @@ class Tally:
         return [c[cat][1] / c[cat][0] if c[cat][0] > 0 else 0.0 for c in self.by_cat]
 
 
-def make_systems(args) -> dict:
-    """{"baseline"?, "plain"?, "engine"}: in the order they run on each batch."""
-    common = dict(model=args.model, dtype=args.dtype, device=args.device,
-                  max_num_seqs=max(32, args.batch_size),
-                  linear_kernels=getattr(args, "linear_kernels", "invariant"),
-                  weights=getattr(args, "weights", "auto"),
-                  activations=getattr(args, "activations", "float"),
-                  quantize=getattr(args, "quantize", None),
-                  draft_weights=getattr(args, "draft_weights", "auto"),
-                  attention_backend=getattr(args, "attention_backend", "auto"),
-                  cuda_graphs=getattr(args, "cuda_graphs", True),
-                  enable_prefix_caching=getattr(args, "enable_prefix_caching", True))
-    engine = LLM(drafter=args.drafter, drafter_args=args.drafter_args,
-                 controller=args.controller, controller_args=args.controller_args,
-                 verifier=getattr(args, "verifier", "gumbel"), **common)
+def plain_options(engine_kwargs: dict) -> dict:
+    """A bench's plain reference engine: the CLI's engine options without speculation."""
+    return {k: v for k, v in engine_kwargs.items() if k not in SPECULATION}
+
+
+def system_options(engine_kwargs: dict, index: int) -> dict:
+    """The options of a bench's engine system ``index`` (0, 1, ...: the systems of one run are
+    alive side by side, and a tier file is locked by the one engine that opened it): a disk tier
+    of ``--kv-tier-path FILE`` in FILE for the first, FILE.1, FILE.2, ... for the others."""
+    path = engine_kwargs.get("kv_tier_path")
+    return engine_kwargs if path is None or not index else dict(
+        engine_kwargs, kv_tier_path=f"{path}.{index}")
+
+
+def keyed_drafters(spec: str, drafter_args: dict) -> list[tuple[str, dict]]:
+    """``--drafters a,b`` with ``--drafter-args`` keyed by drafter name (``{"eagle3": {...}}``):
+    (name, its drafter_args) per entry, in order."""
+    names = [n.strip() for n in spec.split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"--drafters: distinct names like eagle3,ngram, got {spec!r}")
+    unknown = set(drafter_args) - set(names)
+    if unknown:
+        raise ValueError(f"--drafter-args with --drafters is keyed by drafter name; "
+                         f"{sorted(unknown)} is not among {names}")
+    return [(n, drafter_args.get(n, {})) for n in names]
+
+
+def make_systems(args, engine_kwargs: dict) -> dict:
+    """{"baseline"?, "plain"?, "engine"}: in the order they run on each batch; the engines made
+    with ``engine_kwargs`` (the CLI's, ``specdec.cli.common.engine_kwargs``)."""
+    common = dict(engine_kwargs, max_num_seqs=max(32, args.batch_size))
+    engine = LLM(**system_options(common, 0))
     systems: dict = {}
     if args.baseline not in ("plain", "none"):
         systems["baseline"] = _baseline(args.baseline, args, engine)
@@ -176,7 +194,8 @@ def make_systems(args) -> dict:
         systems["extra"] = _baseline(extra, args, engine)
     needs_plain = args.baseline == "plain" or (args.drafter and args.baseline != "none")
     if needs_plain:
-        systems["plain"] = EngineSystem(LLM(**common), args.max_new_tokens)
+        plain = LLM(**system_options(plain_options(common), 1))
+        systems["plain"] = EngineSystem(plain, args.max_new_tokens)
     systems["engine"] = EngineSystem(engine, args.max_new_tokens)
     return systems
 
@@ -214,10 +233,11 @@ def _run_phase(systems: dict, tallies: dict, items: list[Item], args, bar) -> No
             bar.update(len(batch))
 
 
-def run_bench(args) -> dict:
-    """Run the benchmark described by parsed CLI args; return the report (see `build_report`)."""
+def run_bench(args, engine_kwargs: dict) -> dict:
+    """Run the benchmark described by parsed CLI args on engines made with ``engine_kwargs``;
+    return the report (see `build_report`)."""
     questions = load_questions(Path(args.dataset), args.num_prompts)  # fail before loading
-    systems = make_systems(args)
+    systems = make_systems(args, engine_kwargs)
     tok = systems["engine"].llm.tokenizer
     items = first_turn_items(questions, tok)
     num_turns = max(len(q.turns) for q in questions) if args.multi_turn else 1

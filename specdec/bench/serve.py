@@ -1,13 +1,14 @@
 """``specdec bench-serve``: load on the OpenAI-compatible server through HTTP, as clients see it.
 
-For each system (plain decoding, then each ``--drafters`` entry under the goodput controller) a
-server is started in this process (or ``--url`` names a running one), and for each request rate
-the dataset's prompts arrive as a Poisson process (or at fixed intervals; ``inf``: all at once),
-at most ``--max-concurrency`` in flight, each a streamed chat completion read by an async HTTP
-client. Per rate: TTFT (to the first content), TPOT ((e2e - TTFT) / (tokens - 1)) and ITL (gaps
-between streamed chunks) P50/P90/P99, request and token throughput, and goodput: the tokens/s
-of the requests that met ``--slo-ttft-ms`` and ``--slo-tpot-ms``. ``--compare-generate`` first
-times ``LLM.generate`` at batch 1 on the same prompts: the server's overhead on TPOT.
+For each system (``--drafter``'s, plain decoding without one; or each ``--drafters`` entry,
+``none`` being plain decoding) a server is started in this process (or ``--url`` names a
+running one), and for each request rate the dataset's prompts arrive as a Poisson process (or at
+fixed intervals; ``inf``: all at once), at most ``--max-concurrency`` in flight, each a
+streamed chat completion read by an async HTTP client. Per rate: TTFT (to the first content),
+TPOT ((e2e - TTFT) / (tokens - 1)) and ITL (gaps between streamed chunks) P50/P90/P99, request
+and token throughput, and goodput: the tokens/s of the requests that met ``--slo-ttft-ms`` and
+``--slo-tpot-ms``. ``--compare-generate`` first times ``LLM.generate`` at batch 1 on the same
+prompts: the server's overhead on TPOT.
 
 The clients run in this process beside the server (the engine steps in the main thread, uvicorn
 and the clients' event loop in others, sharing the GIL with it): on a 2-core machine their cost
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.bench.compare import percentiles
+from specdec.bench.compare import keyed_drafters, percentiles
 from specdec.bench.data import load_questions
 
 PLAIN = "none"
@@ -148,6 +149,17 @@ def _generate_tpot(llm, prompts, max_tokens: int) -> dict:
     return percentiles(tpots)
 
 
+def serve_systems(args) -> list[tuple[str, dict]]:
+    """(system, drafter_args) per in-process server, in order: each ``--drafters`` entry
+    (``none``: plain decoding) with ``--drafter-args`` keyed by name, as in bench sweeps; else
+    the one system ``--drafter`` names (plain decoding without it)."""
+    if not args.drafters:
+        return [(args.drafter or PLAIN, args.drafter_args)]
+    if args.drafter:
+        raise ValueError("give --drafter or --drafters, not both")
+    return keyed_drafters(args.drafters, args.drafter_args)
+
+
 def run_serve_bench(args, engine_kwargs: dict) -> dict:
     from specdec.engine.llm import LLM
     from specdec.serving.engine_loop import EngineLoop
@@ -155,18 +167,19 @@ def run_serve_bench(args, engine_kwargs: dict) -> dict:
 
     prompts = _prompts(args)
     rates = _rates(args.request_rates)
-    systems = [PLAIN] if args.url else [s.strip() for s in args.drafters.split(",")]
+    systems = [(PLAIN, {})] if args.url else serve_systems(args)
     report: dict = {"config": {"model": args.model, "num_prompts": len(prompts),
                                "max_new_tokens": args.max_new_tokens, "rates": rates,
                                "arrival": args.arrival, "max_concurrency": args.max_concurrency,
                                "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
                                "url": args.url},
                     "systems": {}}
-    for system in systems:
+    for system, drafter_args in systems:
         runs, server, loop = {}, None, None
         url, model = args.url, args.served_model_name or args.model
         if url is None:
-            kw = dict(engine_kwargs, drafter=None if system == PLAIN else system)
+            kw = dict(engine_kwargs, drafter=None if system == PLAIN else system,
+                      drafter_args=drafter_args)
             llm = LLM(max_num_seqs=max(32, args.max_concurrency), **kw)
             if args.compare_generate:
                 runs["generate_tpot_ms"] = _generate_tpot(llm, prompts, args.max_new_tokens)
@@ -182,6 +195,7 @@ def run_serve_bench(args, engine_kwargs: dict) -> dict:
             loop.run()
             clients.join()
             server.stop()
+            llm.close()  # its tier file, for the next system's engine
             gen = runs.get("generate_tpot_ms", {}).get("p50")
             first = runs[str(rates[0])]["tpot_ms"].get("p50")
             runs["server_tpot_overhead"] = first / gen - 1 if gen and first else None

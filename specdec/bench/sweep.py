@@ -28,11 +28,14 @@ from specdec.bench.compare import (
     EngineSystem,
     HFSystem,
     Tally,
+    keyed_drafters,
     pass_salt,
     percentiles,
+    plain_options,
     run_config,
     runtime_info,
     speculation_summary,
+    system_options,
 )
 from specdec.bench.data import first_turn_items, load_questions
 from specdec.engine.llm import LLM
@@ -107,20 +110,15 @@ class SweepSystem:
     batch_sizes: list[int] = field(default_factory=list)
 
 
-def make_sweep_systems(args, batch_sizes: list[int]) -> list[SweepSystem]:
-    common = dict(model=args.model, dtype=args.dtype, device=args.device,
-                  max_num_seqs=max(32, max(batch_sizes)),
-                  linear_kernels=getattr(args, "linear_kernels", "invariant"),
-                  weights=getattr(args, "weights", "auto"),
-                  activations=getattr(args, "activations", "float"),
-                  quantize=getattr(args, "quantize", None),
-                  draft_weights=getattr(args, "draft_weights", "auto"),
-                  attention_backend=getattr(args, "attention_backend", "auto"),
-                  cuda_graphs=getattr(args, "cuda_graphs", True))
+def make_sweep_systems(args, batch_sizes: list[int], engine_kwargs: dict) -> list[SweepSystem]:
+    """The plain engine, then one per drafter and controller, made with ``engine_kwargs`` (the
+    CLI's), each with its own tier file (``compare.system_options``); HF at batch 1."""
+    common = dict(engine_kwargs, max_num_seqs=max(32, max(batch_sizes)))
     controllers = parse_controllers(args.controllers) if args.controllers else [
         (args.controller, None)]
     drafters = _drafters(args)
-    systems = [SweepSystem("plain", EngineSystem(LLM(**common), args.max_new_tokens),
+    plain = LLM(**system_options(plain_options(common), 0))
+    systems = [SweepSystem("plain", EngineSystem(plain, args.max_new_tokens),
                            batch_sizes=batch_sizes)]
     for drafter, dargs in drafters:
         for name, budget in controllers:
@@ -128,9 +126,9 @@ def make_sweep_systems(args, batch_sizes: list[int]) -> list[SweepSystem]:
             if budget is not None:
                 cargs["budget"] = budget
             recorder = StepRecorder()
-            llm = LLM(drafter=drafter, drafter_args=dargs, controller=name,
-                      controller_args=cargs, verifier=getattr(args, "verifier", "gumbel"),
-                      plugins=(recorder,), **common)
+            options = dict(common, drafter=drafter, drafter_args=dargs, controller=name,
+                           controller_args=cargs)
+            llm = LLM(**system_options(options, len(systems)), plugins=(recorder,))
             label = llm.engine.config.controller_name + (
                 f":{budget}" if budget is not None else "")
             if len(drafters) > 1:
@@ -157,20 +155,13 @@ def _drafters(args) -> list[tuple[str, dict]]:
         return [(args.drafter, args.drafter_args)]
     if args.drafter:
         raise ValueError("give --drafter or --drafters, not both")
-    names = [n.strip() for n in names.split(",")]
-    if not all(names) or len(set(names)) != len(names):
-        raise ValueError(f"--drafters: distinct names like eagle3,ngram, got {args.drafters!r}")
-    unknown = set(args.drafter_args) - set(names)
-    if unknown:
-        raise ValueError(f"--drafter-args with --drafters is keyed by drafter name; "
-                         f"{sorted(unknown)} is not among {names}")
-    return [(n, args.drafter_args.get(n, {})) for n in names]
+    return keyed_drafters(names, args.drafter_args)
 
 
-def run_sweep(args) -> dict:
+def run_sweep(args, engine_kwargs: dict) -> dict:
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     questions = load_questions(Path(args.dataset), args.num_prompts)
-    systems = make_sweep_systems(args, batch_sizes)
+    systems = make_sweep_systems(args, batch_sizes, engine_kwargs)
     tok = systems[0].runner.llm.tokenizer
     items = first_turn_items(questions, tok)
     failed: dict[str, str] = {}  # a speculative system that failed: its error (the rest go on)

@@ -29,14 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_registered(parser, args) -> None:
-    """Unknown drafter/controller names fail here, before any model is loaded."""
+    """Unknown drafter/controller/verifier names fail here, before any model is loaded; a
+    drafter composition ("ngram+suffix") by each of its members, split as the engine splits it."""
     from specdec import plugins
 
     pm = plugins.get_plugin_manager()
-    drafter = None if args.drafter == "auto" else args.drafter  # resolved when generate runs
-    for flag, hook, name in (("--drafter", "specdec_drafters", drafter),
-                             ("--controller", "specdec_controllers", args.controller),
-                             ("--verifier", "specdec_verifiers", args.verifier)):
+    named = [(flag, "specdec_drafters", name, spec)
+             for flag, name, spec in _drafter_names(parser, args)]
+    named += [("--controller", "specdec_controllers", args.controller, args.controller),
+              ("--verifier", "specdec_verifiers", args.verifier, args.verifier)]
+    for flag, hook, name, spec in named:
         if name is None:
             continue
         try:
@@ -44,8 +46,29 @@ def _check_registered(parser, args) -> None:
         except plugins.PluginError as e:
             parser.error(f"argument {flag}: cannot list registered names: {e}")
         if name not in names:
-            parser.error(f"argument {flag}: unknown name {name!r}; registered: "
+            member = f" (a member of {spec!r})" if spec != name else ""
+            parser.error(f"argument {flag}: unknown name {name!r}{member}; registered: "
                          f"{', '.join(sorted(names)) or '(none)'}")
+
+
+def _drafter_names(parser, args) -> list[tuple[str, str, str]]:
+    """(flag, registered name, what the flag gave) for every drafter --drafter and --drafters
+    name: each member of a composition; none for generate's "auto" (resolved when it runs) or
+    "none" (plain decoding)."""
+    from specdec.engine.drafter_setup import composition_names
+
+    auto = args.command == "generate" and args.drafter == "auto"
+    specs = [("--drafter", args.drafter)] if args.drafter is not None and not auto else []
+    drafters = getattr(args, "drafters", None)  # bench's and bench-serve's: NAME,NAME,...
+    if drafters is not None:
+        specs += [("--drafters", s.strip()) for s in drafters.split(",") if s.strip() != "none"]
+    out = []
+    for flag, spec in specs:
+        try:
+            out += [(flag, name, spec) for name in composition_names(spec)]
+        except ValueError as e:
+            parser.error(f"argument {flag}: {e}")
+    return out
 
 
 def _merge_budget(parser, args) -> None:
@@ -58,13 +81,6 @@ def _merge_budget(parser, args) -> None:
     args.controller_args = merged
 
 
-def _generate_drafter(args) -> str | None:
-    """generate's --drafter: "auto" (the default, resolved when the command runs: the drafter
-    measured fastest for the model here, specdec.engine.drafter_choice), "none" (plain decoding), or
-    a registered name."""
-    return None if args.drafter == "none" else args.drafter
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse and validate; exits (SystemExit 2) with a message naming the bad argument."""
     parser = build_parser()
@@ -74,9 +90,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     _merge_budget(parser, args)
     if args.command == "generate":
         generate.check_sampling(parser, args)
-        args.drafter = _generate_drafter(args)
-    if args.command == "serve" and args.drafter == "none":  # plain decoding, as generate's
+    # --drafter: a registered name or composition ("ngram+suffix"), "none" (plain decoding) or,
+    # for generate, "auto" (its default, resolved when it runs: specdec.engine.drafter_choice)
+    if args.drafter == "none":
         args.drafter = None
+    if args.drafter is not None and getattr(args, "drafters", None):
+        parser.error("argument --drafters: give --drafter or --drafters, not both")
     if args.drafter_args and args.drafter is None and not getattr(args, "drafters", None):
         parser.error("argument --drafter-args: given without --drafter")
     if args.drafter_args and args.drafter == "auto":

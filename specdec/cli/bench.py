@@ -6,6 +6,7 @@ from __future__ import annotations
 from specdec.cli.common import (
     add_model_args,
     add_spec_args,
+    engine_kwargs,
     existing_file,
     int_at_least,
     write_report,
@@ -61,10 +62,10 @@ def run(args) -> int:
         args.max_new_tokens, args.repeats, args.warmup = min(args.max_new_tokens, 16), 1, 1
     if args.batch_sizes or args.controllers or args.plot or args.drafters:
         args.batch_sizes = args.batch_sizes or str(args.batch_size)
-        report = run_sweep(args)
+        report = run_sweep(args, engine_kwargs(args))
         print_sweep(report)
     else:
-        report = run_bench(args)
+        report = run_bench(args, engine_kwargs(args))
         print_report(report)
     write_report(report, args.json)
     return 0

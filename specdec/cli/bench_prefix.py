@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--tier-dir", default=None, help="folder for the tier workload's file "
                                                     "(default: a temporary folder)")
     p.add_argument("--json", default=None, metavar="OUT.json", help="write the report here")
-    add_model_args(p)
+    add_model_args(p, cache_flags=False)  # each workload sets the cache and tier itself
     add_spec_args(p)
     p.set_defaults(func=run)
 

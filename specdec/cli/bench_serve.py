@@ -23,8 +23,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=int_at_least(1), default=16)
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--slo-tpot-ms", type=float, default=None)
-    p.add_argument("--drafters", default="none", metavar="none,NAME,...",
-                   help="one server per entry (none = plain decoding), one after the other")
+    p.add_argument("--drafters", default=None, metavar="none,NAME,...",
+                   help="one server per entry (none = plain decoding), one after the other, "
+                        "--drafter-args keyed by name (default: the one --drafter gives, plain "
+                        "decoding without it)")
     p.add_argument("--compare-generate", action="store_true",
                    help="time LLM.generate at batch 1 on the same prompts first: the server's "
                         "TPOT overhead at the first rate (use --max-concurrency 1 for it)")

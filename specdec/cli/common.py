@@ -67,7 +67,9 @@ def existing_file(text: str) -> str:
     return text
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
+def add_model_args(p: argparse.ArgumentParser, cache_flags: bool = True) -> None:
+    """The engine's model flags; ``cache_flags=False`` leaves out --no-prefix-caching and the
+    tier flags, for a command that sets them itself (bench-prefix, per workload)."""
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"alias, HF folder, .gguf file or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
@@ -92,6 +94,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="auto (default): flashinfer on CUDA when installed, else torch")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly on CUDA (default: replay CUDA graphs)")
+    if cache_flags:
+        add_cache_args(p)
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="compute every request's KV from scratch (default: reuse cached full "
                         "pages of a common prefix)")
@@ -118,8 +125,9 @@ def add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
                    help="registered verifier name: gumbel (default), rejection, greedy")
     p.add_argument("--draft-weights", choices=DRAFT_WEIGHT_CHOICES, default="auto",
                    help="a learned drafter's matrices: q8_0 or q4_1 blocks quantized at load "
-                        "(drafts need no exactness), float (as loaded), or auto (default: q8_0 "
-                        "where the compiled kernels run)")
+                        "(drafts need no exactness), float (as loaded), or auto (default: where "
+                        "the compiled kernels run, q4_1 for the learned heads (eagle3, mtp, "
+                        "block_diffusion) and q8_0 for a draft model; else float)")
     p.add_argument("--linear-kernels", choices=("invariant", "tuned", "plain"),
                    default="invariant",
                    help="CPU matmul paths: the compiled row-invariant kernels (default), a "
@@ -132,17 +140,18 @@ def add_dataset_args(p, help_text: str, num_prompts: int, max_new_tokens: int) -
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=max_new_tokens)
 
 
+# The engine options the engine flags set: each flag's argparse dest is the option's name
+# (EngineConfig's, through LLM), e.g. --no-prefix-caching -> enable_prefix_caching.
+ENGINE_OPTIONS = ("model", "dtype", "device", "weights", "activations", "quantize",
+                  "attention_backend", "cuda_graphs", "enable_prefix_caching", "kv_tier_path",
+                  "kv_tier_bytes", "kv_host_tier_bytes", "drafter", "drafter_args",
+                  "controller", "controller_args", "verifier", "draft_weights", "linear_kernels")
+
+
 def engine_kwargs(args) -> dict:
-    return dict(model=args.model, dtype=args.dtype, device=args.device, drafter=args.drafter,
-                drafter_args=args.drafter_args, controller=args.controller,
-                controller_args=args.controller_args, verifier=args.verifier,
-                linear_kernels=args.linear_kernels, attention_backend=args.attention_backend,
-                cuda_graphs=args.cuda_graphs, weights=args.weights,
-                activations=args.activations, quantize=args.quantize,
-                draft_weights=args.draft_weights,
-                enable_prefix_caching=args.enable_prefix_caching,
-                kv_tier_path=args.kv_tier_path, kv_tier_bytes=args.kv_tier_bytes,
-                kv_host_tier_bytes=args.kv_host_tier_bytes)
+    """The LLM keywords of parsed args: every engine option whose flag the command takes (the
+    one place args become an engine's options; every command builds its engines from these)."""
+    return {name: getattr(args, name) for name in ENGINE_OPTIONS if hasattr(args, name)}
 
 
 def write_report(report: dict, path: str | None) -> None:

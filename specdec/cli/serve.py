@@ -59,8 +59,7 @@ def run(args) -> int:
     server = ServerThread(app, args.host, args.port, log_level="info")
     print(f"{PROG} serve: {server.url}/v1 (Ctrl-C stops; SIGTERM drains for up to "
           f"{args.drain_timeout:g} s, then stops)", file=sys.stderr)
-    # e.g. docker stop: new requests get 503, running ones finish (or time out), then exit
-    signal.signal(signal.SIGTERM, lambda *_: loop.drain(args.drain_timeout))
+    drain_on_sigterm(loop, args.drain_timeout)
     try:
         loop.run()  # the engine steps in the thread that built it; HTTP runs in another
     except KeyboardInterrupt:
@@ -69,3 +68,11 @@ def run(args) -> int:
         loop.shutdown()
         server.stop()
     return 0
+
+
+def drain_on_sigterm(loop, timeout: float) -> None:
+    """On SIGTERM (e.g. docker stop) new requests get 503 and running ones finish (or time out
+    after ``timeout`` s); then ``loop.run()`` returns. The handler only asks the loop
+    (``EngineLoop.drain_soon``): it runs on the main thread, which steps the engine and may hold
+    one of the loop's locks at that moment."""
+    signal.signal(signal.SIGTERM, lambda *_: loop.drain_soon(timeout))

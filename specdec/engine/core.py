@@ -36,7 +36,7 @@ from specdec.engine.step_stats import StepRecorder, StepTimes
 from specdec.kv.prefix import root_key
 from specdec.logits.setup import LogitsSetup
 from specdec.metrics import StepStats
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import RequestError, SamplingParams
 
 
 @dataclass
@@ -75,6 +75,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.samples: dict[str, list[str]] = {}  # request id -> its samples' sequence ids
         self.plugin_errors: list[str] = []
+        self.closed = False
         self._ids = itertools.count()
         self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
 
@@ -91,18 +92,33 @@ class LLMEngine:
 
     def close(self) -> None:
         """Let go of what outlives a step: the disk tier's file and its lock (a later engine
-        on the same path may open it). Requests still running are aborted."""
+        on the same path may open it). Requests still running are aborted (their pages go
+        back) and every request is forgotten; afterwards the engine refuses new work
+        (``check_open``). Twice is fine."""
+        if self.closed:
+            return
         for request_id in list(self.samples):
             self.abort(request_id)
-        if self.tier is not None and hasattr(self.tier, "close"):
+        self.requests.clear()
+        self.samples.clear()
+        self.closed = True
+        if self.tier is not None:
+            self.kv.detach_tier()  # no eviction or admission reaches the closed tier
             self.tier.close()
+
+    def check_open(self) -> None:
+        """RuntimeError once ``close()`` ran: a closed engine takes no new work."""
+        if self.closed:
+            raise RuntimeError("this LLM was closed (LLM.close() or the end of its 'with' "
+                               "block): it takes no new requests; make a new one")
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         """Queue a request (``params.n`` samples of the prompt: sequences ``request_id`` and,
         for n > 1, ``request_id/1`` .. ``request_id/n-1``, listed by ``samples_of``);
-        ValueError (and no change to the engine) if it is malformed."""
+        ValueError (and no change to the engine) if it is malformed; RuntimeError once the
+        engine is closed."""
         self.check_request(prompt_token_ids, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         ids = [request_id] + [f"{request_id}/{i}" for i in range(1, params.n)]
@@ -134,24 +150,27 @@ class LLMEngine:
         return int(torch.randint(2**62, (), generator=self._seeds).item())
 
     def check_request(self, ids, params: SamplingParams) -> None:
-        """ValueError/TypeError for a request this engine cannot run (nothing is queued)."""
+        """RequestError (a ValueError naming the field: a SamplingParams one, or "prompt") for
+        a request this engine cannot run, TypeError for params that are not SamplingParams
+        (nothing is queued); RuntimeError once the engine is closed."""
+        self.check_open()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if not params.greedy and not self.verifying.supports_sampling:
-            raise ValueError(f"verifier {self.verifying.name} verifies greedy requests only; "
-                             f"temperature={params.temperature} needs a sampling verifier "
-                             "(e.g. verifier='gumbel')")
+            raise RequestError("temperature", f"verifier {self.verifying.name} verifies greedy "
+                               f"requests only; temperature={params.temperature} needs a "
+                               "sampling verifier (e.g. verifier='gumbel')")
         self.logits.check(params)
         if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError("prompt is empty: at least one token is required")
+            raise RequestError("prompt", "prompt is empty: at least one token is required")
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                    for t in ids):
-            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+            raise RequestError("prompt", f"prompt token ids must be ints in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                f"at most {self.max_model_len - 1} prompt tokens are allowed"
+            raise RequestError(
+                "prompt", f"prompt has {len(ids)} tokens but max_model_len is "
+                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens are allowed"
             )
 
     def abort(self, request_id: str) -> None:
@@ -185,6 +204,7 @@ class LLMEngine:
         return h2d, self.verifying.reads
 
     def step(self) -> StepResult:
+        self.check_open()
         times = StepTimes(time.perf_counter())
         moved = self.transfers()
         sched = self.scheduler.schedule(self.drafting.budgets)

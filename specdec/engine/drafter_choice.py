@@ -15,10 +15,12 @@ where this machine was calibrated for the model and settings, from that measurem
   35 s on 2 cores) times plain decoding and each candidate — ``ngram`` and every drafter
   shipped for the model, each under the goodput controller — on built-in prompts (explaining,
   listing, code, rewriting a given text), greedy, interleaved prompt by prompt after a
-  warm-up. The fastest wins unless it is slower than plain decoding by more than
-  ``TOLERANCE`` (then ``None``: plain decoding). The figures are logged and cached as JSON
-  under ``$SPECDEC_CACHE/drafter_choice`` (atomically); later ``auto`` choices for the same
-  model, machine and settings read them instead of the prior.
+  warm-up, without the second KV tier (each engine closed after). The fastest wins unless it
+  is slower than plain decoding by more than ``TOLERANCE`` (then ``None``: plain decoding).
+  The figures are logged and cached as JSON under ``$SPECDEC_CACHE/drafter_choice``
+  (atomically); later ``auto`` choices for the same model, machine and settings (every engine
+  option that can change what was measured: ``NOT_KEYED`` names the others) read them instead
+  of the prior.
 
     choice = choose_drafter("smollm2-135m-instruct", dtype="auto", device="cpu")
     choice.drafter        # "ngram", "eagle3", ... or None
@@ -32,11 +34,12 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
+from specdec.config import EngineConfig
 from specdec.models.aliases import cache_dir
 from specdec.models.linear import cache_key
 
@@ -51,9 +54,18 @@ PROMPTS = (
     "Rewrite this sentence three times, each time more formally: the meeting got moved to "
     "Friday because the room was double booked.",
 )
-# engine settings the choice depends on (besides the model, the machine and the drafters)
-SETTINGS = ("dtype", "device", "weights", "activations", "draft_weights", "linear_kernels",
-            "attention_backend", "cuda_graphs", "verifier")
+# A cached choice is keyed by the model, the machine (CPU, torch version, threads), the drafters
+# and every EngineConfig field, anything that can change a step's cost or the drafts' acceptance
+# (dtype, quantize, weights, activations, kernels, prefix caching, page size, batch limits,
+# verifier, controller, ...): a field added later is keyed unless NOT_KEYED names it, with why it
+# cannot change what the calibration measures.
+SECOND_TIER = ("kv_tier_path", "kv_tier_bytes", "kv_host_tier_bytes")
+NOT_KEYED = {
+    "model": "keyed by its resolved folder and config.json's mtime",
+    "drafter": "what is chosen (each candidate is measured)",
+    "seed": "seeds only unseeded sampled requests; the calibration is greedy",
+    **dict.fromkeys(SECOND_TIER, "the calibration runs without a second tier (see _measure)"),
+}
 
 
 # (model alias, CPU class) -> drafter; a missing entry falls back to (None, CPU class), then
@@ -131,12 +143,34 @@ def prior_choice(model: str, folder: str, machine: str, device: str = "cpu") -> 
 
 def _measure(folder: str, names: list[str], machine: str, max_tokens: int,
              engine_args: dict) -> Choice:
-    from specdec import LLM, SamplingParams
+    from specdec import LLM
 
+    # without the second tier: the engines run side by side (interleaved prompt by prompt, so
+    # that a change in the machine's load falls on every candidate alike), and a disk tier's
+    # file is locked by the one engine that opens it; nor should the calibration's prompts
+    # evict the user's pages from the tier, or each engine hold its own host tier. A tier only
+    # moves evicted prefix pages, a cost that does not depend on the drafter.
+    engine_args = {k: v for k, v in engine_args.items() if k not in SECOND_TIER}
     start = time.perf_counter()
-    systems = {"plain": LLM(model=folder, **engine_args)}
-    for name in names:
-        systems[name] = LLM(model=folder, drafter=name, **engine_args)
+    systems = {}
+    try:  # every engine closed, also when one fails to build or to run
+        systems["plain"] = LLM(model=folder, **engine_args)
+        for name in names:
+            systems[name] = LLM(model=folder, drafter=name, **engine_args)
+        rates = _rates(systems, max_tokens)
+    finally:
+        for llm in systems.values():
+            llm.close()
+    best = max(names, key=rates.__getitem__)
+    drafter = best if rates[best] >= TOLERANCE * rates["plain"] else None
+    return Choice(drafter, {n: round(r, 2) for n, r in rates.items()}, machine,
+                  round(time.perf_counter() - start, 1))
+
+
+def _rates(systems: dict, max_tokens: int) -> dict[str, float]:
+    """Tokens per second of each engine over PROMPTS, after a warm-up."""
+    from specdec import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     chat = getattr(systems["plain"].tokenizer, "chat_template", None) is not None
     prompts = [[{"role": "user", "content": p}] if chat else p for p in PROMPTS]
@@ -150,11 +184,7 @@ def _measure(folder: str, names: list[str], machine: str, max_tokens: int,
             out = llm.generate([prompt], params)[0]
             seconds[name] += time.perf_counter() - t0
             tokens[name] += len(out.token_ids)
-    rates = {n: tokens[n] / seconds[n] for n in systems}
-    best = max(names, key=rates.__getitem__)
-    drafter = best if rates[best] >= TOLERANCE * rates["plain"] else None
-    return Choice(drafter, {n: round(r, 2) for n, r in rates.items()}, machine,
-                  round(time.perf_counter() - start, 1))
+    return {n: tokens[n] / seconds[n] for n in systems}
 
 
 def describe(choice: Choice, klass: str | None = None) -> str:
@@ -182,7 +212,12 @@ def _cache_path(folder: str, names: list[str], machine: str, engine_args: dict) 
         if shipped is not None:
             stamps.append(f"{kind}:{(shipped / 'config.json').stat().st_mtime_ns}")
     model = Path(folder) / "config.json"
-    settings = {k: engine_args.get(k) for k in SETTINGS}
+    # defaults filled in, values checked (LLM's own keyword, plugins, is not an option)
+    config = EngineConfig(model=folder, **{k: v for k, v in engine_args.items()
+                                           if k != "plugins"})
+    settings = {f.name: getattr(config, f.name) for f in fields(EngineConfig)
+                if f.name not in NOT_KEYED}
+    settings["dtype"] = config.torch_dtype  # "auto" is the dtype it stands for here
     key = json.dumps([str(Path(folder).resolve()), model.stat().st_mtime_ns if model.exists()
                       else 0, names, stamps, machine, settings, TOLERANCE, MAX_TOKENS, PROMPTS],
                      sort_keys=True, default=str)

@@ -28,11 +28,21 @@ def create_drafter_and_controller(pm, config, target: TargetInfo) -> tuple:
     return drafter, controller
 
 
-def _composed(pm, spec: str, args: dict, target: TargetInfo) -> ComposedDrafter:
-    """``"a+b"`` with drafter_args ``{"a": {...}, "b": {...}}``: the drafters merged in order."""
+def composition_names(spec: str) -> list[str]:
+    """The registered names a drafter name stands for: ``"eagle3+ngram"`` -> ["eagle3",
+    "ngram"] (a composition's members, in order), ``"ngram"`` -> ["ngram"]; ValueError when a
+    composition names a member twice or leaves one empty. What the CLI checks names with."""
+    if "+" not in spec:
+        return [spec]
     names = spec.split("+")
     if len(set(names)) != len(names) or not all(names):
         raise ValueError(f"drafter {spec!r}: name each drafter once, e.g. 'eagle3+ngram'")
+    return names
+
+
+def _composed(pm, spec: str, args: dict, target: TargetInfo) -> ComposedDrafter:
+    """``"a+b"`` with drafter_args ``{"a": {...}, "b": {...}}``: the drafters merged in order."""
+    names = composition_names(spec)
     unknown = set(args) - set(names)
     if unknown or not all(isinstance(v, dict) for v in args.values()):
         raise ValueError(f"drafter {spec!r} takes drafter_args keyed by drafter name, e.g. "

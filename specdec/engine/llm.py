@@ -35,7 +35,9 @@ class LLM:
 
     def close(self) -> None:
         """Abort what still runs and let go of what outlives the engine: the disk tier's file
-        and its lock, so that another engine may open it. Also ``with LLM(...) as llm:``."""
+        and its lock, so that another engine may open it. Also ``with LLM(...) as llm:``.
+        Afterwards ``generate`` / ``stream`` raise RuntimeError (make a new LLM); twice is
+        fine."""
         self.engine.close()
 
     def __enter__(self) -> LLM:
@@ -56,26 +58,27 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 bar.update(len(self.engine.step().finished))
+        except BaseException:  # a step raised (or Ctrl-C): no request of this call stays
+            self._end(ids)
+            raise
         finally:
             bar.close()
-            self._abort_unfinished(ids)
         return [self._group_output([self.engine.pop_finished(s)
                                     for s in self.engine.samples_of(i)]) for i in ids]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
         """Yield a delta (new tokens and text) each time a request emits, then a final one."""
         ids = self._add_all(prompts, sampling_params)
-        samples = [s for i in ids for s in self.engine.samples_of(i)]
         sent = DeltaTracker(self.engine.tokenizer)
         try:
-            while self.engine.has_unfinished():
+            while True:
+                self.engine.check_open()  # a stream resumed after close() says so, not ends
+                if not self.engine.has_unfinished():
+                    break
                 for seq in changed(self.engine.step()):
                     yield self._delta(seq, sent)
         finally:
-            self._abort_unfinished(ids)
-            for s in samples:
-                if s in self.engine.requests and self.engine.requests[s].is_finished:
-                    self.engine.pop_finished(s)
+            self._end(ids)
 
     def _delta(self, seq: Sequence, sent: DeltaTracker) -> RequestOutput:
         delta = sent.delta(seq)
@@ -96,9 +99,14 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from e
         return [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
 
-    def _abort_unfinished(self, ids: list[str]) -> None:
+    def _end(self, ids: list[str]) -> None:
+        """Abort what of ``ids`` still runs and forget every sample (their pages go back)."""
+        samples = [s for i in ids for s in self.engine.samples_of(i)]
         for i in ids:
             self.engine.abort(i)
+        for s in samples:
+            if s in self.engine.requests and self.engine.requests[s].is_finished:
+                self.engine.pop_finished(s)
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
         if _is_single_prompt(prompts):

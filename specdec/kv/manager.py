@@ -57,6 +57,12 @@ class KVManager(KVCacheManager):
         self.tier = tier
         self.pool.on_evict = lambda page, key: tier.put(key, self.cache.tensor[:, page])
 
+    def detach_tier(self) -> None:
+        """No second tier any more (before it is closed): evictions drop pages, admissions
+        find nothing there."""
+        self.tier = None
+        self.pool.on_evict = None
+
     def observe_prefill(self, seconds: float, prefill_tokens: int, rows: int) -> None:
         """A step's forward time: with a page or more of prefill in it, it updates what
         recomputing a token costs (a moving average), which a tier read must beat."""

@@ -23,11 +23,13 @@ Example::
     pool.take([0])              # page 0 in use again (refcount 1), its KV reused
 
 Every operation costs O(pages touched). ``on_evict(page, key)``, if set, is called before an
-evictable page is handed out for new content (a slower tier may copy it first).
+evictable page is handed out for new content (a slower tier may copy it first); if it raises,
+the allocation changes nothing.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 
@@ -79,16 +81,19 @@ class PagePool:
         if n == 0:
             return []
         k = min(n, len(self._free))
+        # on_evict (a tier's write) may raise: nothing has changed then (all or nothing), so
+        # the pages of an allocation that failed are never lost
+        victims = list(itertools.islice(self._evictable, n - k))
+        if self.on_evict is not None:
+            for page in victims:
+                self.on_evict(page, self._key_of[page])
         pages = self._free[len(self._free) - k:]
         del self._free[len(self._free) - k:]
         pages.reverse()  # pop order: the top of the stack comes first
-        for _ in range(n - k):
-            page, _ = self._evictable.popitem(last=False)
-            key = self._key_of.pop(page)
-            del self._page_of[key]
+        for page in victims:
+            del self._evictable[page]
+            del self._page_of[self._key_of.pop(page)]
             self.num_evicted += 1
-            if self.on_evict is not None:
-                self.on_evict(page, key)
             pages.append(page)
         for p in pages:
             assert self._refcount[p] == 0, f"page {p} handed out with refcount {self._refcount[p]}"

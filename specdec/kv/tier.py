@@ -229,6 +229,7 @@ class DiskTier:
     def put(self, key: bytes, page: torch.Tensor) -> None:
         """Store one page's KV (any shape, ``page_bytes`` bytes) under ``key``; the least
         recently used slot makes room when the file is full."""
+        self._check_open()
         if key in self._index:
             self._index.move_to_end(key)
             return
@@ -254,6 +255,7 @@ class DiskTier:
     def get(self, key: bytes, out: torch.Tensor) -> bool:
         """Copy the page stored under ``key`` into ``out``; False (and the slot dropped) when it
         is missing, torn or corrupted: the caller recomputes it."""
+        self._check_open()
         slot = self._index.get(key)
         if slot is None:
             return False
@@ -291,8 +293,14 @@ class DiskTier:
         struct.pack_into("<I", self._mm, self._offset(slot), 0)
         self._free.append(slot)
 
+    def _check_open(self) -> None:
+        if self._mm.closed:
+            raise ValueError(f"{self._where()} was closed: a closed tier stores and serves "
+                             f"nothing (open a new one)")
+
     def close(self) -> None:
-        """Unmap the file and release its lock (another engine may open it then)."""
+        """Unmap the file and release its lock (another engine may open it then); twice is
+        fine, and a closed tier refuses ``put`` / ``get`` with a ValueError."""
         if not self._mm.closed:
             self._mm.flush()
             self._mm.close()

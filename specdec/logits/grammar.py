@@ -21,7 +21,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from specdec.sampling_params import StructuredOutputs
+from specdec.sampling_params import RequestError, StructuredOutputs
 
 try:  # optional: structured output needs it, nothing else does
     import llguidance
@@ -46,11 +46,11 @@ class GrammarCompiler:
     def tokenizer_ll(self):
         """llguidance's view of the tokenizer (token bytes, masks)."""
         if llguidance is None:
-            raise ValueError("structured_outputs needs the llguidance package "
-                             "(pip install llguidance)")
+            raise RequestError("structured_outputs", "structured_outputs needs the llguidance "
+                               "package (pip install llguidance)")
         if self.tokenizer is None:
-            raise ValueError("structured_outputs needs a tokenizer; this model was loaded "
-                             "without one")
+            raise RequestError("structured_outputs", "structured_outputs needs a tokenizer; "
+                               "this model was loaded without one")
         with self._lock:
             if self._ll is None:
                 eos = list(self.eos_token_ids) or None
@@ -58,9 +58,9 @@ class GrammarCompiler:
                     self._ll = llguidance.hf.from_tokenizer(
                         self.tokenizer, n_vocab=self.vocab_size, eos_token=eos)
                 except Exception as e:  # e.g. a word-level tokenizer: no bytes to match
-                    raise ValueError("structured_outputs needs a tokenizer llguidance can "
-                                     f"read (a fast, byte-level one); this one is not: {e}"
-                                     ) from None
+                    raise RequestError("structured_outputs", "structured_outputs needs a "
+                                       "tokenizer llguidance can read (a fast, byte-level "
+                                       f"one); this one is not: {e}") from None
             return self._ll
 
     def check(self, spec: StructuredOutputs) -> str:
@@ -75,7 +75,8 @@ class GrammarCompiler:
                 return grammar
         error = llguidance.LLMatcher.validate_grammar(grammar, ll)
         if error:
-            raise ValueError(f"structured_outputs.{field} does not compile: {error}")
+            raise RequestError(f"structured_outputs.{field}",
+                               f"structured_outputs.{field} does not compile: {error}")
         with self._lock:
             self._valid[grammar] = None
             while len(self._valid) > 256:
@@ -86,7 +87,8 @@ class GrammarCompiler:
         grammar = self.check(spec)
         matcher = llguidance.LLMatcher(self.tokenizer_ll(), grammar)
         if matcher.is_error():
-            raise ValueError(f"structured_outputs does not compile: {matcher.get_error()}")
+            raise RequestError("structured_outputs", "structured_outputs does not compile: "
+                               f"{matcher.get_error()}")
         return Grammar(matcher, self.vocab_size)
 
 
@@ -99,10 +101,11 @@ def _grammar(spec: StructuredOutputs) -> tuple[str, str]:
             try:
                 schema = json.loads(schema)
             except (ValueError, RecursionError) as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+                raise RequestError("structured_outputs.json",
+                                   f"structured_outputs.json is not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
-            raise ValueError("structured_outputs.json must be a JSON schema (an object), got "
-                             f"{type(schema).__name__}")
+            raise RequestError("structured_outputs.json", "structured_outputs.json must be a "
+                               f"JSON schema (an object), got {type(schema).__name__}")
         return "json", llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=defaults)
     if spec.json_object:
         return "json_object", llguidance.LLMatcher.grammar_from_json_schema(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from specdec.logits.grammar import GrammarCompiler
 from specdec.logits.processors import RequestLogits
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import RequestError, SamplingParams
 
 
 class LogitsSetup:
@@ -16,13 +16,15 @@ class LogitsSetup:
         self.grammars = GrammarCompiler(tokenizer, vocab_size, self.eos_token_ids)
 
     def check(self, params: SamplingParams) -> None:
-        """ValueError for options this model cannot honour (nothing is made)."""
+        """RequestError naming the field for options this model cannot honour (nothing is
+        made)."""
         for token in params.logit_bias or {}:
             if token >= self.vocab_size:
-                raise ValueError(f"logit_bias names token {token}; this model's token ids are "
-                                 f"[0, {self.vocab_size})")
+                raise RequestError(f"logit_bias.{token}", f"logit_bias names token {token}; "
+                                   f"this model's token ids are [0, {self.vocab_size})")
         if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words needs a tokenizer; this model was loaded without one")
+            raise RequestError("bad_words",
+                               "bad_words needs a tokenizer; this model was loaded without one")
         if params.structured_outputs is not None:
             self.grammars.check(params.structured_outputs)
 

@@ -6,9 +6,10 @@ per sample. Requests and aborts reach the engine thread through an inbox that it
 steps, so the engine itself is only ever touched by that thread. An abort (a client that went
 away) ends the request before the next step: its pages go back at once.
 
-``drain(timeout)`` (SIGTERM) stops taking requests and lets those in flight finish; whatever is
-still running at the deadline ends with an error. A step that raises ends the requests it ran
-with its error (counted in ``step_failures``); the loop goes on serving the next ones.
+``drain(timeout)`` stops taking requests and lets those in flight finish; whatever is still
+running at the deadline ends with an error (a signal handler, SIGTERM's, calls ``drain_soon``:
+it takes no lock). A step that raises ends the requests it ran with its error (counted in
+``step_failures``); the loop goes on serving the next ones.
 
     loop = EngineLoop(llm.engine).start()   # a background thread (tests); a server calls
     stream = loop.submit(prompt_ids, SamplingParams(max_tokens=64))   # loop.run() instead
@@ -104,6 +105,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards _pending, _closed and the order of inbox puts
         self._closed = False  # no more submissions (draining or stopped)
         self._drain_deadline: float | None = None  # time.monotonic() at which draining ends
+        self._drain_asked: float | None = None  # drain_soon's timeout, for the engine thread
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -138,11 +140,21 @@ class EngineLoop:
 
     def drain(self, timeout: float) -> None:
         """Take no new requests (``ShuttingDownError``) and stop once the running ones have
-        finished, or after ``timeout`` seconds: those still running then end with an error."""
+        finished, or after ``timeout`` seconds: those still running then end with an error.
+        Not from a signal handler: ``drain_soon``."""
         with self._lock:
             self._closed = True
             self._drain_deadline = time.monotonic() + timeout
         self._wake.set()
+
+    def drain_soon(self, timeout: float) -> None:
+        """``drain(timeout)`` from a signal handler: the engine thread drains before its next
+        step (within 50 ms when idle). It takes no lock. A Python signal handler runs on the
+        main thread between two bytecodes, and ``specdec serve`` steps the engine on the main
+        thread, so the handler may run while that thread holds this loop's lock (``_drain``,
+        ``_run``'s end) or its wake event's (inside ``Event.wait``): neither is reentrant, and
+        waiting for it there would wait forever."""
+        self._drain_asked = timeout  # one store; the engine thread reads it every turn
 
     @property
     def draining(self) -> bool:
@@ -192,7 +204,12 @@ class EngineLoop:
     def _run(self) -> None:
         sent = DeltaTracker(self.engine.tokenizer)
         try:
-            while not self._stop.is_set() and not self._drained():
+            while not self._stop.is_set():
+                if (asked := self._drain_asked) is not None:
+                    self._drain_asked = None
+                    self.drain(asked)
+                if self._drained():
+                    break
                 self._drain(sent)
                 if not self.engine.has_unfinished():
                     self._wake.wait(0.05)

@@ -2,7 +2,8 @@
 options (specdec.logits): OpenAI's ``response_format``, penalties, ``logit_bias``, ``logprobs`` /
 ``top_logprobs`` (chat), ``logprobs`` and ``echo`` (completions), and vLLM's extensions
 (``structured_outputs``, ``guided_*``, ``repetition_penalty``, ``min_tokens``, ``bad_words``,
-``prompt_logprobs``). Each problem is a 400 naming the field."""
+``prompt_logprobs``). Each problem is a 400 naming the field; ``request_field`` names it for
+what the engine refuses (a ``RequestError`` names the SamplingParams field)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,29 @@ def _asks(req, name: str) -> bool:
     if name == "response_format":
         return value is not None and value.type != "text"
     return value is not None
+
+
+def request_field(req: ChatRequest | CompletionRequest, field: str, prompt: str) -> str | None:
+    """The request field, as the client wrote it, behind ``field``, a SamplingParams field (or
+    path into one) that the engine named in a ``RequestError``; ``prompt``: the field the
+    prompt came in ("messages", "prompt", "prompt.1"). None for a field no request sets.
+
+    >>> req = CompletionRequest(prompt="hi", logit_bias={"0500": 1})
+    >>> request_field(req, "logit_bias.500", "prompt"), request_field(req, "prompt", "prompt")
+    ('logit_bias.0500', 'prompt')
+    """
+    head, _, rest = field.partition(".")
+    if head == "prompt":
+        return prompt
+    if head == "structured_outputs":  # whichever of GUIDED it came in (as parse names it)
+        return constraint(req)[0]
+    if head == "logit_bias" and rest:  # the key as written ("0500" for token 500)
+        return next((f"{head}.{k}" for k in req.logit_bias or {} if int(k) == int(rest)),
+                    field)
+    if head == "max_tokens":
+        return "max_completion_tokens" if req.max_completion_tokens else head
+    if head == "logprobs" and isinstance(req, ChatRequest):
+        return "top_logprobs" if req.top_logprobs is not None else head
+    if head == "prompt_logprobs" and req.prompt_logprobs is None and getattr(req, "echo", False):
+        return "logprobs"  # echo's default (logit_options)
+    return field if head in type(req).model_fields else None

@@ -33,12 +33,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import ValidationError
 
 from specdec.models.tokenizer import chat_token_ids
-from specdec.sampling_params import SamplingParams
+from specdec.sampling_params import RequestError, SamplingParams
 from specdec.serving.engine_loop import EngineLoop, QueueFullError, ShuttingDownError
 from specdec.serving.errors import APIError, install_error_handlers, validation_error
 from specdec.serving.limits import ServerLimits, check_stops, parse_json, read_body
 from specdec.serving.metrics import Metrics
-from specdec.serving.options import constraint, logit_options
+from specdec.serving.options import constraint, logit_options, request_field
 from specdec.serving.protocol import ChatRequest, CompletionRequest, accepted_fields
 from specdec.serving.responses import Job, collect, sse
 from specdec.serving.tenants import AuthMiddleware, cache_salt
@@ -116,6 +116,7 @@ def create_app(loop: EngineLoop, model_name: str,
         return req
 
     def sampling(req, prompt_len: int, salt: str | None) -> SamplingParams:
+        """The request's SamplingParams (a RequestError naming the field: see ``submit``)."""
         asked = req.max_completion_tokens or req.max_tokens
         if asked is not None and asked > max_tokens_cap:
             name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -123,16 +124,10 @@ def create_app(loop: EngineLoop, model_name: str,
                            param=name)
         # as OpenAI's: unless asked, up to the rest of the context
         max_tokens = asked or max(1, min(max_tokens_cap, engine.max_model_len - prompt_len))
-        try:
-            return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
-                                  top_k=req.top_k, min_p=float(req.min_p), n=req.n,
-                                  seed=req.seed, max_tokens=max_tokens, stop=req.stops(),
-                                  ignore_eos=req.ignore_eos, cache_salt=salt,
-                                  **logit_options(req))
-        except ValueError as e:
-            name = str(e).split()[0]
-            raise APIError(400, str(e), param=name if name in type(req).model_fields
-                           else None) from None
+        return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
+                              top_k=req.top_k, min_p=float(req.min_p), n=req.n, seed=req.seed,
+                              max_tokens=max_tokens, stop=req.stops(), ignore_eos=req.ignore_eos,
+                              cache_salt=salt, **logit_options(req))
 
     def submit(request: Request, req, prompts: list[list[int]], chat: bool,
                param: str, echo: list[str] | None = None) -> Job:
@@ -149,8 +144,11 @@ def create_app(loop: EngineLoop, model_name: str,
                     job.streams.append(loop.submit(ids, sampling(req, len(ids), salt),
                                                    job.id if len(prompts) == 1
                                                    else f"{job.id}-{i}"))
-                except ValueError as e:
-                    raise APIError(400, f"{name}: {e}", param=name) from None
+                except RequestError as e:  # SamplingParams' or the engine's: the field named
+                    field = request_field(req, e.field, name)
+                    raise APIError(400, f"{field or 'request'}: {e}", param=field) from None
+                except ValueError as e:  # a check that names no field: still the client's
+                    raise APIError(400, str(e)) from None
         except QueueFullError as e:
             job.abort()
             raise APIError(503, f"the server is busy: {e}", kind="server_busy",

@@ -27,6 +27,16 @@ def test_generate_with_drafter_prints_tau(chat_model, capsys, repeat_drafter):
     assert "tau" in err and "acceptance" in err
 
 
+def test_generate_with_a_composition(chat_model, capsys):
+    """A composition by name, as docs/drafters.md says (the CLI used to refuse the whole name)."""
+    argv = ["generate", "write a poem", "--model", chat_model, "--max-tokens", "6",
+            "--drafter", "ngram+suffix", "--drafter-args", '{"ngram": {"min_ngram": 1}}',
+            "--controller", "static", "--budget", "2"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "6 tokens" in err and "tau" in err and "acceptance" in err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_device_without_cuda(chat_model, capsys):
     assert main(["generate", "hi", "--model", chat_model, "--device", "cuda"]) != 0
@@ -65,3 +75,18 @@ def test_quantize_flag(chat_model, capsys):
             "--drafter", "none", "--quantize", "q8_0", "--activations", "q8"]
     assert main(argv) == 0
     assert "4 tokens" in capsys.readouterr().err
+
+
+def test_draft_weights_help_says_what_auto_picks(capsys):
+    """--draft-weights auto is each draft model's ``auto_draft_weights`` (the learned heads') or
+    Q8_0 (a draft model): the help says so (it used to say q8_0 for all)."""
+    from specdec.models.block_diffusion import BlockDiffusionModel
+    from specdec.models.eagle3 import Eagle3Head
+    from specdec.models.mtp import MTPHeads
+
+    assert main(["generate", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    heads = {m.auto_draft_weights.lower() for m in (Eagle3Head, MTPHeads, BlockDiffusionModel)}
+    assert len(heads) == 1
+    assert f"{heads.pop()} for the learned heads (eagle3, mtp, block_diffusion) and q8_0 for a " \
+           "draft model" in help_text

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import fields
 
 import cli_helpers
 import pytest
 
+from specdec import LLM
 from specdec.cli import main
+from specdec.config import EngineConfig
 from specdec.engine import drafter_choice
-from specdec.engine.drafter_choice import TOLERANCE, choose_drafter
+from specdec.engine.drafter_choice import TOLERANCE, Choice, choose_drafter
 
 chat_model = cli_helpers.chat_model  # fixture
 
@@ -36,8 +39,12 @@ def test_the_prior_builds_no_engine(chat_model, monkeypatch, caplog, tmp_path):
 def test_calibrated_once_then_preferred_to_the_prior(chat_model, monkeypatch, caplog, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # whatever other tests measured
     assert drafter_choice.candidates(chat_model) == ["ngram"]  # nothing shipped for it
+    closed = []
+    real_close = LLM.close
+    monkeypatch.setattr(LLM, "close", lambda llm: closed.append(llm) or real_close(llm))
     with caplog.at_level(logging.INFO, logger="specdec"):
         first = choose_drafter(chat_model, dtype="float32", max_tokens=8, calibrate=True)
+    assert len(closed) == 2  # plain and ngram: no calibration engine outlives it
     rates = first.tokens_per_s
     assert set(rates) == {"plain", "ngram"} and all(r > 0 for r in rates.values())
     assert first.drafter == ("ngram" if rates["ngram"] >= TOLERANCE * rates["plain"] else None)
@@ -55,7 +62,7 @@ def test_calibrated_once_then_preferred_to_the_prior(chat_model, monkeypatch, ca
         choose_drafter(chat_model, dtype="float32", max_tokens=8, calibrate=True)
 
 
-def test_generate_auto_uses_the_choice(chat_model, monkeypatch, capsys):
+def test_generate_auto_uses_the_choice(chat_model, monkeypatch, capsys, tmp_path):
     picked = []
     real = drafter_choice.choose_drafter
 
@@ -68,9 +75,46 @@ def test_generate_auto_uses_the_choice(chat_model, monkeypatch, capsys):
     assert main(["generate", "hi", "--model", chat_model, "--max-tokens", "4"]) == 0
     err = capsys.readouterr().err
     assert picked == [("ngram", False)] and "tau" in err and "drafter auto: ngram" in err
+    # calibrated with a disk tier (issue 46): the calibration's engines run without it (side
+    # by side they would fight for its lock), and generate's engine then opens it
+    tier = tmp_path / "kv.tier"
     assert main(["generate", "hi", "--model", chat_model, "--max-tokens", "4",
-                 "--calibrate"]) == 0
+                 "--calibrate", "--kv-tier-path", str(tier), "--kv-tier-bytes",
+                 str(1 << 20)]) == 0
     assert picked[-1][1] is True and "measured in" in capsys.readouterr().err
+    assert tier.stat().st_size > 0  # made a tier by generate's engine
     assert main(["generate", "hi", "--model", chat_model, "--drafter", "ngram",
                  "--calibrate"]) == 2
     assert "--calibrate: only with --drafter auto" in capsys.readouterr().err
+
+
+# a value other than the default for every keyed engine option (a new EngineConfig field is
+# keyed unless drafter_choice.NOT_KEYED names it: then this table needs it, or NOT_KEYED a reason)
+CHANGED = {"dtype": "float64", "device": "cuda", "page_size": 8, "num_pages": 64,
+           "kv_cache_memory": 1 << 24, "max_model_len": 128, "max_num_seqs": 4,
+           "max_num_batched_tokens": 64, "attention_backend": "torch", "cuda_graphs": False,
+           "verifier": "greedy", "linear_kernels": "plain", "weights": "dequantized",
+           "activations": "float", "quantize": "q4_k", "draft_weights": "float",
+           "drafter_args": {"min_ngram": 2}, "controller": "static",
+           "controller_args": {"budget": 4}, "enable_prefix_caching": False}
+
+
+def test_a_cached_choice_is_keyed_by_every_option_that_changes_the_measurement(
+        chat_model, monkeypatch, tmp_path):
+    """A choice measured with some options is not reused with others that change a step's
+    cost (issue 46: one measured without --quantize q4_k was reused with it); the second tier's
+    options and the seed, which the calibration does not run with, do not re-key it."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    measured = Choice("ngram", {"plain": 10.0, "ngram": 12.0}, "this machine", 1.0)
+    monkeypatch.setattr(drafter_choice, "_measure", lambda *a: measured)
+    assert choose_drafter(chat_model, dtype="float32", calibrate=True).source == "measured"
+    assert choose_drafter(chat_model, dtype="float32").source == "cached"
+    assert choose_drafter(chat_model).source == "cached"  # the defaults, given or not
+    keyed = {f.name for f in fields(EngineConfig)} - set(drafter_choice.NOT_KEYED)
+    assert set(CHANGED) == keyed
+    for name, value in CHANGED.items():
+        assert choose_drafter(chat_model, **{name: value}).source == "prior", name
+    unkeyed = dict(kv_tier_path=str(tmp_path / "kv.tier"), kv_tier_bytes=1 << 20, seed=3)
+    assert choose_drafter(chat_model, **unkeyed).source == "cached"
+    with pytest.raises(ValueError, match="quantize must be"):  # checked as LLM checks it
+        choose_drafter(chat_model, quantize="q3")

@@ -118,3 +118,59 @@ def test_close_lets_another_engine_open_the_tier(tiny_llama, tmp_path):
     assert out.token_ids == want and second.engine.tier.hits > 0
     second.close()
     second.close()  # twice is fine
+
+
+def _tiered(tiny_llama, tmp_path) -> LLM:
+    """An engine whose second request evicts the first one's cached pages into a disk tier."""
+    return LLM(model=str(tiny_llama), dtype="float32", page_size=4, num_pages=8,
+               max_model_len=32, kv_tier_path=str(tmp_path / "kv.tier"))
+
+
+TIERED = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+FIRST, SECOND = list(range(1, 17)), list(range(30, 50))
+
+
+def test_a_step_that_raises_leaves_no_request_and_no_page(tiny_llama, tmp_path, monkeypatch):
+    """A tier whose write fails mid-step (here: a full disk) fails the call, and the engine
+    keeps nothing of it: the allocation that evicted changed nothing, the call's requests are
+    aborted and forgotten, and the next call runs."""
+    llm = _tiered(tiny_llama, tmp_path)
+    llm.generate([FIRST], TIERED)
+
+    def disk_full(key, page):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(llm.engine.tier, "put", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        llm.generate([SECOND], TIERED)
+    assert nothing_queued(llm)
+    monkeypatch.undo()
+    assert len(llm.generate([SECOND], TIERED)[0].token_ids) == 4 and nothing_queued(llm)
+    assert llm.engine.tier.stores > 0
+    llm.close()
+
+
+def test_a_closed_engine_refuses_new_work_and_holds_nothing(tiny_llama, tmp_path):
+    """After close() (which let go of the tier's file) every public entry point says the LLM
+    was closed, rather than failing inside the closed tier; a request running at close() is
+    aborted and forgotten, its pages back; close() twice is fine."""
+    llm = _tiered(tiny_llama, tmp_path)
+    llm.generate([FIRST], TIERED)
+    running = llm.stream([SECOND], TIERED)
+    assert not next(running).finished  # still running when the engine closes
+    assert llm.engine.tier.stores > 0  # the second request evicted the first one's pages
+    llm.close()
+    assert nothing_queued(llm)
+    closed = r"this LLM was closed.*make a new one"
+    with pytest.raises(RuntimeError, match=closed):
+        next(running)
+    calls = {"generate": lambda: llm.generate([FIRST], TIERED),
+             "stream": lambda: next(llm.stream([SECOND], TIERED)),
+             "add_request": lambda: llm.engine.add_request(FIRST, TIERED),
+             "step": llm.engine.step}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=closed):
+            call()
+        assert nothing_queued(llm), name
+    llm.close()
+    assert nothing_queued(llm)

@@ -38,6 +38,33 @@ def test_allocate_all_or_nothing():
     assert pool.allocate(1) == [3]
 
 
+def test_allocate_changes_nothing_when_on_evict_raises():
+    """A tier's write that fails (a closed or broken tier) fails the allocation, all or
+    nothing: no page is lost, the cached pages keep their keys and their LRU order."""
+    pool = PagePool(4)
+    pages = pool.allocate(3)
+    for p, key in zip(pages, (b"k0", b"k1", b"k2")):
+        pool.register(p, key)
+    pool.free(pages)  # 0, 1, 2 evictable (oldest first), 3 free
+    before = (list(pool._free), list(pool._evictable), dict(pool._key_of), pool.num_evicted)
+    seen = []
+
+    def failing(page, key):
+        seen.append((page, key))
+        if len(seen) == 2:
+            raise OSError("tier write failed")
+
+    pool.on_evict = failing
+    with pytest.raises(OSError, match="tier write failed"):
+        pool.allocate(3)  # the free page, then two evictions: the second one fails
+    assert seen == [(0, b"k0"), (1, b"k1")]
+    after = (list(pool._free), list(pool._evictable), dict(pool._key_of), pool.num_evicted)
+    assert after == before and pool.num_free == 4
+    assert pool.lookup([b"k0", b"k1", b"k2"]) == [0, 1, 2]
+    pool.on_evict = None
+    assert sorted(pool.allocate(4)) == [0, 1, 2, 3] and pool.num_cached == 0
+
+
 def test_refcount_and_free():
     pool = PagePool(3)
     (p,) = pool.allocate(1)

@@ -78,6 +78,11 @@ def test_reopened_file_keeps_valid_pages_and_another_namespace_replaces_it(tmp_p
     off = FILE_HEADER + tier._index[b"\x02" * 16] * tier.stride
     tier._mm[off] = 0  # torn
     tier.close()
+    tier.close()  # twice is fine; a closed tier says so, not a raw mmap error
+    for use in (lambda: tier.put(b"\x03" * 16, _page(3)),
+                lambda: tier.get(b"\x01" * 16, torch.empty(SHAPE))):
+        with pytest.raises(ValueError, match=r"kv\.tier' was closed"):
+            use()
     again = _tier(path)
     out = torch.empty(SHAPE)
     assert len(again) == 1 and again.get(b"\x01" * 16, out) and torch.equal(out, _page(1))

@@ -1,16 +1,20 @@
 """The engine loop: concurrent clients (threads and an event loop), streams that add up to
 LLM.generate's output, aborts that free pages at once, a queue limit on what waits for a seat,
-a failing step (the loop goes on), draining (running requests finish or time out)."""
+a failing step (the loop goes on), draining (running requests finish or time out), SIGTERM
+while the main thread holds one of the loop's locks."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.cli.serve import drain_on_sigterm
 from specdec.serving.engine_loop import EngineLoop, QueueFullError, ShuttingDownError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -168,3 +172,51 @@ def test_drain_ends_what_outlasts_its_timeout(llm, monkeypatch):
         assert loop.ended and llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
     finally:
         loop.shutdown()
+
+
+@contextmanager
+def _held(lock, seconds: float = 3.0):
+    """Hold ``lock`` in this thread for the block; yields a list that is non-empty when the
+    block deadlocked on it: a watchdog thread then released the lock after ``seconds`` (a
+    plain Lock may be released by any thread), so the test fails instead of hanging."""
+    lock.acquire()
+    done, broke = threading.Event(), []
+
+    def watchdog():
+        if not done.wait(seconds):
+            broke.append(True)
+            lock.release()
+
+    guard = threading.Thread(target=watchdog, daemon=True)
+    guard.start()
+    try:
+        yield broke
+    finally:
+        done.set()
+        guard.join()
+        if not broke:
+            lock.release()
+
+
+@pytest.mark.parametrize("lock", ["the loop's lock", "its wake event's lock"])
+def test_sigterm_while_the_main_thread_holds_a_loop_lock_drains(llm, lock):
+    """``specdec serve`` steps the engine on the main thread, where Python runs signal
+    handlers, between two bytecodes: SIGTERM may come while that thread holds the loop's lock
+    (``_drain``, ``_run``'s end) or its wake event's (inside ``Event.wait``, 20 times a second
+    when idle). Neither is reentrant: a handler that waits for one waits forever."""
+    loop = EngineLoop(llm.engine)
+    # CPython's Event keeps a Condition over a plain Lock: what Event.wait holds between waits
+    held = loop._lock if lock == "the loop's lock" else loop._wake._cond
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        drain_on_sigterm(loop, timeout=30.0)  # what `specdec serve` installs
+        with _held(held) as broke:
+            signal.raise_signal(signal.SIGTERM)  # its handler runs here, the lock held
+        assert not broke, f"the SIGTERM handler deadlocked on {lock}"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    t0 = time.monotonic()
+    loop.run()  # drains on its first turn: nothing in flight, so it ends at once
+    assert loop.ended and loop.draining and time.monotonic() - t0 < 5
+    with pytest.raises(ShuttingDownError):
+        loop.submit([1, 2, 3], GREEDY)

@@ -116,7 +116,7 @@ def test_each_way_to_constrain_the_output(byte_served, extra, check):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"logit_bias": {"x": 1}}, "logit_bias.x"),
     ({"logit_bias": {"5": 101}}, "logit_bias.5"),
-    ({"logit_bias": {"999999": 1}}, "messages"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias.999999"),
     ({"top_logprobs": 2}, None),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
