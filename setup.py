@@ -31,7 +31,7 @@ class BuildKernels(build_ext):
             raise
 
 
-SOURCES = ("cpu_kernels", "linear", "linear_q8", "attention", "layer", "suffix")
+SOURCES = ("cpu_kernels", "linear", "linear_q8", "attention", "layer", "suffix", "repack")
 ext_modules = [Extension(
     "specdec._cpu_kernels", [f"specdec/native/{name}.c" for name in SOURCES],
     depends=["specdec/native/kernels.h"],

@@ -11,7 +11,9 @@ saved as small files: ``config.json`` and the tokenizer's. No weights are conver
 reads the file's blocks (specdec.models.gguf_model). A folder is written in a temporary folder
 and moved into place whole, its ``.complete`` naming the layout and the source (a user's file by
 path, size and mtime: hashing GBs costs seconds at every start), so a half-written folder, one
-of an older layout or one of a changed file is never served.
+of an older layout or one of a changed file is never served; the folder of a changed file's
+earlier version is removed when the new one is made. transformers reads the file alone (a link
+in an empty folder): files beside it (an HF folder's tokenizer.json) are not the file's.
 """
 
 from __future__ import annotations
@@ -142,13 +144,13 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
     gguf_file = Path(gguf_file)
     f = open_gguf(gguf_file)
     check_architecture(f)
-    kwargs = dict(gguf_file=gguf_file.name)
     try:
-        with _gguf_parsed_once(), reading_from_header(f):
-            config = AutoConfig.from_pretrained(gguf_file.parent, **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+        with _alone(gguf_file) as (folder, kwargs), _gguf_parsed_once(), reading_from_header(f):
+            config = AutoConfig.from_pretrained(folder, **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     except Exception as e:
         raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
+    config._name_or_path = str(gguf_file.parent)  # not the temporary folder: as it always was
     for key, value in config_overrides(f).items():  # what transformers misreads or drops
         setattr(config, key, value)
     try:
@@ -169,12 +171,10 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_file = Path(gguf_file)
-    kwargs = dict(gguf_file=gguf_file.name)
     try:
-        with _gguf_parsed_once():
-            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, dtype="float32",
-                                                         **kwargs)
-            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+        with _alone(gguf_file) as (folder, kwargs), _gguf_parsed_once():
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype="float32", **kwargs)
+            tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     except Exception as e:
         raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
     out.mkdir(parents=True, exist_ok=True)
@@ -187,6 +187,19 @@ def convert_gguf(gguf_file: Path, out: Path) -> None:
     save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors")
     tokenizer.save_pretrained(out)
     shutil.copyfile(gguf_file, out / GGUF_NAME)
+
+
+@contextmanager
+def _alone(gguf_file: Path):
+    """(folder, from_pretrained's kwargs) for transformers to read ``gguf_file`` alone: a link
+    to it in an empty temporary folder. A GGUF is the source of its config and tokenizer, but
+    transformers reads a folder's ``tokenizer.json`` / ``tokenizer_config.json`` before the
+    file's metadata, and llama.cpp's converter writes the .gguf into the HF folder it
+    converted (whose files may be another model's, or lack the chat template the file has)."""
+    with tempfile.TemporaryDirectory(prefix="specdec-gguf-") as tmp:
+        link = Path(tmp) / GGUF_NAME
+        link.symlink_to(Path(gguf_file).resolve())
+        yield Path(tmp), dict(gguf_file=GGUF_NAME)
 
 
 @contextmanager
@@ -217,17 +230,43 @@ def _gguf_parsed_once():
         gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
 
 
+# of a user's GGUF folder's name: 2 since the file's metadata are read alone (``_alone``), so a
+# folder made from a .gguf beside an HF folder's tokenizer.json (which transformers preferred)
+# is made again, and the earlier one removed (``_remove_older``)
+USER_FOLDERS = 2
+
+
 def gguf_folder(gguf_file: Path) -> Path:
     """The folder of a user's GGUF file: a link to it and its metadata's files, under the cache,
-    keyed by the file's resolved path, size and mtime (a changed file gets a new folder)."""
+    keyed by the file's resolved path, size and mtime (a changed file gets a new folder, and
+    the folder of what the file was is removed: ``_remove_older``)."""
     path = Path(gguf_file).resolve()
     st = path.stat()
     source = f"{path}:{st.st_size}:{st.st_mtime_ns}"
-    folder = cache_dir() / "gguf" / hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(f"{USER_FOLDERS}:{source}".encode(), digest_size=8).hexdigest()
+    folder = cache_dir() / "gguf" / digest
     if not is_converted(folder, source):
         with tempfile.TemporaryDirectory(dir=_ensure(cache_dir())) as tmp:
             _publish(path, folder, Path(tmp), source, link=True)
+            _remove_older(folder, path, Path(tmp))
     return folder
+
+
+def _remove_older(folder: Path, path: Path, tmp: Path) -> None:
+    """Remove the other folders made for the file at ``path`` (of an earlier size or mtime):
+    each is renamed into ``tmp`` whole (removed with it) under its lock, so a reader never sees
+    half of one."""
+    for other in folder.parent.iterdir():
+        try:  # another process may be replacing it
+            made_from = (other / ".complete").read_text().rstrip("\n").partition(" ")[2]
+        except OSError:  # not a folder, not complete, or gone
+            continue
+        if other == folder or made_from.rsplit(":", 2)[0] != str(path):
+            continue
+        with open(other.parent / f".{other.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if other.exists():
+                os.rename(other, tmp / f"older-{other.name}")
 
 
 def sha256_file(path: Path) -> str:

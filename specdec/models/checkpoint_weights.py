@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdec.models import native, q8_activations, quantized_cache
+from specdec.models import native, quantized_cache, repack
 from specdec.models.block_weight import BlockWeight, Part
 from specdec.models.gguf_blocks import Blocks
 from specdec.models.gguf_types import TYPES
@@ -246,7 +246,7 @@ def checkpoint_panels(model, mode: str, activations: str, reason: str | None = N
             raise ValueError(f"{asked} cannot run here: {reason}")
         logger.info("weights: float32 copies (the checkpoint's own bytes: %s)", reason)
         return []
-    make = q8_activations.preparer(activations)
+    make = repack.preparer(activations)
     out = []
     for w in weights:
         kinds = w.kinds

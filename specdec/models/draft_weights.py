@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import torch
 
-from specdec.models import native, q8_activations
+from specdec.models import native, q8_activations, repack
 from specdec.models.gguf_blocks import BLOCK, FORMATS, Blocks
 from specdec.models.native import Panels
 
@@ -79,7 +79,7 @@ def draft_panels(models: list, mode: str, dtype: torch.dtype, device: torch.devi
             raise ValueError(f"draft_weights={mode!r} cannot run here: {reason}")
         logger.info("draft weights: float (quantized draft weights: %s)", reason)
         return []
-    make = q8_activations.preparer(activations)
+    make = repack.preparer(activations)
     out, kinds = [], []
     for m in models:
         kind = mode.upper() if mode != "auto" else getattr(m, "auto_draft_weights", "Q8_0")

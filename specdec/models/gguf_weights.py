@@ -6,7 +6,9 @@ transformers makes of the file). Here they are laid out matrix by matrix for ``s
 (panel pairs of 16 output rows, block by block; specdec/native/linear.c, which dequantizes in
 registers exactly as gguf-py does), for float or int8 activations: ``weights="native"`` and
 ``"dequantized"`` give the same tokens in float, the native ones streaming the file's bytes
-(SmolLM2-135M: ~96 MB against 540 MB of fp32).
+(SmolLM2-135M: ~96 MB against 540 MB of fp32). The panels are made at every load by the
+compiled repacker (specdec.models.repack: one pass over the mapped file, ~2 GB/s on one core)
+and never written to disk.
 
 A fused matrix (q|k|v, gate|up) whose file tensors differ in type, as a Q4_K_M file's Q4_K q|k
 beside its Q6_K v in some layers, is prepared in parts, one per run of a type
@@ -24,12 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from pathlib import Path
 
 import torch
 
-from specdec.models import native, q8_activations
+from specdec.models import native, repack
 from specdec.models.block_weight import BlockWeight
 from specdec.models.gguf_blocks import BLOCK_BYTES, Blocks, dequantize
 from specdec.models.native import PanelParts, Panels
@@ -77,8 +78,9 @@ def native_runs(w: BlockWeight) -> list[Blocks]:
 
 def prepare_runs(runs: list[Blocks], activations: str = "float") -> Panels | PanelParts:
     """The panels of a matrix given as ``native_runs``, laid out for ``activations`` ("float" |
-    "q8"): one run's ``Panels``, or a ``PanelParts`` of one per run."""
-    make = q8_activations.preparer(activations)
+    "q8"; by the compiled repacker, specdec.models.repack): one run's ``Panels``, or a
+    ``PanelParts`` of one per run."""
+    make = repack.preparer(activations)
     panels = [make(b) for b in runs]
     return panels[0] if len(panels) == 1 else PanelParts(tuple(panels))
 
@@ -104,7 +106,7 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
     out = []
     if reason is None:
         try:
-            out = _cached_panels(model, gguf, activations)
+            out = _made_panels(model, gguf, activations)
         except ValueError as e:
             reason = str(e)
         except Exception as e:  # a file gguf-py cannot read
@@ -117,96 +119,51 @@ def native_panels(model, gguf: Path, mode: str, dtype: torch.dtype, device: torc
     return out
 
 
-# per activations mode: the prepared panels, beside model.gguf in specdec's cache (or, for a
-# folder elsewhere, in specdec's cache under panels/: never written beside a user's file).
-# Preparing costs more than reading them back (SmolLM2 on a loaded 2-core Xeon: 26 s in
-# float, 1.9 s in q8, against 0.01 s to map the cached file).
-CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
-# of the prepare functions' output and the file's names: a cache of another layout is made
-# again (2: a matrix in parts, PanelParts, is stored as "<name>#<i>" per part, "parts:<n>";
-# 3: Q4_K, Q6_K in their super-block formats; 4: Q5_K in its super-block format)
-LAYOUT = 4
+# what earlier versions cached per activations mode, beside model.gguf in specdec's cache or
+# under its panels/ folder: a copy of the panels, the size of the file, per mode. Panels are
+# made at load now (specdec.models.repack); a load removes what an earlier version left for its
+# file (``remove_legacy_panels``).
+LEGACY_CACHE_NAMES = {"float": "native_panels.safetensors", "q8": "native_panels_q8.safetensors"}
 
 
-def panel_cache(gguf: Path, activations: str) -> Path:
-    """Where the panels of ``gguf`` for ``activations`` are cached."""
+def remove_legacy_panels(gguf: Path) -> None:
+    """Delete the panel caches older versions wrote for ``gguf`` (only ever under specdec's
+    cache: never a file beside a user's own)."""
     from specdec.models.aliases import cache_dir
 
     root = cache_dir().resolve()
-    folder = gguf.parent.resolve()
-    if not folder.is_relative_to(root):
-        digest = hashlib.blake2b(str(gguf.resolve()).encode(), digest_size=8).hexdigest()
-        folder = root / "panels" / digest
-    return folder / CACHE_NAMES[activations]
-
-
-def _cached_panels(model, gguf: Path, activations: str = "float"
-                   ) -> list[tuple[torch.Tensor, Panels | PanelParts]]:
-    """The panels of every matrix, from the cache (``panel_cache``) when it was made from this
-    very file (size, mtime) and layout, else prepared (from the model's ``BlockWeight``s, or
-    from the file's blocks checked bitwise against its fp32 weights) and cached (atomically;
-    a folder that cannot be written is only logged). The file's pages the preparation read
-    are dropped from memory matrix by matrix (the panels hold the values)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    params = model.named_matrices()
-    stat = gguf.stat()
-    key = f"{LAYOUT}:{stat.st_size}:{stat.st_mtime_ns}"
-    cache = panel_cache(gguf, activations)
-    if cache.exists():
-        with safe_open(str(cache), "pt") as f:
-            meta = f.metadata() or {}
-        if meta.get("key") == key and set(params) <= set(meta):
-            tensors = load_file(cache)
+    digest = hashlib.blake2b(str(gguf.resolve()).encode(), digest_size=8).hexdigest()
+    folders = [root / "panels" / digest]
+    if gguf.parent.resolve().is_relative_to(root):
+        folders.append(gguf.parent.resolve())
+    for folder in folders:
+        for name in LEGACY_CACHE_NAMES.values():
             try:
-                return [(params[n], _from_cache(n, meta, tensors)) for n in params]
-            except (KeyError, ValueError) as e:  # a cache this layout cannot have written
-                logger.info("weights: native panels in %s unreadable (%s: %s), made again",
-                            cache, type(e).__name__, e)
-    if all(isinstance(w, BlockWeight) for w in params.values()):
-        out = []
-        for w in params.values():  # matrix by matrix, the file's pages dropped after each:
-            out.append((w, prepare_runs(native_runs(w), activations)))  # peak = panels + one
-            if w.file is not None:  # matrix's pages, not panels + the whole file
-                w.file.release_pages()
-    else:
-        out = _checked_panels(params, read_matrices(gguf, model.cfg), activations)
-    tensors, meta = {}, {"key": key}
-    for n, (_, p) in zip(params, out):
-        _to_cache(n, p, tensors, meta)
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
+                (folder / name).unlink(missing_ok=True)
+            except OSError as e:  # a read-only cache: nothing to reclaim, nothing read
+                logger.info("weights: could not remove %s (%s)", folder / name, e)
     try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, cache)
-    except OSError as e:
-        logger.info("weights: native panels not cached in %s (%s)", cache.parent, e)
-        tmp.unlink(missing_ok=True)
+        folders[0].rmdir()
+    except OSError:  # absent, or not empty
+        pass
+
+
+def _made_panels(model, gguf: Path, activations: str = "float"
+                 ) -> list[tuple[torch.Tensor, Panels | PanelParts]]:
+    """The panels of every matrix, made now (from the model's ``BlockWeight``s, or from the
+    file's blocks checked bitwise against its fp32 weights); nothing is written. The file's
+    pages the preparation read are dropped from memory matrix by matrix (the panels hold the
+    values)."""
+    remove_legacy_panels(gguf)
+    params = model.named_matrices()
+    if not all(isinstance(w, BlockWeight) for w in params.values()):
+        return _checked_panels(params, read_matrices(gguf, model.cfg), activations)
+    out = []
+    for w in params.values():  # matrix by matrix, the file's pages dropped after each:
+        out.append((w, prepare_runs(native_runs(w), activations)))  # peak = panels + one
+        if w.file is not None:  # matrix's pages, not panels + the whole file
+            w.file.release_pages()
     return out
-
-
-def _shape(p: Panels) -> str:
-    return f"{p.out_features}:{p.in_features}:{p.fmt}:{p.panels}"
-
-
-def _to_cache(name: str, p: Panels | PanelParts, tensors: dict, meta: dict) -> None:
-    """``p`` into the cache's tensors and metadata: ``name`` -> "out:in:fmt:panels"; or, for
-    parts, ``name`` -> "parts:<n>" and "<name>#<i>" -> part i's tensor and shape."""
-    if isinstance(p, PanelParts):
-        meta[name] = f"parts:{len(p.parts)}"
-        for i, part in enumerate(p.parts):
-            tensors[f"{name}#{i}"], meta[f"{name}#{i}"] = part.data, _shape(part)
-    else:
-        tensors[name], meta[name] = p.data, _shape(p)
-
-
-def _from_cache(name: str, meta: dict, tensors: dict) -> Panels | PanelParts:
-    """What ``_to_cache`` stored under ``name`` (KeyError / ValueError where it is not that)."""
-    if meta[name].startswith("parts:"):
-        n = int(meta[name].removeprefix("parts:"))
-        return PanelParts(tuple(_from_cache(f"{name}#{i}", meta, tensors) for i in range(n)))
-    return Panels(tensors[name], *map(int, meta[name].split(":")))
 
 
 def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, list[Blocks]],

@@ -17,7 +17,7 @@ from specdec.models.llama import LlamaDecoder
 from specdec.models.quantize import check_choice
 from specdec.models.safetensors_file import open_checkpoint
 
-DERIVED_PREFIX = "native_panels"  # files specdec writes beside a GGUF (gguf_weights.py)
+DERIVED_PREFIX = "native_panels"  # what earlier versions wrote beside a GGUF (gguf_weights.py)
 
 
 def resolve_model_path(model: str) -> Path:

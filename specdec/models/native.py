@@ -48,7 +48,7 @@ from specdec.models.panels import (  # noqa: F401  (native.Panels etc. for calle
     Weight,
 )
 
-ABI = 14
+ABI = 15
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
 FLOAT_ISAS = ("avx2", "avx512")  # sd_float_isa's values, by index
 logger = logging.getLogger("specdec")
@@ -119,6 +119,7 @@ class Kernels:
         lib.sd_layers.argtypes = [_P, _I, ctypes.POINTER(StepArgs)]
         lib.sd_check_keys.argtypes = [_I, _P, _P, _I, _I, _I]
         lib.sd_check_keys.restype = _I
+        lib.sd_repack.argtypes = [_P, _I, _I, _I, ctypes.c_int, ctypes.c_int, _P, ctypes.c_int]
 
     @functools.cached_property
     def build(self) -> str:

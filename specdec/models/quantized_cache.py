@@ -5,8 +5,10 @@ One safetensors file per (checkpoint, quantize mode) in specdec's cache (``SPECD
 under ``quantized/``; never beside the user's files), named by a digest of the mode, the
 quantizer's ``LAYOUT`` and every weights file's resolved path, size and mtime, which its
 metadata repeats (``key``). A file is written under a temporary name and renamed into place,
-so a reader sees a whole file or none; a changed checkpoint gets a new name (the old file stays
-until the cache is cleared). A cache that cannot be written is logged and skipped. Each tensor
+so a reader sees a whole file or none; a changed checkpoint gets a new name, and the file made
+from its earlier version (same paths and mode, another size, mtime or layout) is removed then,
+so the cache holds one file per checkpoint and mode: its quantized blocks (Q8_0 ~1.06, Q4_K
+~0.56 bytes a weight). A cache that cannot be written is logged and skipped. Each tensor
 is a part's blocks [out, row bytes] uint8 under the part's HF name; the mapped file's pages are
 dropped once the panels are made, so a start holds the panels, not the blocks too.
 
@@ -78,4 +80,26 @@ def write(files: CheckpointFiles, quantize: str, rows: dict[str, torch.Tensor]
         if tmp.exists():  # False too where the folder could not be made
             tmp.unlink()
         return None
+    _remove_older(key, path)
     return read(files, quantize)
+
+
+def _remove_older(key: str, keep: Path) -> None:
+    """Remove the cache's files made under ``key``'s mode from the same paths as ``key`` but
+    other sizes, mtimes or layout: an earlier version of the checkpoint (a reader that has one
+    mapped keeps it until it unmaps it). Files that are not ours are left alone."""
+    mode, paths = json.loads(key)[0], [f[0] for f in json.loads(key)[2:]]
+    for other in keep.parent.glob("*.safetensors"):
+        if other == keep:
+            continue
+        try:
+            ident = json.loads(open_safetensors(other).metadata.get("key", "null"))
+            same = ident[0] == mode and [f[0] for f in ident[2:]] == paths
+        except (ValueError, TypeError, IndexError, KeyError):  # not a file of ours
+            continue
+        if same:
+            try:
+                other.unlink()
+            except OSError as e:
+                logger.info("weights: could not remove the stale quantized cache %s (%s)",
+                            other, e)

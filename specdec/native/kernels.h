@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define SD_ABI 14
+#define SD_ABI 15
 
 /* the cache level the 8-bit-activation kernels (linear_q8.c) prefetch streamed weights into:
  * L2 (T1), not L1 (T0). A T0 prefetch holds one of L1's few fill buffers until its line arrives
@@ -113,6 +113,11 @@ typedef struct sd_weight {
     const struct sd_weight* parts;
     int64_t nparts;
 } sd_weight;
+
+/* a GGUF matrix's blocks of type `kind` (repack.c: RK_*) -> its panels in format `fmt`, bitwise
+ * specdec/models/gguf_blocks.prepare / q8_activations.prepare (0, or -1: invalid arguments) */
+int sd_repack(const uint8_t* rows, int64_t row_stride, int64_t out, int64_t K, int kind,
+              int fmt, uint8_t* dst, int nthreads);
 
 /* 0 when w is a valid weight of `K` inputs, else -1 */
 int sd_check_weight(const sd_weight* w, int64_t K);

@@ -94,7 +94,9 @@ def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch, depth, top
             drafter_args={"head": head, "depth": depth, "topk": topk},
             controller_args={"budget": budget})
     assert len(seen) > 10
-    for tokens, b, tree in seen:
+    # the dense oracle costs a head run per path (~80 at depth 6, top-4): 12 steps spread over
+    # the run, the first and the last among them, keep it to seconds on a slow CPU
+    for tokens, b, tree in [seen[round(i * (len(seen) - 1) / 11)] for i in range(12)]:
         ref = _oracle_tree(model, head, tokens, depth, topk, b.max_nodes)
         assert tree.tokens.tolist() == ref[0] and tree.parents.tolist() == ref[1]
         torch.testing.assert_close(tree.path_probs.double(), torch.tensor(ref[2]).double(),

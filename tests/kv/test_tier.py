@@ -351,7 +351,7 @@ def test_the_fingerprint_follows_the_weight_files_bytes_size_and_mtime(tmp_path)
     assert weights_fingerprint(folder) != last
     (folder / "config.json").write_text('{"x": 1}')
     assert weights_fingerprint(folder) != last
-    # not weights: the tokenizer, and the panels specdec derives from a GGUF and caches there
+    # not weights: the tokenizer, and the panels earlier versions derived from a GGUF there
     now = weights_fingerprint(folder)
     (folder / "tokenizer.json").write_text("{}")
     (folder / "native_panels.safetensors").write_bytes(b"x")
@@ -360,10 +360,11 @@ def test_the_fingerprint_follows_the_weight_files_bytes_size_and_mtime(tmp_path)
 
 
 def test_the_derived_panel_caches_are_the_ones_the_fingerprint_leaves_out():
+    """Earlier versions cached panels beside a GGUF; a folder may still hold them."""
     from specdec.kv.fingerprint import DERIVED_PREFIX
-    from specdec.models.gguf_weights import CACHE_NAMES
+    from specdec.models.gguf_weights import LEGACY_CACHE_NAMES
 
-    assert all(name.startswith(DERIVED_PREFIX) for name in CACHE_NAMES.values())
+    assert all(name.startswith(DERIVED_PREFIX) for name in LEGACY_CACHE_NAMES.values())
 
 
 def test_an_engine_restarted_after_its_weights_changed_serves_nothing_from_the_tier(tmp_path,

@@ -230,7 +230,8 @@ def test_a_non_finite_weight_is_named(checkpoints, tmp_path):
 def test_quantized_blocks_are_cached(checkpoints, tmp_path, monkeypatch):
     """The first start quantizes and caches (in SPECDEC_CACHE, not beside the checkpoint); the
     next reads the blocks back (no quantizing: the same numbers); a changed checkpoint is
-    quantized again; a cache that cannot be written only costs the quantizing."""
+    quantized again, its earlier blocks removed (one file per checkpoint and mode); a cache
+    that cannot be written only costs the quantizing."""
     from specdec.models import checkpoint_weights, quantized_cache
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
@@ -253,7 +254,8 @@ def test_quantized_blocks_are_cached(checkpoints, tmp_path, monkeypatch):
     w["model.layers.0.mlp.down_proj.weight"] *= 2
     save_file(w, folder / "model.safetensors", metadata={"format": "pt"})
     changed = _run(LLM(**kw))
-    assert len(list((tmp_path / "cache" / "quantized").glob("*.safetensors"))) == 2
+    now = list((tmp_path / "cache" / "quantized").glob("*.safetensors"))
+    assert len(now) == 1 and now != cached  # the earlier version's blocks removed
     assert _logprobs(changed) != _logprobs(first)
     (tmp_path / "blocked").write_text("a file where the cache folder would be")
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "blocked"))

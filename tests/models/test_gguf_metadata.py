@@ -274,3 +274,71 @@ def test_smollm2_folder_is_transformers(smollm2_dir, tmp_path, monkeypatch):
     monkeypatch.undo()
     chat_texts = ["<|im_start|>user\nWhat is 2+2?<|im_end|>\n", "Hello, world!  \t 12345 café"]
     _same_tokenizers(tmp_path / "ours", tmp_path / "theirs", TEXTS + chat_texts)
+
+
+@pytest.mark.parametrize("loose", [("tokenizer.json",),
+                                   ("tokenizer.json", "tokenizer_config.json", "config.json")])
+def test_a_gguf_in_an_hf_folder_keeps_its_own_tokenizer(loose, tmp_path, monkeypatch):
+    """llama.cpp's converter writes the .gguf into the HF folder it converted: the files there
+    (another tokenizer here: no chat template, no <s> / </s>; another config) are not the
+    file's, and the GGUF is the source of its config and tokenizer (issue 46)."""
+    from specdec.models.loader import load_hf_config, resolve_model_path
+    from specdec.models.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "other"
+    aliases.write_metadata_files(_file(tmp_path / "o", arch="qwen2"), other)  # ASCII, no template
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in loose:
+        (hf / name).write_bytes((other / name).read_bytes())
+    path = write_tiny_gguf(hf / "model-q8_0.gguf", kind="Q8_0", quantize=False,
+                           tokenizer=sentencepiece)
+    folder = resolve_model_path(str(path))
+    tok = load_tokenizer(folder)
+    assert tok.chat_template == TEMPLATE
+    assert (tok.bos_token, tok.eos_token, tok.bos_token_id, tok.eos_token_id) == (
+        "<s>", "</s>", 1, 2)
+    assert tok.convert_ids_to_tokens([3, 4]) == ["<|im_start|>", "<think>"]
+    assert load_hf_config(folder).model_type == "llama"
+    alone = tmp_path / "alone"  # the same file in a folder of its own: the same files
+    alone.mkdir()
+    (alone / "model.gguf").symlink_to(path)
+    aliases.write_metadata_files(alone / "model.gguf", tmp_path / "expected")
+    expected, got = _folder(tmp_path / "expected"), _folder_files(folder)
+    for config in (expected["config.json"], got["config.json"]):
+        config.pop("_name_or_path")  # the file's folder
+    assert {name: got[name] for name in expected} == expected
+
+
+def _folder_files(folder: Path) -> dict:
+    """``_folder`` of a GGUF's folder, but for its model.gguf."""
+    return {p.name: json.loads(p.read_text()) if p.suffix == ".json" else p.read_text()
+            for p in sorted(folder.iterdir()) if p.name != aliases.GGUF_NAME}
+
+
+def test_a_folder_made_from_the_loose_tokenizer_is_made_again(tmp_path, monkeypatch):
+    """What an earlier version made of such a file (its folder named by the path, size and
+    mtime alone, holding the loose tokenizer) is replaced by the file's own, and removed."""
+    import hashlib
+
+    from specdec.models.loader import resolve_model_path
+    from specdec.models.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "other"
+    aliases.write_metadata_files(_file(tmp_path / "o", arch="qwen2"), other)
+    path = write_tiny_gguf(tmp_path / "m.gguf", kind="Q8_0", quantize=False,
+                           tokenizer=sentencepiece)
+    st = path.stat()
+    source = f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+    old = tmp_path / "cache" / "gguf" / hashlib.blake2b(source.encode(), digest_size=8).hexdigest()
+    old.mkdir(parents=True)
+    (old / aliases.GGUF_NAME).symlink_to(path)
+    aliases.write_metadata_files(path, old)
+    (old / "tokenizer_config.json").unlink()
+    (old / "tokenizer.json").write_bytes((other / "tokenizer.json").read_bytes())
+    (old / ".complete").write_text(f"{aliases.LAYOUT} {source}\n")
+    folder = resolve_model_path(str(path))
+    assert folder != old and not old.exists()
+    assert load_tokenizer(folder).chat_template == TEMPLATE
