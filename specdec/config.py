@@ -35,10 +35,12 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model's max positions, 4096)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
-    # "auto": flashinfer on CUDA in bf16/fp16 when it imports, else torch (specdec.attention)
+    # "auto": torch on the CPU; on CUDA "invariant" (Triton) with linear_kernels="invariant"
+    # where triton imports, else flashinfer in bf16/fp16 when it imports, else torch
+    # (specdec.attention.resolve_backend)
     attention_backend: str = "auto"
     # replay CUDA graphs for decode and verify steps (specdec.engine.cuda_graphs); used on CUDA with a
-    # backend that supports them (flashinfer), ignored elsewhere; False: always eager
+    # backend that supports them (invariant, flashinfer), ignored elsewhere; False: always eager
     cuda_graphs: bool = True
     # a registered verifier ("gumbel", "rejection", "greedy", or a plugin's)
     verifier: str = "gumbel"

@@ -91,7 +91,9 @@ def add_model_args(p: argparse.ArgumentParser, cache_flags: bool = True) -> None
                         "q8_0, or q4_k (q8_0 where the inputs are not a multiple of 256); "
                         "default: none (a bf16/fp16 checkpoint runs on its own bytes)")
     p.add_argument("--attention-backend", default="auto", choices=ATTENTION_CHOICES,
-                   help="auto (default): flashinfer on CUDA when installed, else torch")
+                   help="auto (default): torch on the CPU; on CUDA invariant (Triton) with "
+                        "--linear-kernels invariant, else flashinfer when installed (bf16/fp16), "
+                        "else torch")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run every step eagerly on CUDA (default: replay CUDA graphs)")
     if cache_flags:
