@@ -10,7 +10,6 @@ they never run.
 from __future__ import annotations
 
 import ast
-import importlib
 from pathlib import Path
 
 import pytest
@@ -18,21 +17,16 @@ import pytest
 import specdec
 
 ROOTS = {"specdec": Path(specdec.__file__).parent}
-for sub in ("drafters", "verifiers", "controllers", "training"):
-    ROOTS[f"specdec.{sub}"] = Path(importlib.import_module(f"specdec.{sub}").__file__).parent
 
 
 def _modules() -> dict[str, Path]:
-    """specdec's module names -> files (mapped packages included, e.g. specdec.drafters)."""
+    """specdec's module names -> files."""
     found = {}
     for prefix, folder in ROOTS.items():
         for path in folder.rglob("*.py"):
             rel = path.relative_to(folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
             name = ".".join([prefix, *parts])
-            if prefix == "specdec" and parts and parts[0] in (
-                    "drafters", "verifiers", "controllers", "training"):
-                continue  # not there in a source tree: mapped from the top-level folders
             found[name] = path
     return found
 

@@ -1,9 +1,9 @@
 """What `pip install .` gets: every package, and the files the code reads from its own folders.
 
-pyproject.toml lists the packages by hand (package-dir maps drafters/, verifiers/, controllers/
-and training/ into specdec.*, which automatic discovery cannot follow), so a new package folder
-has to be added there: the first tests read the source tree against pyproject (instant, and they
-name what is missing); the last builds a wheel from a copy of the sources and reads its file list.
+pyproject.toml finds the packages (every folder with an __init__.py under specdec/): the first
+tests read the source tree (instant, and they name what is missing: a module outside any
+package, a data file nobody decided on); the last builds a wheel from a copy of the sources and
+reads its file list.
 That wheel has no compiled kernels (``SPECDEC_NO_NATIVE=1``: the C build alone takes ~15 s):
 .ci/run builds the real wheel, installs it into a fresh venv and generates with it.
 """
@@ -28,7 +28,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-PACKAGE_DIR: dict[str, str] = SETUPTOOLS["package-dir"]  # {"specdec.drafters": "drafters", ...}
+PACKAGE_DIR = {"specdec": "specdec"}  # package -> its folder (found: packages.find)
 # files in the package folders that are not shipped, and why (anything else must be package data)
 NOT_SHIPPED = {"specdec/native/*.c": "compiled by setup.py at install",
                "specdec/native/*.h": "compiled by setup.py at install"}
@@ -48,7 +48,7 @@ def _files(root: Path):
 @functools.cache
 def _source_files() -> dict[str, Path]:
     """Installed path (e.g. ``specdec/drafters/ngram.py``) -> the file in this checkout, for
-    every file under the package-dir roots."""
+    every file under the package folders."""
     out = {}
     for package, folder in PACKAGE_DIR.items():
         root = REPO / folder
@@ -76,13 +76,9 @@ def _package_data(name: str) -> bool:
     return _matches(name, "package-data") and not _matches(name, "exclude-package-data")
 
 
-def test_every_package_folder_is_listed():
-    listed = set(SETUPTOOLS["packages"])
-    missing = sorted(_tree_packages() - listed)
-    assert not missing, (f"pyproject.toml [tool.setuptools] packages leaves out {missing}: a "
-                         "wheel would install without them")
-    gone = sorted(listed - _tree_packages())
-    assert not gone, f"pyproject.toml lists packages with no folder (__init__.py): {gone}"
+def test_packages_are_found_under_specdec():
+    assert SETUPTOOLS["packages"]["find"]["include"] == ["specdec*"]
+    assert "package-dir" not in SETUPTOOLS, "every package is the folder of its name"
 
 
 def test_every_module_is_in_a_package():
