@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 # two halves, each its own process (on two workers at once; each well under 30 s on a slow CPU)
 KERNELS = "flashinfer or flex or cuda_graph_replay"
 
