@@ -8,9 +8,9 @@ from typing import Any
 
 from specdec.attention import CHOICES as ATTENTION_CHOICES
 from specdec.models.aliases import DEFAULT_MODEL
-from specdec.models.config import DTYPES
-from specdec.models.draft_weights import CHOICES as DRAFT_WEIGHT_CHOICES
-from specdec.models.quantize import CHOICES as QUANTIZE_CHOICES
+from specdec.models.checkpoints.quantize import CHOICES as QUANTIZE_CHOICES
+from specdec.models.decoder.config import DTYPES
+from specdec.models.heads.weights import CHOICES as DRAFT_WEIGHT_CHOICES
 
 LINEAR_CHOICES = ("invariant", "tuned", "plain")
 WEIGHT_CHOICES = ("auto", "native", "dequantized")
@@ -56,7 +56,7 @@ class EngineConfig:
     weights: str = "auto"
     # the activations the GGUF's blocks meet: "float" (fp32: the fp32 model's numbers, bitwise);
     # "q8": each row rounded to int8 per block of 32 as llama.cpp's CPU backend does
-    # (specdec.models.q8_activations: still row-invariant, so speculation stays exactly plain
+    # (specdec.models.gguf.q8_activations: still row-invariant, so speculation stays exactly plain
     # decoding; ~2-3x cheaper rows, numbers within ~0.5 % of the fp32 model's); needs the
     # native weights. "auto": q8 where the target computes with quantized blocks (a GGUF's, or
     # quantize's), what llama.cpp computes for such a file; float otherwise (fp32 / bf16 / fp16
@@ -64,7 +64,7 @@ class EngineConfig:
     activations: str = "auto"
     # a safetensors checkpoint's matrices quantized at load into GGUF blocks, matrix by matrix:
     # "q8_0" or "q4_k" (Q8_0 where in_features % 256 != 0), then computed as a GGUF's blocks
-    # are (float or q8 activations; specdec.models.quantize); None: as stored (a bf16 / fp16
+    # are (float or q8 activations; specdec.models.checkpoints.quantize); None: as stored (a bf16 / fp16
     # checkpoint on its own bytes where the kernels run). Needs float32 on the CPU with the
     # compiled kernels, and a model that is not a GGUF
     quantize: str | None = None

@@ -76,6 +76,11 @@ def create(pm: pluggy.PluginManager, hook_name: str, kind: str, name: str, /, *a
     return obj
 
 
+def label(plugin) -> str:
+    """``'name' (plugin 'registered-by')``: how failure messages name a plugin object."""
+    return f"{plugin.name!r} (plugin {plugin.plugin_name!r})"
+
+
 def notify_step_end(pm: pluggy.PluginManager, stats) -> list[str]:
     """Call every step observer; a failing one is reported by name (warning + returned), and
     does not stop the others or the engine."""

@@ -20,6 +20,16 @@ from hypothesis import settings
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist the workers share the cores: each gets its share of threads (torch's, and
+# OpenMP's in the processes a test starts). Two workers of two OpenMP threads on 2 cores wait on
+# each other's barriers at every op (a tiny op 100x slower under load); a test about threaded
+# splits sets its threads itself (tests/native_helpers.run_capped(threads=3)).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _share = max(1, (_cores or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
+
 # No per-example deadline anywhere: hypothesis's default (200 ms) fails a test whose example ran
 # slow once on a busy or slow machine ("unreliable timings"), not one that is wrong
 settings.register_profile("specdec", deadline=None)
@@ -42,6 +52,24 @@ def pytest_configure(config):
     folder = Path(tempfile.mkdtemp(prefix="specdec-suite-cache-"))
     config.stash[SUITE_CACHE] = (folder, before, time.time(), True)
     os.environ["SPECDEC_CACHE"] = os.environ[NESTED] = str(folder)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` on pytest >= 9.2: pytest-xdist (3.8) tells the controller an item's
+    ``xdist_group`` by appending ``@group`` to its node id through ``item._nodeid``, which pytest
+    9.2's structured node ids no longer read (pytest-xdist issue 1386): every grouped test would
+    be scheduled alone, as if unmarked, and each worker would build the group's fixture. Here,
+    after xdist's hook, the suffix is set where it did not take (nothing to do once xdist sets it
+    itself, or on an older pytest)."""
+    if not getattr(config.option, "loadgroup", False):  # set in xdist's workers only
+        return
+    for item in items:
+        names = {m.args[0] if m.args else m.kwargs.get("name", "default")
+                 for m in item.iter_markers("xdist_group")}
+        suffix = "@" + "_".join(sorted(str(n) for n in names))
+        if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            item._id = type(item._id).parse(item.nodeid + suffix)
 
 
 def pytest_unconfigure(config):
@@ -145,13 +173,20 @@ def smollm2_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_dir):
     """HF transformers' float32 SmolLM2-135M-Instruct, read from the GGUF by transformers (the
-    model oracle): once per run, ~14 s of its own GGUF conversion. Do not modify it."""
+    model oracle). Do not modify it. Its tests are marked ``xdist_group("smollm2_hf")`` (the
+    suite runs ``--dist loadgroup``): one worker builds it, once per run. transformers parses the
+    file twice (config, weights; gguf-py walks the 49k-token vocabulary in Python each time) and
+    builds gguf-py's tensor-name map once per submodule (397 times): memoized while it loads
+    (``_gguf_parsed_once``, as the alias conversion does; the same weights bitwise), 14 s -> 7 s
+    of CPU here."""
     from transformers import AutoModelForCausalLM
 
+    from specdec.models.aliases import _gguf_parsed_once
     from specdec.models.loader import hf_weights_kwargs
 
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32,
-                                                **hf_weights_kwargs(smollm2_dir)).eval()
+    with _gguf_parsed_once():
+        return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32,
+                                                    **hf_weights_kwargs(smollm2_dir)).eval()
 
 
 class OracleTree:

@@ -37,8 +37,8 @@ def graph_everything(engine) -> RerunCapture:
     """Every runner of the engine graphed, through one RerunCapture (returned)."""
 
     capture = RerunCapture()
-    for runner in [engine.runner, *engine.drafter_runners]:
+    for runner in [engine.parts.runner, *engine.parts.drafter_runners]:
         runner.graphs = CudaGraphRunner(runner, engine.config.max_num_seqs,
                                         engine.config.max_num_batched_tokens,
-                                        engine.max_model_len, capture=capture)
+                                        engine.parts.max_model_len, capture=capture)
     return capture

@@ -11,8 +11,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from specdec import LLM, SamplingParams
-from specdec.models import native
+from specdec import LLM, SamplingParams, native
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(native.load() is None, reason="the compiled kernels are not "
@@ -30,7 +29,7 @@ def _drafter_args(folder, dtype: str, drafter: str) -> dict:
     top-2 at every level)."""
     if drafter == "draft_model":
         return {"early_exit_layers": 1, "max_depth": 3}
-    from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+    from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
     from specdec.models.loader import load_model
 
     model, cfg, hf = load_model(folder, getattr(torch, dtype), "cpu", 64)

@@ -1,10 +1,16 @@
-"""The package layout: the public imports keep working, and no import cycle inside specdec.
+"""The package layout: the public imports keep working, no import cycle inside specdec, and
+no loop between its packages.
 
 The cycle check reads every module's imports with ``ast`` (no import-time side effects): an
 edge A -> B for each ``import specdec.B`` / ``from specdec.B import x`` / ``from specdec.B
 import submodule`` in A, at module level or inside functions alike (a deferred import that
 closes a cycle is still a cycle of the design). ``if TYPE_CHECKING:`` blocks are left out:
 they never run.
+
+The package check reads the same graph a level up: a node per part of specdec (a subpackage,
+``specdec.engine``, or a top-level module, ``specdec.config``), an edge A -> B where a module of
+A imports one of B. A loop there (engine -> serving -> engine) is a cycle of the design even when
+no module cycle closes it (engine.llm -> serving.streaming -> engine.sequence).
 """
 
 from __future__ import annotations
@@ -118,8 +124,38 @@ def _graph() -> dict[str, set[str]]:
     return graph
 
 
+def _packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph at the level of specdec's parts (see the module docstring)."""
+    def part(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {}
+    for name, deps in graph.items():
+        out.setdefault(part(name), set()).update(
+            part(d) for d in deps if part(d) != part(name))
+    return out
+
+
 def test_no_import_cycle_inside_specdec():
     assert _cycles(_graph()) == []
+
+
+def test_no_import_loop_between_specdec_packages():
+    graph = _graph()
+    loops = _cycles(_packages(graph))
+    edges = [f"{a} -> {b}" for loop in loops for a in sorted(graph) for b in sorted(graph[a])
+             if a.split(".")[:2] != b.split(".")[:2] and ".".join(a.split(".")[:2]) in loop
+             and ".".join(b.split(".")[:2]) in loop]
+    assert loops == [], f"package loops {loops}, through: {edges}"
+
+
+def test_the_package_check_finds_a_loop_no_module_cycle_closes():
+    """The old engine <-> serving loop: no module cycle, one package loop."""
+    graph = {"specdec.engine.llm": {"specdec.serving.streaming"},
+             "specdec.serving.streaming": {"specdec.engine.sequence"},
+             "specdec.engine.sequence": set(), "specdec.config": {"specdec.engine.sequence"}}
+    assert _cycles(graph) == []
+    assert _cycles(_packages(graph)) == [["specdec.engine", "specdec.serving"]]
 
 
 def test_the_cycle_check_finds_a_cycle():

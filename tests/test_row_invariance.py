@@ -39,7 +39,7 @@ def _prefilled(eng, request_id: str, prompt: list[int]) -> Sequence:
     seq = Sequence(request_id, list(prompt), SamplingParams(temperature=0), None)
     rec = StepRequest(seq, len(prompt) - 1)
     eng.kv.reserve(seq.block_table, len(prompt) - 1)
-    eng.runner.forward(build_forward_batch([rec], eng.config.page_size, eng.device))
+    eng.parts.runner.forward(build_forward_batch([rec], eng.config.page_size, eng.parts.device))
     seq.num_computed = len(prompt) - 1
     return seq
 
@@ -53,8 +53,8 @@ def _step_logits(eng, seqs: list[Sequence], trees: list[DraftTree | None]) -> li
         rec.tree = tree
         eng.kv.reserve(seq.block_table, seq.num_computed + 1 + rec.num_nodes)
         records.append(rec)
-    logits = eng.runner.forward(build_forward_batch(records, eng.config.page_size,
-                                                    eng.device)).logits
+    logits = eng.parts.runner.forward(build_forward_batch(records, eng.config.page_size,
+                                                    eng.parts.device)).logits
     return [logits[r.logits_start:r.logits_start + 1 + r.num_nodes].clone() for r in records]
 
 

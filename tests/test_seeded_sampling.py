@@ -16,11 +16,11 @@ import torch
 from conftest import make_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.engine.costs import StepCosts
-from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
-from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.controllers.costs import StepCosts
+from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.heads.mtp import MTPConfig, MTPHeads
 from specdec.models.loader import load_model
-from specdec.models.mtp import MTPConfig, MTPHeads
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 V = 16

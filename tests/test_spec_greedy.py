@@ -179,7 +179,7 @@ def test_smollm2_greedy_identical_with_tau_above_1_2(smollm2_dir):
 # drafts deep); "steep", every verified row costs a fifth of a step (pruning bites: only likely
 # nodes are kept)
 def _fixed_costs(shape: str):
-    from specdec.engine.costs import StepCosts
+    from specdec.controllers.costs import StepCosts
 
     rows = [1, 2, 4, 8, 16, 32, 64]
     per_row = {"flat": 1e-4, "steep": 0.2}[shape]
@@ -229,13 +229,13 @@ def test_pruned_trees_stay_lossless_and_drafters_hear_their_own_indices(tiny_lla
                controller="keep_first_two", controller_args={"budget": 8}, plugins=(Plugin(),))
     drafter = spec.engine.drafting.drafter
     proposed, heard, pruned_steps = {}, [], []
-    stage_prune = spec.engine.drafting._prune
+    stage_prune = spec.engine.controlling.prune
 
-    def recording_prune(records):
-        stage_prune(records)
+    def recording_prune(records, batch):
+        stage_prune(records, batch)
         pruned_steps.extend(r for r in records if r.kept is not None)
 
-    monkeypatch.setattr(spec.engine.drafting, "_prune", recording_prune)
+    monkeypatch.setattr(spec.engine.controlling, "prune", recording_prune)
     propose, on_verified = drafter.propose, drafter.on_verified
 
     def recording_propose(requests):

@@ -194,7 +194,7 @@ def blocks(kind: str, out: int, inp: int, seed: int):
     from gguf import GGMLQuantizationType
 
     from specdec.bench.random_blocks import random_blocks
-    from specdec.models import gguf_blocks as gb
+    from specdec.models.gguf import blocks as gb
 
     rows = random_blocks(np.random.default_rng(seed), GGMLQuantizationType[kind], out, inp,
                          0.02)
@@ -226,7 +226,7 @@ def cycles(mix: dict[str, float]) -> dict[str, tuple[float, ...]]:
 def time_kernels(libs: dict, args, ghz: float, bw: float, per8: dict) -> list[dict]:
     import torch
 
-    from specdec.models import native
+    from specdec import native
 
     kernels = {name: native.Kernels(ctypes.CDLL(str(path))) for name, path in libs.items()}
     assert all(k.float_isa == "avx2" for k in kernels.values())
@@ -304,7 +304,7 @@ def time_kernels(libs: dict, args, ghz: float, bw: float, per8: dict) -> list[di
 
 E2E = r"""
 import ctypes, functools, json, sys, time
-from specdec.models import native
+from specdec import native
 lib = native.Kernels(ctypes.CDLL(sys.argv[1]))
 native.load = functools.cache(lambda: lib)
 import torch

@@ -65,10 +65,10 @@ def child(a: argparse.Namespace, t_start: float) -> dict:
     return {"import_s": t_import, "ready_s": ready, "prompt_tokens": len(ids),
             "ttft_s": ttft, "ttft_engine_s": first.metrics.ttft, "decode_tokens_per_s": decode,
             "loaded": loaded, "hwm_mb": _status_kb("VmHWM") / 1024,
-            "rss_mb": _status_kb("VmRSS") / 1024, "weights": eng.weights,
-            "activations": eng.activations,
-            "kv_bytes": sum(s.bytes for s in eng.kv_split.shares),
-            "weight_bytes_per_forward": eng.weight_bytes_per_forward}
+            "rss_mb": _status_kb("VmRSS") / 1024, "weights": eng.parts.weights,
+            "activations": eng.parts.activations,
+            "kv_bytes": sum(s.bytes for s in eng.parts.kv_split.shares),
+            "weight_bytes_per_forward": eng.parts.weight_bytes_per_forward}
 
 
 def model_files(model: str) -> list[Path]:

@@ -23,7 +23,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.data import load_questions
-from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from specdec.models.tokenizer import chat_token_ids
 
 MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "eval" / "mt_bench.jsonl"
@@ -32,8 +32,8 @@ DEPTH = 7
 
 
 def _bd_model(llm_plain, layers: int, block: int) -> BlockDiffusionModel:
-    target = llm_plain.engine.model
-    cfg, hf = llm_plain.engine.model_config, llm_plain.engine.hf_config
+    target = llm_plain.engine.parts.model
+    cfg, hf = llm_plain.engine.parts.model_config, llm_plain.engine.parts.hf_config
     c = BlockDiffusionConfig.for_target(cfg, 8000, num_layers=layers, block_size=block)
     m = BlockDiffusionModel(c, target.embed, hf)
     m.init_from_target(target, torch.arange(0, 16000, 2))

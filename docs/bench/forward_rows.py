@@ -6,7 +6,7 @@ the limits.
 
 SmolLM2-135M-Instruct (or ``--model``: an alias, HF folder or .gguf file, e.g. a folder of
 docs/bench/shape_gguf.py, a real model's shape with random weights), the engine's own step
-profile (``specdec.engine.costs.profile_forward``: one request feeding n rows over 64 cached tokens, logits for every row, fastest of several runs),
+profile (``specdec.controllers.costs.profile_forward``: one request feeding n rows over 64 cached tokens, logits for every row, fastest of several runs),
 for each configuration ``dtype:linear_kernels:weights[:activations]`` in fresh engines built one after another
 in this process
 (``--rounds`` times, interleaved, so that the spread of T(1) across engines shows). Beside them:
@@ -24,10 +24,9 @@ import platform
 
 import torch
 
-from specdec import LLM
+from specdec import LLM, native
 from specdec.bench.physics import bandwidth_gbs, fma_rate
-from specdec.engine.costs import StepCosts, profile_forward
-from specdec.models import native
+from specdec.controllers.costs import StepCosts, profile_forward
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -45,13 +44,13 @@ def profile(model: str, rows: tuple[int, ...], repeats: int, dtype: str, policy:
               weights=weights, activations=activations, max_model_len=256,
               max_num_batched_tokens=256)
     eng = llm.engine
-    raw = [profile_forward(eng.runner, (n,), repeats=repeats).times[0] for n in rows]
+    raw = [profile_forward(eng.parts.runner, (n,), repeats=repeats).times[0] for n in rows]
     costs = StepCosts(list(rows), raw)
-    macs = sum(w.numel() for w in eng.runner.model.matrices())  # per row: layers + LM head
+    macs = sum(w.numel() for w in eng.parts.runner.model.matrices())  # per row: layers + LM head
     return {"rows": list(rows), "ms": [1e3 * s for s in costs.times],
             "raw_ms": [1e3 * s for s in raw],
-            "weight_bytes": eng.weight_bytes_per_forward, "macs_per_row": macs,
-            "weights": eng.weights, "activations": eng.activations}
+            "weight_bytes": eng.parts.weight_bytes_per_forward, "macs_per_row": macs,
+            "weights": eng.parts.weights, "activations": eng.parts.activations}
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from specdec.models import aliases, gguf_metadata
+from specdec.models import aliases
+from specdec.models.gguf import metadata as gguf_metadata
 
 
 def write(path: Path, out: Path, fast: bool) -> float:

@@ -20,10 +20,10 @@ import time
 import numpy as np
 import torch
 
+from specdec import native
 from specdec.bench.random_blocks import random_blocks as blocks_of
-from specdec.models import gguf_blocks as gb
-from specdec.models import native
-from specdec.models import q8_activations as qa
+from specdec.models.gguf import blocks as gb
+from specdec.models.gguf import q8_activations as qa
 
 # one GGUF type per kernel format (Q4_0 runs Q4_1's, Q5_0 Q8_0's; Q5_1 runs Q5_F)
 KINDS = ["Q4_1", "Q8_0", "Q4_K", "Q5_1", "Q5_K", "Q6_K"]

@@ -146,7 +146,7 @@ def main() -> None:
             llm = LLM(activations=args.activations, drafter=kind,
                       drafter_args={"path": path} if path else {},
                       controller="static", controller_args={"budget": budget})
-            tap = StepTap(llm.engine.drafting.controller)
+            tap = StepTap(llm.engine.controlling.controller)
             outs = llm.generate(ids, params)
             bad = [o for o in outs if o.finish_reason == "error"]
             if bad:

@@ -80,7 +80,7 @@ def step_times(folder: Path, batch: int, speculative: bool, steps: int) -> list[
     llm = LLM(model=str(folder), device="cpu", dtype="float32", max_model_len=2048,
               max_num_seqs=max(batch, 8), enable_prefix_caching=False, **kw)
     engine = llm.engine
-    stub_forward(engine.runner)
+    stub_forward(engine.parts.runner)
     argmax = _timed_argmax()
     params = SamplingParams(temperature=0, max_tokens=steps * (DEPTH + 1 if speculative else 1),
                             ignore_eos=True)

@@ -35,8 +35,8 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.bench.data import first_turn_items, load_questions
+from specdec.controllers.costs import profile_forward
 from specdec.drafters.oracle import error_rate_for_tau, oracle_plugin
-from specdec.engine.costs import profile_forward
 
 DATASET = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
@@ -73,7 +73,7 @@ def one_tau(engine_kw: dict, plain: LLM, prompts, truth: dict, params, tau: floa
         spec_tps.append(_tps(s_runs))
         taus += [o.metrics.tau for _, o in s_runs if o.metrics.tau is not None]
         same &= all(o.token_ids == truth[tuple(p)] for p, (_, o) in zip(prompts, s_runs))
-    costs = profile_forward(spec.engine.runner, (1, depth + 1)).times
+    costs = profile_forward(spec.engine.parts.runner, (1, depth + 1)).times
     realized = statistics.fmean(taus) if taus else None
     del spec
     gc.collect()
@@ -110,7 +110,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=a.max_new_tokens, ignore_eos=True)
     truth = {tuple(q): o.token_ids for q, (_, o) in zip(prompts, _timed(plain, prompts, params))}
     out = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-           "model": a.model, "activations": a.activations, "weights": plain.engine.weights,
+           "model": a.model, "activations": a.activations, "weights": plain.engine.parts.weights,
            "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "runs": []}
     for tau in taus:
         run = one_tau(engine_kw, plain, prompts, truth, params, tau, a.depth, a.repeats)

@@ -24,7 +24,7 @@ import time
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.models import gguf_blocks as gb
+from specdec.models.gguf import blocks as gb
 
 VARIANTS = (("old", "Q5_F"), ("new", "Q5_K"))
 MODES = ("float", "q8")
@@ -53,7 +53,7 @@ def measure(model: str, cache: str, tokens: int = 64, rounds: int = 2) -> dict:
             llm.generate([[0]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
             runs = [decode_tok_s(llm, tokens) for _ in range(rounds)]
             res[f"{variant}/{mode}"] = dict(
-                weight_bytes=llm.engine.weight_bytes_per_forward,
+                weight_bytes=llm.engine.parts.weight_bytes_per_forward,
                 tok_s=[round(t, 2) for t, _ in runs], load_s=round(load, 1),
                 tokens=runs[-1][1])
             del llm

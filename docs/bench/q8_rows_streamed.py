@@ -20,10 +20,10 @@ import time
 import numpy as np
 import torch
 
+from specdec import native
 from specdec.bench.random_blocks import random_blocks
-from specdec.models import gguf_blocks as gb
-from specdec.models import native
-from specdec.models import q8_activations as qa
+from specdec.models.gguf import blocks as gb
+from specdec.models.gguf import q8_activations as qa
 
 
 def main() -> None:

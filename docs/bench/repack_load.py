@@ -1,7 +1,7 @@
 """Load time of a GGUF's native panels three ways, in one process, interleaved, medians:
 
 - ``repack``: what a load does now, the compiled repacker over the mapped file
-  (specdec/models/repack.py, specdec/native/repack.c);
+  (specdec/models/gguf/repack.py, specdec/native/repack.c);
 - ``torch``: the torch layouts (gguf_blocks.prepare / q8_activations.prepare), what a load
   without a cached copy did before;
 - ``cache``: reading the panels back from a safetensors copy of them (what a load with the
@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from specdec.models import gguf_weights as gw
-from specdec.models import q8_activations, repack
+from specdec.models.gguf import q8_activations, repack
+from specdec.models.gguf import weights as gw
 from specdec.models.loader import load_model, resolve_model_path
-from specdec.models.native import PanelParts
+from specdec.native import PanelParts
 
 
 def _parts(p):

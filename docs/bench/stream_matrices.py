@@ -20,11 +20,10 @@ import time
 
 import torch
 
-from specdec import LLM
+from specdec import LLM, native
 from specdec.bench.physics import bandwidth_gbs
-from specdec.models import native
-from specdec.models.fused import FusedLayers
-from specdec.models.panels import PanelParts
+from specdec.models.matmul.fused import FusedLayers
+from specdec.native.panels import PanelParts
 
 
 def parts(p):
@@ -44,7 +43,7 @@ def main() -> None:
     kernels = native.load()
     total = sum(q.data.numel() * q.data.element_size() for p in matrices for q in parts(p))
     bw = bandwidth_gbs()
-    print(f"{args.model} ({llm.engine.activations}): {len(matrices)} matrices, "
+    print(f"{args.model} ({llm.engine.parts.activations}): {len(matrices)} matrices, "
           f"{total / 1e9:.3f} GB; stream bandwidth {bw:.1f} GB/s")
     for rows in (int(n) for n in args.rows.split(",")):
         x_of = {k: torch.randn(rows, k) for k in {parts(p)[0].in_features for p in matrices}}

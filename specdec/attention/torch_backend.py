@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec import native
 from specdec.attention.kv_rows import kv_write_index, write_kv
 from specdec.attention.metadata import AttentionMetadata
-from specdec.models import native
 
 # Per-call cost of one extra SDPA call, in padded (query row x KV slot) cells: measured on CPU,
 # a call costs about as much as 500 cells of work.
@@ -53,7 +53,7 @@ class TorchAttentionBackend:
 
     def key_lists(self) -> _KeyLists | None:
         """This step's per-row key lists when it runs on the compiled kernels, else None (a
-        fused layer, specdec.models.fused, then writes K/V and attends itself)."""
+        fused layer, specdec.models.matmul.fused, then writes K/V and attends itself)."""
         return self._plan if isinstance(self._plan, _KeyLists) else None
 
     def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:

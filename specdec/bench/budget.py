@@ -40,14 +40,14 @@ def step_budget(engines: dict, before: dict) -> dict:
 
 
 def _forward_physics(engine, rates: dict) -> dict:
-    costs = engine.step_costs()
+    costs = engine.parts.step_costs()
     ms = {n: 1e3 * costs.seconds(n) for n in BUDGET_ROWS}
-    macs = sum(w.numel() for w in engine.model.matrices())
-    rate = rates["int8_macs_per_s" if engine.activations == "q8" else "fp32_macs_per_s"] \
+    macs = sum(w.numel() for w in engine.parts.model.matrices())
+    rate = rates["int8_macs_per_s" if engine.parts.activations == "q8" else "fp32_macs_per_s"] \
         or rates["fp32_macs_per_s"]
-    draft = getattr(engine.drafting.controller, "draft", None)
+    draft = getattr(engine.controlling.controller, "draft", None)
     return {
-        "forward_memory_bound_ms": engine.weight_bytes_per_forward / rates["bandwidth_gbs"] / 1e6,
+        "forward_memory_bound_ms": engine.parts.weight_bytes_per_forward / rates["bandwidth_gbs"] / 1e6,
         "forward_rows_ms": {str(n): v for n, v in ms.items()},  # JSON keys
         "extra_row_ms": (ms[8] - ms[1]) / 7,
         "row_compute_bound_ms": 1e3 * macs / rate,

@@ -35,13 +35,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from specdec import native
 from specdec.bench.budget import snapshot, step_budget
 from specdec.bench.data import Item, first_turn_items, load_questions, next_turn_items
 from specdec.bench.llamacpp import LLAMA_CPP_BASELINES, LlamaCppSystem, gguf_path
 from specdec.bench.timing import Out, one_by_one
 from specdec.engine.llm import LLM
-from specdec.models import native
-from specdec.models.config import resolve_dtype
+from specdec.models.decoder.config import resolve_dtype
 from specdec.models.loader import resolve_model_path
 from specdec.sampling_params import SamplingParams
 
@@ -203,11 +203,11 @@ def make_systems(args, engine_kwargs: dict) -> dict:
 def _baseline(name: str, args, engine: LLM):
     """The HF or llama.cpp system ``name`` names, on the engine's model and stop set."""
     folder = resolve_model_path(args.model)
-    eos = engine.engine.model_config.eos_token_ids
+    eos = engine.engine.parts.model_config.eos_token_ids
     if name in LLAMA_CPP_BASELINES:
         return LlamaCppSystem(gguf_path(args.model, folder), args.max_new_tokens, eos,
                               pld=name == "llama.cpp-pld")
-    return HFSystem(folder, engine.engine.dtype, args.device, args.max_new_tokens, eos,
+    return HFSystem(folder, engine.engine.parts.dtype, args.device, args.max_new_tokens, eos,
                     pld=name == "hf-pld")
 
 
@@ -268,16 +268,16 @@ def runtime_info(engine) -> dict:
     """What ran: dtype, device, attention backend, CUDA graphs, the matmul kernels chosen on
     this machine (and the q8 kernels' instruction set), the weights (native GGUF blocks or
     dequantized), the draft weights and the bytes of them one forward streams, the KV split."""
-    kernels = engine.kernels.describe()
-    q8_isa = native.load().q8_isa if engine.activations == "q8" else None
-    return {"dtype": str(engine.dtype), "device": str(engine.device), "weights": engine.weights,
-            "activations": engine.activations, "q8_isa": q8_isa,
-            "draft_weights": engine.draft_weights,
-            "weight_bytes_per_token": engine.weight_bytes_per_forward,
-            "attention_backend": engine.runner.backend.name,
-            "cuda_graphs": engine.runner.graphs is not None,
+    kernels = engine.parts.kernels.describe()
+    q8_isa = native.load().q8_isa if engine.parts.activations == "q8" else None
+    return {"dtype": str(engine.parts.dtype), "device": str(engine.parts.device), "weights": engine.parts.weights,
+            "activations": engine.parts.activations, "q8_isa": q8_isa,
+            "draft_weights": engine.parts.draft_weights,
+            "weight_bytes_per_token": engine.parts.weight_bytes_per_forward,
+            "attention_backend": engine.parts.runner.backend.name,
+            "cuda_graphs": engine.parts.runner.graphs is not None,
             "linear_kernels": {k: kernels[k] for k in ("key", "choices", "from_cache")},
-            "kv_cache": engine.kv_split.describe(),
+            "kv_cache": engine.parts.kv_split.describe(),
             "prefix_caching": engine.config.enable_prefix_caching}
 
 

@@ -28,9 +28,9 @@ ROWS, SIDE = 64, 1024  # the compute probes: x [64, 1024] @ w [1024, 1024].T (4 
 def machine_rates(use_cache: bool = True) -> dict:
     """{"bandwidth_gbs", "fp32_macs_per_s", "int8_macs_per_s", "kernels"}: from the cache, or
     measured now (~0.5 s) and cached."""
-    from specdec.models import native
+    from specdec import native
     from specdec.models.aliases import cache_dir
-    from specdec.models.linear import cache_key
+    from specdec.models.matmul.linear import cache_key
 
     kernels = native.load()
     build = f"{kernels.build} {kernels.float_isa} {kernels.q8_isa}" if kernels else "torch"
@@ -73,8 +73,8 @@ def int8_rate(kernels=None) -> float:
     where the kernels are not built."""
     if kernels is None:
         return None
-    from specdec.models import q8_activations
-    from specdec.models.quantize import quantize_matrix
+    from specdec.models.checkpoints.quantize import quantize_matrix
+    from specdec.models.gguf import q8_activations
 
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(ROWS, SIDE, generator=g), torch.randn(SIDE, SIDE, generator=g)

@@ -203,7 +203,7 @@ def _tier(common: dict, questions, params, tier_dir: str | None, num_pages: int 
             if pass_:
                 got += a
                 want += b
-    tier = with_tier.engine.tier
+    tier = with_tier.engine.parts.tier
     c, p = percentiles(_ttft(got)), percentiles(_ttft(want))
     out = {"requests": len(prompts), "kv_pages": num_pages, "same_outputs": _same(got, want),
            "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),

@@ -55,7 +55,7 @@ def _drafter_names(parser, args) -> list[tuple[str, str, str]]:
     """(flag, registered name, what the flag gave) for every drafter --drafter and --drafters
     name: each member of a composition; none for generate's "auto" (resolved when it runs) or
     "none" (plain decoding)."""
-    from specdec.engine.drafter_setup import composition_names
+    from specdec.engine.drafting.setup import composition_names
 
     auto = args.command == "generate" and args.drafter == "auto"
     specs = [("--drafter", args.drafter)] if args.drafter is not None and not auto else []

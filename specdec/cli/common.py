@@ -16,7 +16,7 @@ from specdec.config import (
     WEIGHT_CHOICES,
 )
 from specdec.models.aliases import DEFAULT_MODEL
-from specdec.models.config import DTYPES
+from specdec.models.decoder.config import DTYPES
 
 PROG = "specdec"
 

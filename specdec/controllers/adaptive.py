@@ -6,10 +6,16 @@ speculation off and knows nothing of cost: the goodput controller's comparison p
 
 from __future__ import annotations
 
-from specdec.controllers.base import BatchComposition, DraftBudget, RequestView, StepReport
+from specdec.controllers.base import (
+    BaseController,
+    BatchComposition,
+    DraftBudget,
+    RequestView,
+    StepReport,
+)
 
 
-class AdaptiveController:
+class AdaptiveController(BaseController):
     name = "adaptive"
 
     def __init__(self, start: int = 4, budget: int = 16, grow: int = 2, shrink: int = 1) -> None:

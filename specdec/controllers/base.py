@@ -12,7 +12,8 @@ is 0 and it has no outcome in the report, though ``BatchComposition.num_decode``
 report's rows count it. A step in which no request was asked and nothing was prefilled is not
 reported: a drafter the controller keeps off costs nothing of it.
 
-Four optional methods:
+Four optional methods and one attribute (the ``Controller`` protocol below names them with
+their defaults; ``BaseController`` has the defaults):
 
 * ``setup(context)`` once, after the engine is built: a ``ControllerContext`` that can measure
   the target's forward time by rows on this machine (``step_costs()``, cached).
@@ -38,16 +39,19 @@ Four optional methods:
   layers captured for it, no more budgets asked for it); a controller that means to draft or
   explore for it soon answers True.
   Without the method: True.
+* ``decision``: the latest decision's figures, a mapping (shown in the step stats,
+  ``StepStats.controller``); without it: none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from specdec.engine.costs import StepCosts
+    from specdec.controllers.costs import StepCosts
     from specdec.tree import DraftTree
 
 
@@ -158,10 +162,53 @@ class ControllerContext:
 
 @runtime_checkable
 class Controller(Protocol):
+    """What the engine asks of a controller. ``budgets`` and ``observe`` are required; the rest is
+    optional, with ``BaseController``'s defaults (a plugin that does not subclass it gets them
+    through ``specdec.controllers.adapter``, once at start-up)."""
+
     name: str
+    plugin_name: str  # set by the registry: the plugin that registered it
+    # the latest decision's figures (shown in the step stats); default: none
+    decision: Mapping[str, Any]
 
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
         """One DraftBudget per request, in order."""
 
     def observe(self, report: StepReport) -> None:
         """What happened in the step that used the budgets."""
+
+    def setup(self, context: ControllerContext) -> None:
+        """Once, after the engine is built (with a drafter only). Default: nothing."""
+
+    def prune(self, requests: list[RequestView], trees: list[DraftTree],
+              batch: BatchComposition) -> list[list[int] | None]:
+        """Per tree the node indices to verify (None: all of it). Default: all of every tree."""
+
+    def keep_drafting(self, request: RequestView, recompute_tokens: int) -> bool:
+        """Keep the request's drafter state (True) or decode on without drafts (False).
+        Default: True."""
+
+    def release(self, request_id: str) -> None:
+        """The request ended: forget what was kept for it. Default: nothing."""
+
+
+class BaseController:
+    """Defaults for the optional parts of the protocol (a controller subclasses this and writes
+    ``budgets`` and ``observe``)."""
+
+    name = "base"
+    plugin_name = "?"
+    decision: Mapping[str, Any] = MappingProxyType({})  # read-only: assign a dict of your own
+
+    def setup(self, context: ControllerContext) -> None:
+        return None
+
+    def prune(self, requests: list[RequestView], trees: list[DraftTree],
+              batch: BatchComposition) -> list[list[int] | None]:
+        return [None] * len(trees)
+
+    def keep_drafting(self, request: RequestView, recompute_tokens: int) -> bool:
+        return True
+
+    def release(self, request_id: str) -> None:
+        return None

@@ -52,7 +52,7 @@ class ExplorationClock:
         self.batch = len(request_ids)
         explored_before, self.exploring = self.exploring, set()
         # only an exploration that drafted says something (a request without drafter state,
-        # specdec.engine.draft_stage, gets no draft: that one backs nothing off)
+        # specdec.engine.drafting, gets no draft: that one backs nothing off)
         drafted_before, self.explore_drafted = self.explore_drafted, set()
         out = []
         for i, rid in enumerate(request_ids):

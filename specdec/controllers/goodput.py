@@ -5,7 +5,7 @@ committed tokens per second, from measured acceptance and a measured cost model.
     step seconds     = T(rows) + draft(depth) + overhead
     rows             = prefill tokens + decode requests + draft nodes
 
-* ``T(rows)``: the target's forward time by rows on this machine (``specdec.engine.costs``), profiled at
+* ``T(rows)``: the target's forward time by rows on this machine (``specdec.controllers.costs``), profiled at
   start-up (cached) and refined from every step's measured forward time.
 * ``draft(depth)``: a line ``a + b * depth`` fitted online (exponentially weighted least squares)
   to the measured draft time against the deepest tree of the step (drafters run one batched
@@ -44,18 +44,19 @@ import math
 from specdec.controllers.acceptance import ConfidenceCalibration, DepthAcceptance
 from specdec.controllers.base import (
     NO_DRAFT,
+    BaseController,
     BatchComposition,
     ControllerContext,
     DraftBudget,
     RequestView,
     StepReport,
 )
+from specdec.controllers.costs import StepCosts
 from specdec.controllers.exploration import ExplorationClock
-from specdec.engine.costs import StepCosts
 
 GAIN_FLOOR = 0.01  # chain nodes less likely than this to be accepted are not planned
 # keep_drafting keeps an idle request's drafter state while its exploration is due this soon
-# (the engine asks again every 32 idle steps: specdec.engine.draft_stage.IDLE_CHECK)
+# (the engine asks again every 32 idle steps: specdec.engine.drafting.controller_stage.IDLE_CHECK)
 EXPLORE_HORIZON = 32
 # a plan that drafted nothing is reused for this many steps while nothing it reads changed
 REPLAN = 16
@@ -85,7 +86,7 @@ class _Line:
         return max(a + b * x, 0.0)
 
 
-class GoodputController:
+class GoodputController(BaseController):
     """Budgets from expected accepted tokens against measured step cost (see module docstring).
 
     budget: most draft nodes per request per step; max_depth: deepest tree (None: budget);
@@ -140,7 +141,7 @@ class GoodputController:
     def setup(self, context: ControllerContext) -> None:
         if self.costs is None:
             self.costs = context.step_costs()
-        self.set_sources(tuple(getattr(context, "sources", ())))
+        self.set_sources(tuple(context.sources))
 
     def set_sources(self, sources: tuple[str, ...]) -> None:
         """A composed drafter's members: each gets measured alone and all together (arms)."""

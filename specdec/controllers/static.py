@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from specdec.controllers.base import BatchComposition, DraftBudget, RequestView, StepReport
+from specdec.controllers.base import (
+    BaseController,
+    BatchComposition,
+    DraftBudget,
+    RequestView,
+    StepReport,
+)
 
 
-class StaticController:
+class StaticController(BaseController):
     """`budget` draft-tree nodes per request per step (0 turns speculation off); `max_depth`
     optionally caps how deep a tree may go."""
 

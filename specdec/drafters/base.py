@@ -55,9 +55,10 @@ shared system prompt, preempted request and n > 1 sample), and the engine says s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -70,8 +71,8 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from specdec.engine.runner import ModelRunner
-    from specdec.models.config import ModelConfig
-    from specdec.models.llama import LlamaDecoder
+    from specdec.models.decoder.config import ModelConfig
+    from specdec.models.decoder.llama import LlamaDecoder
 
 
 class TokenView(SequenceABC):
@@ -216,44 +217,70 @@ class VerifiedBatch:
 
 @runtime_checkable
 class Drafter(Protocol):
+    """What the engine asks of a drafter. ``name`` and ``propose`` are required; the rest is
+    optional, with ``BaseDrafter``'s defaults (a plugin that does not subclass it gets them through
+    ``specdec.drafters.adapter``, once at start-up)."""
+
     name: str
-    # target layers whose hidden states (layer outputs) the drafter needs; () for none
+    plugin_name: str  # set by the registry: the plugin that registered it
+    # target layers whose hidden states (layer outputs) the drafter needs; default ()
     hidden_layers: tuple[int, ...]
     # a repeat call of propose / on_verified for a request in one step is harmless, so the
-    # engine may retry a raising call request by request (module docstring, "Failures");
-    # optional, False when absent
+    # engine may retry a raising call request by request ("Failures"); default False
     replay_safe: bool
-
-    def init_state(self, request_id: str, prompt_token_ids: list[int]) -> Any:
-        """Per-request state, created at the request's first step (and after a preemption)."""
+    # it keeps nothing per position: any prefix hit is reused as is ("Prefix caching"); default
+    # False
+    prefix_cache_safe: bool
+    # models it computes with outside its runners (e.g. MTP heads): the engine installs its
+    # linear kernels on them; default ()
+    matmul_models: tuple[torch.nn.Module, ...]
+    # a composition's member names, what DraftBudget.sources may name; default ()
+    sources: tuple[str, ...]
+    # a composition's members' propose seconds in the latest step, by name; default empty
+    last_source_seconds: Mapping[str, float]
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         """One tree per request, within ``request.budget`` (may be empty). A request that cannot
         be drafted for: ``request.fail(error)``. Raising: see "Failures" (the state must stay
         valid for the next on_verified; no replay unless ``replay_safe``)."""
 
+    def init_state(self, request_id: str, prompt_token_ids: list[int]) -> Any:
+        """Per-request state, created at the request's first step (and after a preemption).
+        Default: None."""
+
     def on_verified(self, batch: VerifiedBatch) -> None:
         """After every step, for every request the step touched (prefill chunks too), also one
         whose propose raised (it hears ``num_proposed == 0``). A request whose update fails:
         ``batch.requests[i].fail(error)``. Raising: see "Failures" (replayed only when
-        ``replay_safe``; otherwise the call's requests stop drafting)."""
+        ``replay_safe``; otherwise the call's requests stop drafting). Default: nothing."""
 
     def release(self, state: Any) -> None:
-        """Free per-request resources (finish, abort, preemption, error)."""
+        """Free per-request resources (finish, abort, preemption, error). Default: nothing."""
 
-    # optional: restore(state, token_ids: TokenView, page_keys: list[bytes]) -> int, pages of
-    # cached target KV the state now covers ("Prefix caching"); absent: 0
+    def restore(self, state: Any, token_ids: TokenView, page_keys: list[bytes]) -> int:
+        """Pages of cached target KV the state now covers ("Prefix caching"). Default: all of
+        them when ``prefix_cache_safe``, else 0."""
+
+    @property
+    def restores_prefix(self) -> bool:
+        """Whether any prefix-cache hit can be reused for its requests (derived: a ``restore``
+        of its own, or ``prefix_cache_safe``); not written by a drafter."""
 
 
 class BaseDrafter:
-    """Defaults for the optional parts of the protocol."""
+    """Defaults for the optional parts of the protocol (a drafter subclasses this and writes
+    ``propose``, and what else it needs)."""
 
     name = "base"
+    plugin_name = "?"
     hidden_layers: tuple[int, ...] = ()
     replay_safe = False  # declare True only when it holds ("Failures" above)
     # declare True when the drafter keeps nothing per position ("Prefix caching" above): any
     # prefix hit is then reused as is, with no restore to write
     prefix_cache_safe = False
+    matmul_models: tuple[torch.nn.Module, ...] = ()
+    sources: tuple[str, ...] = ()
+    last_source_seconds: Mapping[str, float] = MappingProxyType({})  # read-only: assign your own
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> Any:
         return None
@@ -270,3 +297,9 @@ class BaseDrafter:
         drafter (the target then computes the prefix and the drafter hears of it) but loses
         the hit. One with per-position KV overrides this and restores it from its own cache."""
         return len(page_keys) if self.prefix_cache_safe else 0
+
+    @property
+    def restores_prefix(self) -> bool:
+        """Whether a prefix-cache hit can be reused for its requests at all (it overrides
+        ``restore`` or declares ``prefix_cache_safe``); the engine says once in the log when not."""
+        return self.prefix_cache_safe or type(self).restore is not BaseDrafter.restore

@@ -25,7 +25,7 @@ from specdec.attention.block_masks import block_mask
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
 from specdec.kv.block_table import BlockTable
-from specdec.models.block_diffusion import BlockDiffusionModel
+from specdec.models.heads.block_diffusion import BlockDiffusionModel
 from specdec.tree import DraftTree
 
 
@@ -171,7 +171,7 @@ class BlockDiffusionDrafter(BaseDrafter):
 def load_model(path: str | None, target: TargetInfo) -> BlockDiffusionModel:
     """The drafter at ``path``, or the one shipped for the target, checked against it."""
     from specdec.drafters.catalog import checkpoint_folder
-    from specdec.models.block_diffusion_io import load_block_diffusion
+    from specdec.models.heads.block_diffusion_io import load_block_diffusion
 
     folder = checkpoint_folder("block_diffusion", path, target.model_path,
                                "a block-diffusion folder")

@@ -23,7 +23,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from specdec.drafters.base import DraftRequest, VerifiedBatch
+from specdec.drafters.adapter import as_drafter
+from specdec.drafters.base import BaseDrafter, DraftRequest, VerifiedBatch
 from specdec.tree import DraftTree, merge_trees
 
 
@@ -34,14 +35,15 @@ class ComposedState:
     request: tuple = ()  # (request_id, prompt_token_ids): to rebuild a member's state
 
 
-class ComposedDrafter:
+class ComposedDrafter(BaseDrafter):
     def __init__(self, drafters: list) -> None:
         assert len(drafters) >= 2
-        self.drafters = drafters
+        self.drafters = drafters = [as_drafter(d) for d in drafters]
         self.name = "+".join(d.name for d in drafters)
+        self.sources = tuple(d.name for d in drafters)
         self.hidden_layers = tuple(sorted({i for d in drafters for i in d.hidden_layers}))
-        self.matmul_models = tuple(m for d in drafters for m in getattr(d, "matmul_models", ()))
-        self.replay_safe = all(getattr(d, "replay_safe", False) for d in drafters)
+        self.matmul_models = tuple(m for d in drafters for m in d.matmul_models)
+        self.replay_safe = all(d.replay_safe for d in drafters)
         self.last_source_seconds: dict[str, float] = {}  # the last propose's, by member
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> ComposedState:
@@ -59,9 +61,7 @@ class ComposedDrafter:
                     state.states[k] = d.init_state(*state.request)
                     done[k] = None
                 if done[k] is None:
-                    hook = getattr(d, "restore", None)
-                    done[k] = min(m, hook(state.states[k], token_ids, page_keys[:m])
-                                  if hook is not None else 0)
+                    done[k] = min(m, d.restore(state.states[k], token_ids, page_keys[:m]))
                     m = done[k]
             if all(v == m for v in done):
                 return m

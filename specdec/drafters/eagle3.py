@@ -30,7 +30,7 @@ import torch
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.kv.block_table import BlockTable
 from specdec.kv.prefix import next_token_key
-from specdec.models.eagle3 import Eagle3Head
+from specdec.models.heads.eagle3 import Eagle3Head
 from specdec.tree import DraftTree
 
 
@@ -304,7 +304,7 @@ def load_head(path: str | None, target: TargetInfo, variant: str = "all") -> Eag
     """The head at ``path`` (EAGLE-3 format), or the one shipped for the target, checked
     against the target."""
     from specdec.drafters.catalog import checkpoint_folder
-    from specdec.models.eagle3_io import load_eagle3
+    from specdec.models.heads.eagle3_io import load_eagle3
 
     folder = checkpoint_folder("eagle3", path, target.model_path,
                                "a folder in the EAGLE-3 format", variant)

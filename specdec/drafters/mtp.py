@@ -20,7 +20,7 @@ import torch
 
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
-from specdec.models.mtp import MTPHeads
+from specdec.models.heads.mtp import MTPHeads
 from specdec.tree import DraftTree
 
 
@@ -91,7 +91,7 @@ class MTPDrafter(BaseDrafter):
 def load_heads(path: str | None, target: TargetInfo) -> MTPHeads:
     """The heads at ``path`` (Medusa format), or the ones shipped for the target."""
     from specdec.drafters.catalog import checkpoint_folder
-    from specdec.models.mtp_io import load_mtp
+    from specdec.models.heads.mtp_io import load_mtp
 
     folder = checkpoint_folder("mtp", path, target.model_path, "a folder in the Medusa format")
     return load_mtp(folder, target.model_config, target.dtype, target.device)

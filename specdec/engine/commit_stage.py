@@ -10,31 +10,34 @@ After the output stage appended each frontier request's tokens, per record:
 
 then every full page below a running request's computed tokens is named for the prefix cache
 (``specdec.kv.prefix``). Finishing — a stop, an abort, a failure — is here too: the request's
-full pages are named, its drafter state and controller entry end, the scheduler frees it.
+full pages are named, then its drafter state goes (``release_drafter``) and the scheduler frees
+its pages and its seat (``unschedule``).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from specdec.engine.draft_stage import DraftStage
-from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence
-from specdec.engine.step import StepRequest
-from specdec.kv.block_table import KVCacheManager
+from specdec.engine.step import Failures, StepRequest
+from specdec.kv.block_table import TableAllocator
 
 
 class CommitStage:
-    def __init__(self, kv: KVCacheManager, page_size: int, prefix_caching: bool,
-                 drafting: DraftStage, scheduler: Scheduler) -> None:
+    def __init__(self, kv: TableAllocator, page_size: int, prefix_caching: bool,
+                 release_drafter: Callable[[Sequence], Failures],
+                 unschedule: Callable[[Sequence], None]) -> None:
         self.kv = kv
         self.page_size = page_size
         self.prefix_caching = prefix_caching
-        self.drafting = drafting
-        self.scheduler = scheduler
+        self.release_drafter = release_drafter
+        self.unschedule = unschedule
 
-    def commit(self, records: list[StepRequest]) -> None:
-        commits = []
+    def commit(self, records: list[StepRequest]) -> Failures:
+        """The step's computed KV kept; requests that stopped are finished (what their ending
+        reported is returned)."""
+        commits, failures = [], Failures()
         for rec in records:
             seq = rec.seq
             if rec.result is None:
@@ -44,8 +47,8 @@ class CommitStage:
             n = rec.computed_before + rec.num_new_tokens  # tokens before this step's
             accepted = rec.result.accepted
             seq.num_computed = n + len(accepted)
-            if seq.finish_reason is not None:
-                self.finish(seq, final_slots=n)  # the accepted nodes' KV was not moved
+            if seq.finish_reason is not None:  # the accepted nodes' KV is not moved
+                failures.add(self.finish(seq, final_slots=n))
             else:
                 commits.append((seq.block_table, n, accepted))
         self.kv.commit_all(commits)
@@ -53,16 +56,19 @@ class CommitStage:
             for rec in records:
                 if not rec.seq.is_finished:
                     self._register(rec.seq, rec.seq.num_computed)
+        return failures
 
-    def finish(self, seq: Sequence, final_slots: int | None = None) -> None:
+    def finish(self, seq: Sequence, final_slots: int | None = None) -> Failures:
         """End ``seq`` (finish_reason "abort" unless set): its full pages below
-        ``final_slots`` (default: what it computed) are named, then everything is freed."""
+        ``final_slots`` (default: what it computed) are named, then everything is freed; what
+        its drafter's release reported is returned."""
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
         self._register(seq, seq.num_computed if final_slots is None else final_slots)
-        self.drafting.end(seq)
-        self.scheduler.finish(seq)
+        failures = self.release_drafter(seq)
+        self.unschedule(seq)
         seq.times.finished = time.perf_counter()
+        return failures
 
     def _register(self, seq: Sequence, final_slots: int) -> None:
         """Name the full pages below ``final_slots`` (KV that will never be written again), so

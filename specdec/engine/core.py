@@ -3,13 +3,18 @@
 ``step()`` runs the stages in order, each over the step's records (one per scheduled request:
 ``specdec.engine.step.StepRequest``), data moving one way:
 
-    schedule   Scheduler: rows, admissions (prefix hits), preemptions, controller budgets
-    draft      DraftStage: drafter.propose -> one tree per request
+    schedule   Scheduler: rows, admissions (prefix hits), preemptions, budgets
+               (ControllerStage: the controller's, checked and clipped; idle requests)
+    draft      DrafterStage: drafter.propose -> one tree per request; ControllerStage: pruning
     forward    ModelRunner: one target forward over every request's new rows and tree nodes
     verify     VerifyStage: one verifier call -> accepted path + emitted tokens per request
     output     OutputStage: tokens appended, stop conditions, per-request counts
     commit     CommitStage: accepted KV into place, pages named, finished requests freed
-    feedback   drafter.on_verified, StepRecorder (stats), controller.observe, step observers
+    feedback   DrafterStage: drafter.on_verified; StepRecorder (stats); ControllerStage:
+               controller.observe, then release of the requests that ended; step observers
+
+What goes wrong in a stage's plugin calls comes back as a value (``specdec.engine.step.Failures``)
+and the step's failed requests end in one place (``LLMEngine._fail``).
 
 What the stages run with is built once by ``specdec.engine.build.build_engine``.
 """
@@ -27,11 +32,12 @@ from specdec.config import EngineConfig
 from specdec.engine.batch import build_forward_batch
 from specdec.engine.build import build_engine
 from specdec.engine.commit_stage import CommitStage
-from specdec.engine.costs import StepCosts
-from specdec.engine.draft_stage import DraftStage
+from specdec.engine.drafting.controller_stage import ControllerStage
+from specdec.engine.drafting.drafter_stage import DrafterStage
 from specdec.engine.output_stage import OutputStage
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence
+from specdec.engine.step import Failures
 from specdec.engine.step_stats import StepRecorder, StepTimes
 from specdec.kv.prefix import root_key
 from specdec.logits.setup import LogitsSetup
@@ -48,47 +54,32 @@ class StepResult:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, plugins_: tuple = ()) -> None:
-        p = self.parts = build_engine(config, plugins_)
-        # what the step runs with (read-only here; see EngineParts)
-        self.config, self.pm, self.model_config = config, p.pm, p.model_config
-        self.dtype, self.device, self.max_model_len = p.dtype, p.device, p.max_model_len
-        self.model, self.hf_config, self.tokenizer = p.model, p.hf_config, p.tokenizer
-        self.runner, self.drafter_runners, self.kv = p.runner, p.drafter_runners, p.runner.kv
-        self.kv_split, self.kernels, self.tier = p.kv_split, p.kernels, p.tier
-        self.weights, self.draft_weights = p.weights, p.draft_weights
-        self.cache_namespace = p.cache_namespace
-        # the stages
-        self.drafting = DraftStage(p.drafter, p.controller, p.model_config.vocab_size,
-                                   p.max_model_len, self.kv)
+        self.config = config
+        p = self.parts = build_engine(config, plugins_)  # what the step runs with (read-only)
+        self.kv = p.runner.kv  # the target's KV: its pages, block tables and prefix cache
+        self.tokenizer = p.tokenizer
+        # the stages (wired here: none holds another)
+        self.drafting = DrafterStage(p.drafter, p.model_config.vocab_size)
+        self.controlling = ControllerStage(p.controller, p.drafter is not None, p.sources,
+                                           p.max_model_len)
         self.verifying = p.verifier
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_prefix_caching, self.drafting.restore,
+                                   config.enable_prefix_caching, self._restore,
                                    self.drafting.release)
         self.outputs = OutputStage(p.model_config.eos_token_ids, p.max_model_len, p.tokenizer)
         self.logits = LogitsSetup(p.tokenizer, p.model_config.vocab_size,
                                   tuple(p.model_config.eos_token_ids))
         self.commits = CommitStage(self.kv, config.page_size, config.enable_prefix_caching,
-                                   self.drafting, self.scheduler)
+                                   self.drafting.release, self.scheduler.finish)
         self.recorder = StepRecorder(self.kv, p.tier)
         self.totals = self.recorder.totals
         # requests
         self.requests: dict[str, Sequence] = {}
         self.samples: dict[str, list[str]] = {}  # request id -> its samples' sequence ids
-        self.plugin_errors: list[str] = []
+        self.plugin_errors: list[str] = []  # plugin failures no request could be failed for
         self.closed = False
         self._ids = itertools.count()
         self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
-
-    @property
-    def activations(self) -> str:
-        return self.parts.activations
-
-    @property
-    def weight_bytes_per_forward(self) -> int:
-        return self.parts.weight_bytes_per_forward
-
-    def step_costs(self) -> StepCosts:
-        return self.parts.step_costs()
 
     def close(self) -> None:
         """Let go of what outlives a step: the disk tier's file and its lock (a later engine
@@ -102,9 +93,9 @@ class LLMEngine:
         self.requests.clear()
         self.samples.clear()
         self.closed = True
-        if self.tier is not None:
+        if self.parts.tier is not None:
             self.kv.detach_tier()  # no eviction or admission reaches the closed tier
-            self.tier.close()
+            self.parts.tier.close()
 
     def check_open(self) -> None:
         """RuntimeError once ``close()`` ran: a closed engine takes no new work."""
@@ -124,8 +115,8 @@ class LLMEngine:
         ids = [request_id] + [f"{request_id}/{i}" for i in range(1, params.n)]
         if request_id in self.samples or any(i in self.requests for i in ids):
             raise ValueError(f"request_id {request_id!r} is already in use")
-        root = root_key(self.cache_namespace, params.cache_salt)
-        seed = None if params.greedy else self._seed(params)
+        root = root_key(self.parts.cache_namespace, params.cache_salt)
+        seed = None if params.greedy else _seed(params, self._seeds)
         # each sample its own processing state (a grammar compiles here: ValueError if not)
         processing = [self.logits.make(params, list(prompt_token_ids)) for _ in ids]
         leader = None
@@ -144,11 +135,6 @@ class LLMEngine:
         """The sequence ids of a request's samples (``[request_id]`` when n == 1)."""
         return self.samples.get(request_id, [request_id])
 
-    def _seed(self, params: SamplingParams) -> int:
-        if params.seed is not None:
-            return params.seed
-        return int(torch.randint(2**62, (), generator=self._seeds).item())
-
     def check_request(self, ids, params: SamplingParams) -> None:
         """RequestError (a ValueError naming the field: a SamplingParams one, or "prompt") for
         a request this engine cannot run, TypeError for params that are not SamplingParams
@@ -163,24 +149,26 @@ class LLMEngine:
         self.logits.check(params)
         if not isinstance(ids, (list, tuple)) or not ids:
             raise RequestError("prompt", "prompt is empty: at least one token is required")
-        vocab = self.model_config.vocab_size
+        vocab, max_model_len = self.parts.model_config.vocab_size, self.parts.max_model_len
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
                    for t in ids):
             raise RequestError("prompt", f"prompt token ids must be ints in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
+        if len(ids) >= max_model_len:
             raise RequestError(
                 "prompt", f"prompt has {len(ids)} tokens but max_model_len is "
-                f"{self.max_model_len}: at most {self.max_model_len - 1} prompt tokens are allowed"
-            )
+                f"{max_model_len}: at most {max_model_len - 1} prompt tokens are allowed")
 
     def abort(self, request_id: str) -> None:
-        """End a request (all its samples) now; its pages go back at once."""
+        """End a request (all its samples) now; its pages go back at once, and the controller
+        forgets it at once (between steps: no step's observe comes first)."""
+        ended, failures = [], Failures()
         for sid in self.samples_of(request_id):
             seq = self.requests.get(sid)
             if seq is not None and not seq.is_finished:
                 seq.finish_reason = "abort"
-                self.commits.finish(seq)
-        self.drafting.release_ended()  # between steps: no step's observe comes first
+                failures.add(self.commits.finish(seq))
+                ended.append(seq)
+        self.plugin_errors += failures.add(self.controlling.release(ended)).reports
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -199,52 +187,83 @@ class LLMEngine:
     def transfers(self) -> tuple[int, int]:
         """(host -> device copies, device -> host reads) made so far: every runner's staged
         inputs and KV moves, and verification's reads (what a GPU copies; counted on a CPU)."""
-        runners = [self.runner, *self.drafter_runners]
+        runners = [self.parts.runner, *self.parts.drafter_runners]
         h2d = sum(r.staging.copies + r.kv.cache.copies for r in runners)
         return h2d, self.verifying.reads
 
     def step(self) -> StepResult:
+        """One step (module docstring). Each stage returns what went wrong in its plugin calls
+        (``Failures``); they are gathered here, and the step's failed requests end together
+        after the forward (``_fail``), left out of every stage after the one that failed them."""
         self.check_open()
-        times = StepTimes(time.perf_counter())
-        moved = self.transfers()
-        sched = self.scheduler.schedule(self.drafting.budgets)
+        times, moved = StepTimes(time.perf_counter()), self.transfers()
+        sched = self.scheduler.schedule(self.controlling.budgets)
+        stop, failures = self.controlling.idle(sched.scheduled)
+        failures.add(sched.failures).add(self.drafting.stop(stop))
         times.scheduled = time.perf_counter()
-        failed = self.drafting.propose(sched.scheduled) + [
-            s for s in sched.preempted if s.finish_reason == "error"]
-        for seq in failed:
-            self.commits.finish(seq)
-        records = [r for r in sched.scheduled if not r.seq.is_finished]
-        if not records and not failed and self.scheduler.has_work():
+        records = [r for r in sched.scheduled if r.seq not in failures]
+        failures.add(self.drafting.propose(records))
+        records = [r for r in records if r.seq not in failures]
+        self.controlling.prune(records, sched.composition)
+        self.scheduler.trim_drafts(records)
+        if not records and not failures.requests and self.scheduler.has_work():
             raise RuntimeError("scheduler made no progress: no request fits the KV cache "
                                f"({self.kv.num_free_pages} of {self.kv.num_pages} pages free)")
         times.drafted = time.perf_counter()
         times.skip_forward()
-        graphed = None
+        out = None
         if records:
-            out = self.runner.forward(build_forward_batch(records, self.config.page_size,
-                                                          self.device),
-                                      self.drafting.hidden_layers_for(records))
-            times.forwarded, graphed = time.perf_counter(), out.graphed
-            self.verifying.verify(records, out.logits)
+            out = self.parts.runner.forward(
+                build_forward_batch(records, self.config.page_size, self.parts.device),
+                self.drafting.hidden_layers_for(records))
+            times.forwarded = time.perf_counter()
+            failures.add(self.verifying.verify(records, out.logits))
             times.verified = time.perf_counter()
             self.outputs.append(records)
-            self.commits.commit(records)
+            failures.add(self.commits.commit(records))
             times.committed = time.perf_counter()
-            self.drafting.on_verified(records, out.hidden)
+            failures.add(self.drafting.on_verified(records, out.hidden))
             times.fed_back = time.perf_counter()
-        for rec in records:
-            if rec.seq.finish_reason == "error" and not rec.seq.is_finished:
-                failed.append(rec.seq)
-                self.commits.finish(rec.seq)
+        failed = self._fail(failures)
         now = self.transfers()
         # (on CUDA the forward's events are done by now: verification read what it computed)
-        stats = self.recorder.record(records, sched, failed, times, graphed,
+        stats = self.recorder.record(records, sched, failed, times,
+                                     None if out is None else out.graphed,
                                      (now[0] - moved[0], now[1] - moved[1]),
-                                     out.seconds if records else None)
-        self.drafting.observe(records, stats)
-        self.plugin_errors += plugins.notify_step_end(self.pm, stats) + self.drafting.errors
-        self.drafting.errors = []
+                                     None if out is None else out.seconds)
+        self.controlling.observe(records, stats, self.drafting.source_seconds)
+        ended = list(dict.fromkeys([*failed, *(r.seq for r in records if r.seq.is_finished)]))
+        failures.add(self.controlling.release(ended))  # after observe: it heard their outcome
+        self.plugin_errors += plugins.notify_step_end(self.parts.pm, stats) + failures.reports
         emitted = [(r.seq, r.appended) for r in records if r.result is not None]
-        finished = list(dict.fromkeys(
-            [*failed, *(r.seq for r in records if r.seq.is_finished)]))
-        return StepResult(emitted, finished, stats)
+        return StepResult(emitted, ended, stats)
+
+    def _fail(self, failures: Failures) -> list[Sequence]:
+        """The step's failed requests end here, all of them (finish_reason "error", the message
+        naming the plugin); returns them."""
+        failed = [seq for seq in failures.requests if not seq.is_finished]
+        for seq in failed:
+            seq.finish_reason, seq.error = "error", failures.requests[seq]
+            failures.reports += self.commits.finish(seq).reports
+        return failed
+
+    def _restore(self, seq: Sequence, keys: list[bytes]) -> tuple[int, Failures]:
+        """The scheduler's RestoreFn: the drafter restores what it can of a prefix hit; where
+        it restored part of it, the controller decides whether the target recomputes the rest
+        for the drafter (``keep_drafting``) or reuses it all and the request decodes on without
+        drafts."""
+        pages, failures = self.drafting.restore(seq, keys)
+        missing = (len(keys) - pages) * self.config.page_size
+        if missing and seq.drafting.ready:
+            keep, asked = self.controlling.keep_drafting(seq, missing)
+            failures.add(asked)
+            if not keep:
+                return len(keys), failures.add(self.drafting.stop([seq]))
+        return pages, failures
+
+
+def _seed(params: SamplingParams, seeds: torch.Generator | None) -> int:
+    """A sampled request's seed: its own, else one drawn from the engine's ``seed``."""
+    if params.seed is not None:
+        return params.seed
+    return int(torch.randint(2**62, (), generator=seeds).item())

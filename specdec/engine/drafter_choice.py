@@ -41,7 +41,7 @@ import torch
 
 from specdec.config import EngineConfig
 from specdec.models.aliases import cache_dir
-from specdec.models.linear import cache_key
+from specdec.models.matmul.linear import cache_key
 
 logger = logging.getLogger("specdec")
 
@@ -123,7 +123,7 @@ def cpu_class(device: str = "cpu") -> str:
     """The class of machine the prior is keyed by (see PRIOR)."""
     if str(device).startswith("cuda"):
         return "cuda"
-    from specdec.models import native
+    from specdec import native
 
     kernels = native.load()
     return kernels.q8_isa if kernels is not None else "cpu"

@@ -14,11 +14,11 @@ from tqdm.auto import tqdm
 from specdec.config import EngineConfig
 from specdec.engine.core import LLMEngine
 from specdec.engine.sequence import Sequence
+from specdec.engine.streaming import DeltaTracker, changed
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.tokenizer import chat_token_ids
 from specdec.outputs import CompletionOutput, RequestOutput
 from specdec.sampling_params import SamplingParams
-from specdec.serving.streaming import DeltaTracker, changed
 
 
 class LLM:
@@ -87,7 +87,7 @@ class LLM:
         if seq.logprobs is not None:  # the delta's tokens' (they end the output so far)
             end = seq.num_output_tokens
             sample.logprobs = seq.logprobs[end - len(delta.token_ids):end]
-        return self._request_output(seq, [sample])
+        return _request_output(seq, [sample])
 
     def _add_all(self, prompts, sampling_params) -> list[str]:
         token_lists = self._tokenize_all(prompts)
@@ -142,19 +142,20 @@ class LLM:
             logprobs=None if seq.logprobs is None else list(seq.logprobs))
 
     def _group_output(self, seqs: list[Sequence]) -> RequestOutput:
-        return self._request_output(seqs[0], [self._sample(s) for s in seqs])
+        return _request_output(seqs[0], [self._sample(s) for s in seqs])
 
-    @staticmethod
-    def _request_output(seq: Sequence, samples: list[CompletionOutput]) -> RequestOutput:
-        """A prompt's output: the request's id (its first sample's), the samples, and the
-        first of them repeated at the top."""
-        first = samples[0]
-        rid = seq.request_id if seq.leader is None else seq.leader.request_id
-        return RequestOutput(
-            request_id=rid, prompt_token_ids=seq.prompt_token_ids, token_ids=first.token_ids,
-            text=first.text, finished=first.finished, finish_reason=first.finish_reason,
-            error=first.error, metrics=first.metrics, outputs=samples, logprobs=first.logprobs,
-            prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))
+
+
+def _request_output(seq: Sequence, samples: list[CompletionOutput]) -> RequestOutput:
+    """A prompt's output: the request's id (its first sample's), the samples, and the first of
+    them repeated at the top."""
+    first = samples[0]
+    rid = seq.request_id if seq.leader is None else seq.leader.request_id
+    return RequestOutput(
+        request_id=rid, prompt_token_ids=seq.prompt_token_ids, token_ids=first.token_ids,
+        text=first.text, finished=first.finished, finish_reason=first.finish_reason,
+        error=first.error, metrics=first.metrics, outputs=samples, logprobs=first.logprobs,
+        prompt_logprobs=None if seq.prompt_logprobs is None else list(seq.prompt_logprobs))
 
 
 def _is_single_prompt(prompts) -> bool:

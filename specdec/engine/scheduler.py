@@ -26,20 +26,25 @@ from dataclasses import dataclass, field
 
 from specdec.controllers.base import BatchComposition, DraftBudget
 from specdec.engine.sequence import Sequence, SequenceStatus
-from specdec.engine.step import StepRequest
-from specdec.kv.block_table import KVCacheManager
+from specdec.engine.step import Failures, StepRequest
+from specdec.kv.block_table import TableAllocator
 
-# frontier requests and the step's composition -> one budget each (the draft stage's `budgets`)
-BudgetFn = Callable[[list[Sequence], BatchComposition], list[DraftBudget]]
+# the records of the decode requests and the step's composition -> one budget each (the
+# controller stage's `budgets`)
+BudgetFn = Callable[[list[StepRequest], BatchComposition], list[DraftBudget]]
 # a request and the keys of the cached pages it is about to reuse -> how many of those pages
-# its drafter state now covers (the draft stage's `restore`)
-RestoreFn = Callable[[Sequence, list[bytes]], int]
+# its drafter state now covers (the engine's, over the drafter and controller stages)
+RestoreFn = Callable[[Sequence, list[bytes]], tuple[int, Failures]]
+# a request that loses its KV (preemption, an undone hit) loses its drafter state
+PreemptFn = Callable[[Sequence], Failures]
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[StepRequest]
     preempted: list[Sequence] = field(default_factory=list)
+    composition: BatchComposition | None = None  # the batch the draft budgets were asked for
+    failures: Failures = field(default_factory=Failures)  # of the restore / preempt calls
     # prefix caching at this step's admissions: tokens / full pages looked up, and reused
     lookup_tokens: int = 0
     lookup_pages: int = 0
@@ -52,16 +57,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, kv: TableAllocator, max_num_seqs: int, max_num_batched_tokens: int,
                  prefix_caching: bool = False, restore: RestoreFn | None = None,
-                 on_preempt: Callable[[Sequence], None] | None = None):
+                 on_preempt: PreemptFn | None = None):
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_caching = prefix_caching
-        self.restore: RestoreFn = restore or (lambda seq, keys: len(keys))
-        # drops a request's drafter state when it loses its KV (preemption, an undone hit)
-        self.on_preempt = on_preempt or (lambda seq: None)
+        self.restore: RestoreFn = restore or (lambda seq, keys: (len(keys), Failures()))
+        self.on_preempt: PreemptFn = on_preempt or (lambda seq: Failures())
         # content key of a full page some admitted request is computing -> (request, page index)
         self.in_flight: dict[bytes, tuple[Sequence, int]] = {}
         self.waiting: deque[Sequence] = deque()
@@ -97,12 +101,12 @@ class Scheduler:
         if not decode:
             return
         prefill = [r for r in out.scheduled if r not in decode]
-        composition = BatchComposition(
+        out.composition = BatchComposition(
             num_decode=len(decode), num_prefill_requests=len(prefill),
             num_prefill_tokens=sum(r.num_new_tokens for r in prefill),
             num_waiting=len(self.waiting), max_draft_rows=budget)
         kv = self.kv
-        for req, asked in zip(decode, draft_budgets([r.seq for r in decode], composition)):
+        for req, asked in zip(decode, draft_budgets(decode, out.composition)):
             req.asked = asked
             table, start = req.seq.block_table, req.seq.num_computed + 1
             # slots its own pages and the free pages hold past the decode row (never preempts)
@@ -112,6 +116,14 @@ class Scheduler:
                 kv.reserve(table, start + n)
                 req.budget = asked.clip(n)
                 budget -= n
+
+    def trim_drafts(self, records: list[StepRequest]) -> None:
+        """Give back the draft slots a request's tree does not use (a tree smaller than its
+        budget, or none)."""
+        for rec in records:
+            end = rec.computed_before + rec.num_new_tokens + rec.num_nodes
+            if rec.budget.max_nodes > 0 and end < rec.seq.block_table.num_slots:
+                self.kv.truncate(rec.seq.block_table, end)
 
     def _reserve_running(self, seq: Sequence, n_new: int, out: SchedulerOutput) -> bool:
         """Reserve seq's rows, preempting the newest other running requests if pages run out.
@@ -136,7 +148,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.kv.release(seq.block_table)
-        self.on_preempt(seq)
+        out.failures.add(self.on_preempt(seq))
         seq.num_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -151,7 +163,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
-            go = self._reuse_prefix(seq, budget)
+            go = self._reuse_prefix(seq, budget, out)
             if go is _DEFER:
                 continue
             if go is _WAIT:
@@ -160,7 +172,7 @@ class Scheduler:
             if not self.kv.can_reserve(seq.block_table, seq.num_computed + n_new):
                 if seq.num_computed:  # undo the hit: the request waits as it was
                     self.kv.release(seq.block_table)
-                    self.on_preempt(seq)
+                    out.failures.add(self.on_preempt(seq))
                     seq.num_computed = 0
                 break
             self.waiting.remove(seq)
@@ -173,7 +185,7 @@ class Scheduler:
             budget -= n_new
         return budget
 
-    def _reuse_prefix(self, seq: Sequence, budget: int):
+    def _reuse_prefix(self, seq: Sequence, budget: int, out: SchedulerOutput):
         """Map the longest cached prefix of a request that has nothing computed: _GO (also
         when nothing is cached), _WAIT (not enough pages for the rest even with it), or _DEFER
         (the next page is being computed by a running request: it will be cached soon)."""
@@ -196,7 +208,9 @@ class Scheduler:
         if tier:  # brought back from the second tier, or as far as it can serve
             kv.load_from_tier(seq.block_table, keys[len(pages):len(pages) + tier])
         hit = len(seq.block_table.pages)
-        restored = min(hit, self.restore(seq, keys[:hit]))
+        restored, failures = self.restore(seq, keys[:hit])
+        out.failures.add(failures)
+        restored = min(hit, restored)
         kv.truncate(seq.block_table, restored * ps)
         seq.num_computed = restored * ps
         return _GO

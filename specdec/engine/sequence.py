@@ -28,6 +28,22 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass
+class RequestDrafting:
+    """The drafting side's bookkeeping of one request (specdec.engine.drafting): its drafter
+    state and what was decided about drafting for it. Kept here, not in the drafter's state,
+    which may be what went wrong; all of it starts afresh when the request is preempted."""
+
+    state: Any = None  # owned by the drafter (init_state); lives and dies with the request
+    ready: bool = False  # init_state ran (its state may legitimately be None)
+    # its last propose call raised for several requests at once: it proposes alone next time
+    suspect: bool = False
+    # decoding on without drafter state (keep_drafting said no, or on_verified raised for
+    # several requests at once) until it ends or is preempted: no budget asked, no drafter call
+    undrafted: bool = False
+    idle_steps: int = 0  # decode steps in a row at budget 0 (keep_drafting asked at 1, 32, ...)
+
+
 @dataclass(eq=False)  # identity, not field equality: sequences are looked up in queues
 class Sequence:
     """Tokens, KV pages and stop state of one request.
@@ -48,8 +64,7 @@ class Sequence:
     error: str | None = None
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     detokenizer: Any = None  # specdec.engine.detokenizer.IncrementalDetokenizer, made on first use
-    drafter_state: Any = None  # owned by the drafter; lives and dies with the request
-    drafter_ready: bool = False  # init_state ran (its state may legitimately be None)
+    drafting: RequestDrafting = field(default_factory=RequestDrafting)
     times: RequestTimes = field(default_factory=RequestTimes)
     num_preemptions: int = 0
     num_steps_decoding: int = 0  # target forwards that ended at this request's frontier

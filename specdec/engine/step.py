@@ -1,7 +1,8 @@
 """One record per request per engine step: what was scheduled, drafted, run and kept.
 
-The scheduler creates the records; the draft stage fills ``tree`` (and may fail a record); batch
-building fills the row fields; verification fills ``result``; the commit fills ``appended``.
+The scheduler creates the records (the controller stage fills the budgets); the drafter stage
+fills ``tree``; batch building fills the row fields; verification fills ``result``; the output
+stage fills ``appended``. What goes wrong in a stage's plugin calls it returns as ``Failures``.
 Example, a request with 10 tokens at its frontier, a 3-node tree, second in the batch after a
 5-token prefill chunk::
 
@@ -11,6 +12,7 @@ Example, a request with 10 tokens at its frontier, a 3-node tree, second in the 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from specdec.controllers.base import NO_DRAFT, DraftBudget
@@ -25,8 +27,9 @@ class StepRequest:
     num_new_tokens: int  # tokens fed from seq.token_ids[computed_before:]
     budget: DraftBudget = NO_DRAFT  # draft nodes it may use (clipped; its slots are reserved)
     # the budget asked this step after the engine's max_model_len / max_tokens clipping (None: no
-    # draft asked); the controller's own, unclipped ask reaches it as RequestOutcome.asked
+    # draft asked), and the controller's own answer (None: not asked; RequestOutcome.asked)
     asked: DraftBudget | None = None
+    controller_asked: DraftBudget | None = None
     tree: DraftTree | None = None  # the tree verified: the drafter's proposal, maybe pruned
     # pruned by the controller: the proposal's node index of each node of ``tree`` (None: the
     # whole proposal is verified), and the proposal's size
@@ -59,3 +62,31 @@ class StepRequest:
     @property
     def num_accepted(self) -> int:
         return len(self.result.accepted) if self.result is not None else 0
+
+
+@dataclass
+class Failures:
+    """What went wrong in a stage's plugin calls, as a value the stage returns: requests to fail,
+    each with the message naming the plugin (the engine finishes them, all of a step's in one
+    place: ``LLMEngine.step``), and failures no request can be failed for (warned as a
+    RuntimeWarning when found; the engine keeps them in ``plugin_errors``)."""
+
+    requests: dict[Sequence, str] = field(default_factory=dict)  # request -> error (first wins)
+    reports: list[str] = field(default_factory=list)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self.requests
+
+    def fail(self, seq: Sequence, error: str) -> None:
+        self.requests.setdefault(seq, error)
+
+    def report(self, message: str) -> None:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self.reports.append(message)
+
+    def add(self, other: Failures) -> Failures:
+        """Those of ``other`` too; returns self."""
+        for seq, error in other.requests.items():
+            self.fail(seq, error)
+        self.reports += other.reports
+        return self

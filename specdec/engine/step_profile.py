@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.engine.costs import (
+from specdec.controllers.costs import (
     DEFAULT_CONTEXT,
     DEFAULT_GRID,
     StepCosts,
@@ -26,7 +26,7 @@ from specdec.engine.costs import (
     profile_forward,
 )
 from specdec.models.aliases import cache_dir
-from specdec.models.linear import cache_key
+from specdec.models.matmul.linear import cache_key
 
 logger = logging.getLogger("specdec")
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from specdec.engine.scheduler import SchedulerOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import StepRequest
-from specdec.kv.block_table import KVCacheManager
+from specdec.kv.block_table import TableAllocator
 from specdec.metrics import EngineTotals, StepStats, forward_seconds
 
 
@@ -32,7 +32,7 @@ class StepTimes:
 
 
 class StepRecorder:
-    def __init__(self, kv: KVCacheManager, tier) -> None:
+    def __init__(self, kv: TableAllocator, tier) -> None:
         self.kv = kv
         self.tier = tier
         self.totals = EngineTotals()

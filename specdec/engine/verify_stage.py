@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from specdec import plugins
-from specdec.engine.step import StepRequest
+from specdec.engine.step import Failures, StepRequest
 from specdec.logits.logprobs import token_logprobs
 from specdec.sampling import logits_to_probs, params_to_tensors
 from specdec.tree import DraftTree
@@ -48,25 +48,27 @@ class VerifyStage:
     def supports_sampling(self) -> bool:
         return bool(getattr(self.verifier, "supports_sampling", True))
 
-    def verify(self, records: list[StepRequest], logits: torch.Tensor | None) -> None:
-        """Set ``result`` on every frontier record (and ``logprobs`` where asked), or fail its
-        request."""
+    def verify(self, records: list[StepRequest], logits: torch.Tensor | None) -> Failures:
+        """Set ``result`` on every frontier record (and ``logprobs`` where asked); the requests
+        whose verification failed are returned (their records keep no result)."""
+        failures = Failures()
         _prompt_logprobs([r for r in records if r.prompt_rows is not None], logits)
         frontier = [r for r in records if r.at_frontier]
         if not frontier:
-            return
+            return failures
         logits = logits[:sum(1 + r.num_nodes for r in frontier)]  # prompt rows come after
         raw = self._process(frontier, logits)
         batch = self.batch(frontier, logits)
         for rec, result in zip(frontier, self._run(batch)):
             if isinstance(result, str):
-                rec.seq.finish_reason, rec.seq.error = "error", f"verifier {self.name} {result}"
+                failures.fail(rec.seq, f"verifier {self.name} {result}")
                 continue
             rec.result = result
             if rec in raw:  # the raw row that decided each emitted token
                 rows = [0, *(1 + a for a in result.accepted)]
                 rec.logprobs = token_logprobs(raw[rec][rows], result.tokens,
                                               rec.seq.params.logprobs)
+        return failures
 
     @staticmethod
     def _process(frontier: list[StepRequest], logits: torch.Tensor) -> dict:

@@ -47,7 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.attention.metadata import host_tensor
 from specdec.kernels.invariant_matmul import interpreted
 
 TREE_BITS = 64
@@ -108,8 +107,10 @@ def row_metadata(qo_lens: Sequence[int], kv_lens: Sequence[int],
             limit, tree = _mask_rows(b, mask, qo, kv)
             limits += limit
             trees += tree
-    return RowMetadata(host_tensor(requests, torch.int32), host_tensor(limits, torch.int32),
-                       host_tensor(trees, torch.int64))
+    # host tensors through numpy (a fraction of torch.tensor(list)'s cost; the kernels import
+    # nothing of the attention package, which imports them)
+    return RowMetadata(*(torch.from_numpy(np.array(v, dtype=t)) for v, t in (
+        (requests, np.int32), (limits, np.int32), (trees, np.int64))))
 
 
 def _mask_rows(b: int, mask: torch.Tensor, qo: int, kv: int) -> tuple[list[int], list[int]]:

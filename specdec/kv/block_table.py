@@ -1,4 +1,5 @@
-"""Block tables (one sequence's pages) and the manager that grows, shrinks and forks them.
+"""Block tables (one sequence's pages) and the ``TableAllocator`` that grows, shrinks and
+forks them over a page pool (the pages of a ``KVManager``, which adds the KV tensor).
 
 Slot ``i`` of a sequence lives in page ``pages[i // page_size]`` at offset ``i % page_size``;
 its flat slot id (row of the KV tensor viewed as ``[num_pages * page_size, ...]``) is
@@ -41,8 +42,9 @@ class BlockTable:
     num_keyed: int = 0  # leading pages whose content key is registered (prefix caching)
 
 
-class KVCacheManager:
-    """Allocates pages from a ``PagePool`` to block tables; never over-allocates or leaks."""
+class TableAllocator:
+    """Allocates pages from a ``PagePool`` to block tables; never over-allocates or leaks.
+    Pages only, no KV tensor: ``specdec.kv.manager.KVManager`` adds it."""
 
     def __init__(self, pool: PagePool, page_size: int) -> None:
         if not isinstance(page_size, int) or page_size < 1:
@@ -178,4 +180,4 @@ def _check_slots(n: int) -> None:
         raise ValueError(f"number of slots must be an int >= 0, got {n!r}")
 
 
-__all__ = ["BlockTable", "KVCacheManager", "OutOfPagesError"]
+__all__ = ["BlockTable", "TableAllocator", "OutOfPagesError"]

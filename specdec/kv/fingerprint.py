@@ -11,7 +11,7 @@ header, which holds a safetensors' or GGUF's tensor index, and the tail)::
 Weight files: ``*.safetensors``, ``*.gguf``, ``*.bin``, ``*.pt`` and ``config.json``, directly in
 the folder (an HF folder, or the folder a GGUF was converted into, which keeps ``model.gguf``);
 a path to one file fingerprints that file alone. The panels earlier versions cached beside a GGUF
-(specdec.models.gguf_weights.LEGACY_CACHE_NAMES) are derived from it, not inputs, and are left
+(specdec.models.gguf.weights.LEGACY_CACHE_NAMES) are derived from it, not inputs, and are left
 out: a folder may still hold them, and a start removes them.
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt")
 EDGE = 1 << 20  # bytes hashed at each end of a file
-DERIVED_PREFIX = "native_panels"  # specdec.models.gguf_weights.LEGACY_CACHE_NAMES
+DERIVED_PREFIX = "native_panels"  # specdec.models.gguf.weights.LEGACY_CACHE_NAMES
 
 
 def weights_fingerprint(folder_or_file: Path) -> str:

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from specdec.kv.block_table import BlockTable, KVCacheManager, slot_of
+from specdec.kv.block_table import BlockTable, TableAllocator, slot_of
 from specdec.kv.cache import KVCache
 from specdec.kv.host_tier import HostTier
 from specdec.kv.page_pool import PagePool
 from specdec.kv.tier import DiskTier
 
 
-class KVManager(KVCacheManager):
+class KVManager(TableAllocator):
     """Pages and tensor of one model's KV cache (the target's, or a drafter's)."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,

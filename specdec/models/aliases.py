@@ -8,7 +8,7 @@ into a folder under the cache.
 A GGUF's folder is lean: ``model.gguf`` (the alias's file; for a user's file a symbolic link to
 it: a multi-GB file is never copied) and what transformers reads from the file's metadata once,
 saved as small files: ``config.json`` and the tokenizer's. No weights are converted: the loader
-reads the file's blocks (specdec.models.gguf_model). A folder is written in a temporary folder
+reads the file's blocks (specdec.models.gguf.model). A folder is written in a temporary folder
 and moved into place whole, its ``.complete`` naming the layout and the source (a user's file by
 path, size and mtime: hashing GBs costs seconds at every start), so a half-written folder, one
 of an older layout or one of a changed file is never served; the folder of a changed file's
@@ -136,10 +136,10 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
     parses anything) or a file transformers cannot read."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from specdec.models.config import model_config_from_hf
-    from specdec.models.gguf_file import open_gguf
-    from specdec.models.gguf_metadata import reading_from_header
-    from specdec.models.gguf_model import check_architecture, config_overrides
+    from specdec.models.decoder.config import model_config_from_hf
+    from specdec.models.gguf.file import open_gguf
+    from specdec.models.gguf.metadata import reading_from_header
+    from specdec.models.gguf.model import check_architecture, config_overrides
 
     gguf_file = Path(gguf_file)
     f = open_gguf(gguf_file)

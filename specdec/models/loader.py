@@ -9,15 +9,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from specdec.models.aliases import ALIASES, GGUF_NAME, alias_folder, gguf_folder
-from specdec.models.checkpoint_weights import put_checkpoint_weights
-from specdec.models.config import ModelConfig, model_config_from_hf
-from specdec.models.gguf_file import open_gguf
-from specdec.models.gguf_model import check_architecture, check_tensors, put_weights
-from specdec.models.llama import LlamaDecoder
-from specdec.models.quantize import check_choice
-from specdec.models.safetensors_file import open_checkpoint
+from specdec.models.checkpoints.quantize import check_choice
+from specdec.models.checkpoints.safetensors_file import open_checkpoint
+from specdec.models.checkpoints.weights import put_checkpoint_weights
+from specdec.models.decoder.config import ModelConfig, model_config_from_hf
+from specdec.models.decoder.llama import LlamaDecoder
+from specdec.models.gguf.file import open_gguf
+from specdec.models.gguf.model import check_architecture, check_tensors, put_weights
 
-DERIVED_PREFIX = "native_panels"  # what earlier versions wrote beside a GGUF (gguf_weights.py)
+DERIVED_PREFIX = "native_panels"  # what earlier versions wrote beside a GGUF (gguf/weights.py)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -70,7 +70,7 @@ def load_model(folder: Path, dtype: torch.dtype, device, max_positions: int,
     or ``quantize`` and float32 on a CPU a bf16 / fp16 checkpoint's matrices stay its own
     bytes or are quantized into GGUF blocks as they are read: specdec.models.
     checkpoint_weights), else from its ``model.gguf`` (checked before any is used:
-    specdec.models.gguf_model): with ``blocks`` and float32 on a CPU its matrices stay the
+    specdec.models.gguf.model): with ``blocks`` and float32 on a CPU its matrices stay the
     file's blocks (``BlockWeight``: no fp32 copy; the engine runs them through the kernels),
     otherwise they are dequantized once into ``dtype`` (logged). ``quantize`` ("q8_0" |
     "q4_k") is a ValueError for a GGUF (its blocks are what it runs) and off float32 / CPU."""

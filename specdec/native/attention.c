@@ -112,7 +112,7 @@ void sd_attention_for(const float* q, int64_t T, int64_t H, int64_t D, const voi
  * kv_fmt (0 f32, 1 bf16, 2 f16), out [T, H, D] fp32; head h reads kv head h / (H / Hkv).
  * scratch: nthreads * max_keys floats. T == 0 writes nothing and succeeds. Returns 0, or -1
  * (nothing written). The key lists are not checked here (their lengths are not known): the
- * caller does (specdec/models/native.py). */
+ * caller does (specdec/native/__init__.py). */
 int sd_attention(const float* q, int64_t T, int64_t H, int64_t D, const void* kv, int kv_fmt,
                  int64_t Hkv, int64_t v_offset, const int64_t* key_indptr,
                  const int64_t* key_index, int64_t max_keys, float scale, float* out,

@@ -1,5 +1,5 @@
 /* specdec's CPU kernels, one importable extension (called through ctypes; see
- * specdec/models/native.py): linear.c (row-invariant linear layers over weight panels),
+ * specdec/native/__init__.py): linear.c (row-invariant linear layers over weight panels),
  * attention.c (row-invariant attention over per-row key lists), layer.c (a whole decoder layer
  * in one call). This file: the ABI version, the CPU feature check and the module stub.
  *

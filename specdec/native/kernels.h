@@ -26,7 +26,7 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* weight formats; the first three are also the K/V cache's (SD_NUM_FLOAT_FORMATS). The GGUF
- * block formats (specdec/models/gguf_blocks.py: every GGUF type is repacked into one of them,
+ * block formats (specdec/models/gguf/blocks.py: every GGUF type is repacked into one of them,
  * exactly), per block of 32 k and output row:
  *   SD_Q4_1    fp16 d, m, 4-bit q:          w = fl(d * q) + m
  *   SD_Q8_0    fp16 d, int8 q:              w = fl(d * q)

@@ -102,7 +102,7 @@ AVX2 static float silu(float g) { return g / (1.0f + expf(-g)); }
 
 /* Runs the layer on a->x. T == 0 writes nothing and succeeds. Returns 0, or -1 when this CPU
  * lacks AVX2/FMA or the arguments are invalid (nothing written). The lengths behind the pointers
- * are not known here: the caller checks them (specdec/models/fused.py). */
+ * are not known here: the caller checks them (specdec/models/matmul/fused.py). */
 int sd_layer(const sd_layer_args* a) {
     const int64_t T = a->T, Hd = a->hidden, D = a->head_dim, H = a->heads, Hkv = a->kv_heads;
     const int64_t qs = H * D, kvs = Hkv * D, I = a->inter;
@@ -182,7 +182,7 @@ int sd_layer(const sd_layer_args* a) {
     return 0;
 }
 
-/* One step's arguments shared by every layer of a model (specdec/models/fused.py): the rows,
+/* One step's arguments shared by every layer of a model (specdec/models/matmul/fused.py): the rows,
  * their key lists, and the layers' caches, one every kv_stride bytes from kv (layer i's at kv +
  * i * kv_stride), each of kv_rows rows [*, kv_heads, head_dim]. n_keys: key_index's length.
  * qkv_input / qkv_in are the first layer's of the call (sd_layer_args). */
@@ -234,7 +234,7 @@ static int check_rows(const sd_step* s) {
  * (check_rows) before any layer runs: -1 (sd_layer refuses a layer; n < 0), -2 / -3
  * (check_rows), -4 (no memory) write nothing. The lengths of x, cos, sin, qkv_input,
  * write_index and key_indptr and the caches' sizes are not known here: the caller checks them
- * (specdec/models/fused.py). */
+ * (specdec/models/matmul/fused.py). */
 int sd_layers(const sd_layer_args* layers, int64_t n, const sd_step* s) {
     sd_layer_args a;
     int64_t floats = 0;

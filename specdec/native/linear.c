@@ -10,7 +10,7 @@
  * Threads split the panel pairs.
  *
  * Formats: fp32, bf16, fp16 panels (16-bit weights widened exactly in registers), and a GGUF's
- * blocks in the kernel formats (kernels.h; specdec/models/gguf_blocks.py), dequantized exactly
+ * blocks in the kernel formats (kernels.h; specdec/models/gguf/blocks.py), dequantized exactly
  * as gguf-py does:
  * the fp32 weights, and so every element's fma chain, are those of the dequantized model.
  *
@@ -128,7 +128,7 @@ AVX2 static inline scales f32_scales(const uint8_t* b) {
  * fl(fp16 d * 6-bit sc) (at most 17 bits: that product is exact too), q has at most 5 bits, so
  * d * q has at most 22 significant bits, and no product can overflow or leave the normal range
  * (fp16 magnitudes times at most 63 * 31). The bitwise tests against the mul-then-add
- * reference (tests/models/test_native*.py, test_kquant_formats.py) hold it. */
+ * reference (tests/native/test_native*.py, test_kquant_formats.py) hold it. */
 AVX2 static inline void nibble_step(const uint8_t* qb, const scales* s, int kk, __m256* w0,
                                     __m256* w1) {
     const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
@@ -896,7 +896,7 @@ void sd_linear_for(const float* x, int64_t T, int64_t K, const sd_weight* w, flo
  * and those blocks laid out for 8-bit activations: 5, 6, 10, 11, 12, 15, 16, 18; kernels.h);
  * columns up to 8 * panels are written (ldy >= 8 * panels). T == 0 writes nothing and succeeds. Returns 0,
  * or -1 when this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The
- * lengths of x, w and y are not known here: the caller checks them (specdec/models/native.py).
+ * lengths of x, w and y are not known here: the caller checks them (specdec/native/__init__.py).
  */
 int sd_linear(const float* x, int64_t T, int64_t K, const void* w, int fmt, int64_t panels,
               float* y, int64_t ldy, int nthreads) {
@@ -913,7 +913,7 @@ int sd_linear(const float* x, int64_t T, int64_t K, const void* w, int fmt, int6
 /* sd_linear for any prepared weight, a weight in parts too (kernels.h: sd_weight; its bias is
  * not added: the caller adds it): y[T, ldy] with ldy >= 8 * w->panels. Returns 0, or -1 when
  * this CPU lacks AVX2/FMA or the arguments are invalid (nothing written). The lengths behind
- * the pointers are not known here: the caller checks them (specdec/models/native.py). */
+ * the pointers are not known here: the caller checks them (specdec/native/__init__.py). */
 int sd_linear_weight(const float* x, int64_t T, int64_t K, const sd_weight* w, float* y,
                      int64_t ldy, int nthreads) {
     if (!(sd_cpu_features() & 1) || sd_check_weight(w, K) || T < 0 || ldy < PW * w->panels

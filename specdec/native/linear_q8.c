@@ -13,7 +13,7 @@
  * isum = sum_k qw_k * q_k over the block (I8_F16: isum0, isum1 over its halves), every
  * product and sum rounded as written (no fma), isum exact in int32. A row's result
  * depends only on that row, whatever shares the call (the contract of kernels.h), and a
- * pure-torch reference reproduces it bitwise (specdec/models/q8_activations.py, which says
+ * pure-torch reference reproduces it bitwise (specdec/models/gguf/q8_activations.py, which says
  * why the activations of K-quants are blocked by 32 too). A weight in parts (kernels.h) calls
  * this once per part: each call rounds the rows again, to the same q, d and s.
  *

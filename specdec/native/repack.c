@@ -1,7 +1,7 @@
 /* A GGUF matrix's blocks laid out as the kernels' panels, in one pass over the file's bytes.
  *
  * What specdec/models/gguf_blocks.prepare (float activations) and q8_activations.prepare (8-bit
- * ones) make in torch, bitwise (tests/models/test_repack.py checks every type and layout against
+ * ones) make in torch, bitwise (tests/models/gguf/test_repack.py checks every type and layout against
  * them): those stay the reference; this is how a load makes the panels (~2 GB/s a core against
  * the torch layouts' 0.1-0.3, docs/bench/repack_load.py), so no copy of them is kept on disk. Per panel pair (16 output rows; rows past `out` are zero)
  * and block, the 16 rows' values are unpacked into a small array and written out in the
@@ -13,11 +13,11 @@
  *   Q5_0   Q8_0                     d (fp16)                   q - 16, int8
  *   Q5_1   Q5_F                     d, m (f32)                 q, 5-bit a byte
  *   Q8_0   Q8_0                     d (fp16)                   q, int8
- *   Q4_K, Q5_K, Q6_K: their super-block formats (specdec/models/kquant_blocks.py)
+ *   Q4_K, Q5_K, Q6_K: their super-block formats (specdec/models/gguf/kquant_blocks.py)
  *
  * Q4_0's m = -8d is exact in float32; in fp16 it overflows for |d| > 8188, so the caller picks
  * Q4_F for such a matrix (gguf_blocks.repack). Threads take the panel pairs a few at a time
- * (the caller gives a matrix one thread per 16 MB of blocks: specdec/models/repack.py).
+ * (the caller gives a matrix one thread per 16 MB of blocks: specdec/models/gguf/repack.py).
  */
 #include <omp.h>
 #include <string.h>
@@ -25,11 +25,11 @@
 #include "kernels.h"
 
 /* GCC 12.2 at -O3 (SSE2 only) vectorized a loop gathering uint32 words of 16 rows' bytes into a
- * local array into wrong code (rows 2.. read as 0; tests/models/test_repack.py caught it): here
+ * local array into wrong code (rows 2.. read as 0; tests/models/gguf/test_repack.py caught it): here
  * the vector code is written out in SSE2 intrinsics and the compiler does not vectorize */
 #pragma GCC optimize("no-tree-vectorize")
 
-/* the GGUF types read here (specdec/models/repack.py: KINDS) */
+/* the GGUF types read here (specdec/models/gguf/repack.py: KINDS) */
 enum { RK_Q4_0, RK_Q4_1, RK_Q5_0, RK_Q5_1, RK_Q8_0, RK_Q4_K, RK_Q5_K, RK_Q6_K, RK_NUM };
 static const int64_t kind_bytes[RK_NUM] = {18, 20, 22, 24, 34, 144, 176, 210};
 
@@ -377,7 +377,7 @@ static int valid_format(int kind, int fmt) {
  * format `fmt` (kernels.h): [out / 16 rounded up][K / 32 (K / 256 for a super-block format)]
  * pair blocks (PAIR_BYTES). Returns 0, or -1 (nothing written) when this CPU lacks AVX2 / F16C,
  * the kind and format do not go together or the shape does not fit them. The lengths behind
- * the pointers are not known here: the caller checks them (specdec/models/repack.py). */
+ * the pointers are not known here: the caller checks them (specdec/models/gguf/repack.py). */
 int sd_repack(const uint8_t* rows, int64_t row_stride, int64_t out, int64_t K, int kind,
               int fmt, uint8_t* dst, int nthreads) {
     const int super = kind >= RK_Q4_K && kind < RK_NUM;

@@ -28,9 +28,9 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+from specdec.engine.streaming import DeltaTracker, changed
 from specdec.outputs import RequestMetrics, TokenLogprob
 from specdec.sampling_params import SamplingParams
-from specdec.serving.streaming import DeltaTracker, changed
 
 
 class QueueFullError(RuntimeError):

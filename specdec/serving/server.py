@@ -53,7 +53,7 @@ def create_app(loop: EngineLoop, model_name: str,
     limits = limits or ServerLimits()
     keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
     engine = loop.engine
-    max_tokens_cap = min(limits.max_tokens or engine.max_model_len, engine.max_model_len)
+    max_tokens_cap = min(limits.max_tokens or engine.parts.max_model_len, engine.parts.max_model_len)
     metrics = Metrics(loop)
     loop.on_finish.append(metrics.finished)  # every request, also those whose client left
     # one thread: a long prompt's tokenization never stalls the event loop (every stream)
@@ -123,7 +123,7 @@ def create_app(loop: EngineLoop, model_name: str,
             raise APIError(400, f"{name}={asked} exceeds this server's limit {max_tokens_cap}",
                            param=name)
         # as OpenAI's: unless asked, up to the rest of the context
-        max_tokens = asked or max(1, min(max_tokens_cap, engine.max_model_len - prompt_len))
+        max_tokens = asked or max(1, min(max_tokens_cap, engine.parts.max_model_len - prompt_len))
         return SamplingParams(temperature=float(req.temperature), top_p=float(req.top_p),
                               top_k=req.top_k, min_p=float(req.min_p), n=req.n, seed=req.seed,
                               max_tokens=max_tokens, stop=req.stops(), ignore_eos=req.ignore_eos,

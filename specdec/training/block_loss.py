@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from specdec.attention.block_masks import anchor_blocks_mask
 from specdec.attention.dense import DenseAttention
-from specdec.models.block_diffusion import BlockDiffusionModel
+from specdec.models.heads.block_diffusion import BlockDiffusionModel
 from specdec.training.target import TargetBatch, conditional_rank_hits, label_ranks
 
 RANKS = 8  # ranks calibrated per block position

@@ -147,7 +147,7 @@ def _read_yaml(path: Path) -> dict:
 
 
 def _check_export_for(kind: str, export_for) -> None:
-    from specdec.models.export_formats import check_formats
+    from specdec.models.heads.export_formats import check_formats
 
     if not isinstance(export_for, list) or not all(isinstance(f, str) for f in export_for):
         raise ValueError(f"export_for must list engine names (vllm, sglang), got {export_for!r}")

@@ -54,7 +54,7 @@ class Eagle3Kind(Kind):
     name = "eagle3"
 
     def build(self, config, cfg, target, hf, used):
-        from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+        from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
 
         aux = tuple(config.aux_layer_ids) if config.aux_layer_ids else None
         head = Eagle3Head(Eagle3Config.for_target(cfg, used.numel(), aux), target.embed, hf,
@@ -64,12 +64,12 @@ class Eagle3Kind(Kind):
         return head
 
     def load(self, folder, cfg, target, hf):
-        from specdec.models.eagle3_io import load_eagle3
+        from specdec.models.heads.eagle3_io import load_eagle3
 
         return load_eagle3(folder, cfg, target.embed, hf, trainable=True)
 
     def vocab(self, model):
-        from specdec.models.eagle3_io import vocab_ids
+        from specdec.models.heads.eagle3_io import vocab_ids
 
         return vocab_ids(model.d2t.cpu(), model.t2d.cpu())
 
@@ -86,7 +86,7 @@ class Eagle3Kind(Kind):
         return res.loss, metrics
 
     def save(self, model, folder, hf, dtype, extra, formats=()):
-        from specdec.models.eagle3_io import save_eagle3
+        from specdec.models.heads.eagle3_io import save_eagle3
 
         save_eagle3(model, folder, hf, dtype=dtype, overwrite=True, extra=extra, formats=formats)
 
@@ -96,7 +96,7 @@ class MTPKind(Kind):
     calibrates = True
 
     def build(self, config, cfg, target, hf, used):
-        from specdec.models.mtp import MTPConfig, MTPHeads
+        from specdec.models.heads.mtp import MTPConfig, MTPHeads
 
         c = MTPConfig.for_target(cfg, used.numel(), config.num_heads, config.num_layers or 1)
         heads = MTPHeads(c, target.embed.dtype, target.embed.device, trainable=True)
@@ -104,7 +104,7 @@ class MTPKind(Kind):
         return heads
 
     def load(self, folder, cfg, target, hf):
-        from specdec.models.mtp_io import load_mtp
+        from specdec.models.heads.mtp_io import load_mtp
 
         return load_mtp(folder, cfg, target.embed.dtype, target.embed.device, trainable=True)
 
@@ -124,7 +124,7 @@ class MTPKind(Kind):
         return calibration(*summed((hits(*b) for b in batches), model.config.num_heads, RANKS))
 
     def save(self, model, folder, hf, dtype, extra, formats=()):
-        from specdec.models.mtp_io import save_mtp
+        from specdec.models.heads.mtp_io import save_mtp
 
         save_mtp(model, folder, hf, dtype=dtype, overwrite=True, extra=extra, formats=formats)
 
@@ -135,7 +135,7 @@ class BlockDiffusionKind(Kind):
     calibrates = True
 
     def build(self, config, cfg, target, hf, used):
-        from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+        from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 
         ids = tuple(config.target_layer_ids) if config.target_layer_ids else None
         c = BlockDiffusionConfig.for_target(cfg, used.numel(), config.num_layers or 1,
@@ -146,7 +146,7 @@ class BlockDiffusionKind(Kind):
         return model
 
     def load(self, folder, cfg, target, hf):
-        from specdec.models.block_diffusion_io import load_block_diffusion
+        from specdec.models.heads.block_diffusion_io import load_block_diffusion
 
         return load_block_diffusion(folder, cfg, target.embed, hf, trainable=True)
 
@@ -172,7 +172,7 @@ class BlockDiffusionKind(Kind):
                                    RANKS))
 
     def save(self, model, folder, hf, dtype, extra, formats=()):
-        from specdec.models.block_diffusion_io import save_block_diffusion
+        from specdec.models.heads.block_diffusion_io import save_block_diffusion
 
         save_block_diffusion(model, folder, hf, dtype=dtype, overwrite=True, extra=extra, formats=formats)
 

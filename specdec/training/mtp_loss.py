@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models.mtp import MTPHeads
+from specdec.models.heads.mtp import MTPHeads
 from specdec.training.target import (
     TargetBatch,
     at_least_fp32,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.models.llama import LlamaDecoder
+from specdec.models.decoder.llama import LlamaDecoder
 
 METRIC_STRIDE = 4  # acceptance / top-1 are estimated on every 4th counted row (they cost)
 

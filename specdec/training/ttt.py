@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.models.eagle3 import Eagle3Head
-from specdec.models.llama import LlamaDecoder
+from specdec.models.decoder.llama import LlamaDecoder
+from specdec.models.heads.eagle3 import Eagle3Head
 from specdec.training.target import TargetBatch, at_least_fp32, shift, soft_terms
 from specdec.training.target import target_batch as _target_batch
 from specdec.tree import causal_mask

@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from specdec import native
 from specdec.attention import torch_backend
 from specdec.attention.metadata import build_metadata
 from specdec.attention.torch_backend import TorchAttentionBackend, _groups
 from specdec.kv.cache import KVCache
-from specdec.models import native
 from specdec.models.loader import load_model
 from specdec.tree import DraftTree, verify_mask
 

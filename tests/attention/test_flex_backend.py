@@ -221,7 +221,7 @@ def test_engine_greedy_and_speculative_equal_torch_backend(tiny_llama):
     kw = dict(model=str(tiny_llama), dtype="float64", page_size=4, linear_kernels="plain")
     want = LLM(**kw).generate(PROMPTS, GREEDY)
     flex = LLM(**kw, attention_backend="flex")
-    assert isinstance(flex.engine.runner.backend, FlexAttentionBackend)
+    assert isinstance(flex.engine.parts.runner.backend, FlexAttentionBackend)
     assert [o.token_ids for o in flex.generate(PROMPTS, GREEDY)] == [o.token_ids for o in want]
     ngram = LLM(**kw, attention_backend="flex", drafter="ngram", drafter_args={"max_matches": 2},
                 controller="static", controller_args={"budget": 8})

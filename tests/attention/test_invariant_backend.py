@@ -53,8 +53,25 @@ def test_invariant_backend_refuses_what_it_cannot_run():
         check_supported(AttentionSpec(5, 2, D, torch.float32, torch.device(DEV)))
 
 
+@pytest.fixture(scope="module")
+def bf16_plain(tiny_llama):
+    """(engine keywords, prompts, params, plain decoding's tokens) for the bfloat16 tests: the
+    plain engine graphed too, both prompts in one batch (a row's result is what it is alone:
+    the tree case, one prompt, compares with its tokens from this batch)."""
+    from specdec.engine.llm import LLM
+    from specdec.sampling_params import SamplingParams
+
+    prompts = [[5, 6, 7, 8, 5, 6, 9], [3, 4, 3, 4, 3]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kw = dict(model=str(tiny_llama), dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=32,
+              attention_backend="invariant", enable_prefix_caching=False)
+    plain = LLM(**kw)
+    graph_everything(plain.engine)
+    return kw, prompts, params, [o.token_ids for o in plain.generate(prompts, params)]
+
+
 @pytest.mark.parametrize("tree", [False, True], ids=["chains", "trees"])
-def test_bf16_greedy_speculation_through_graphs_equals_plain(tiny_llama, tree):
+def test_bf16_greedy_speculation_through_graphs_equals_plain(bf16_plain, tree):
     """bfloat16, where rounding flips argmax near-ties wherever a row's result depends on the
     rest of the step: every runner graphed, the row-invariant attention and matmuls, the
     oracle's chains (or trees with a wrong sibling each): token for token plain decoding, with
@@ -63,15 +80,9 @@ def test_bf16_greedy_speculation_through_graphs_equals_plain(tiny_llama, tree):
 
     from specdec.drafters.oracle import oracle_plugin
     from specdec.engine.llm import LLM
-    from specdec.sampling_params import SamplingParams
 
-    prompts = [[5, 6, 7, 8, 5, 6, 9], [3, 4, 3, 4, 3]][:1 if tree else 2]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(model=str(tiny_llama), dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=32,
-              attention_backend="invariant", enable_prefix_caching=False)
-    plain = LLM(**kw)
-    graph_everything(plain.engine)
-    want = [o.token_ids for o in plain.generate(prompts, params)]
+    kw, prompts, params, want = bf16_plain
+    prompts, want = prompts[:1 if tree else 2], want[:1 if tree else 2]
     truth = {tuple(p): w for p, w in zip(prompts, want)}
     plugin = (tree_oracle(prompts[0] + want[0], depth=3) if tree  # one request: its tokens
               else oracle_plugin(truth, 0.3, depth=4))
@@ -86,14 +97,14 @@ def test_bf16_greedy_speculation_through_graphs_equals_plain(tiny_llama, tree):
     assert sum(g.replays for g in capture.graphs) >= totals.steps
 
 
-def test_eagle3_head_attends_through_the_invariant_backend(tmp_path):
+def test_eagle3_head_attends_through_the_invariant_backend(tiny_llama):
     """An EAGLE-3 head's expansion rows see the prefix and only their ancestors among the rows
     fed before them (not all their context): the invariant kernel takes such masks, and
-    speculation with a random head equals plain decoding (float32, graphs stand-ins)."""
+    speculation with a random head equals plain decoding (float32, graphs stand-ins). A
+    2-layer target (its one capturable layer three times) and 8 tokens: every kernel launch is
+    interpreted here (~5 ms a program), and the target's layers were most of them."""
     import sys
     from pathlib import Path
-
-    from conftest import make_tiny_model
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafters"))
     from drafter_helpers import random_head
@@ -102,9 +113,10 @@ def test_eagle3_head_attends_through_the_invariant_backend(tmp_path):
     from specdec.models.loader import load_model
     from specdec.sampling_params import SamplingParams
 
-    folder = make_tiny_model(tmp_path / "l4", num_hidden_layers=4, seed=4)
-    head = random_head(*load_model(folder, torch.float32, "cpu", 256))
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    folder = tiny_llama
+    head = random_head(*load_model(folder, torch.float32, "cpu", 256), aux_layer_ids=(1, 1, 1))
+    # 8 tokens: 6 speculative steps, 20 draft nodes from the head's expansion rows
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 5, 6, 9]]
     kw = dict(model=str(folder), dtype="float32", attention_backend="invariant",
               enable_prefix_caching=False, max_num_seqs=2, max_num_batched_tokens=64)

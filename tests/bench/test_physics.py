@@ -11,7 +11,7 @@ from specdec.bench import physics
 def test_rates_are_measured_once_and_then_read_back(cache, monkeypatch):
     rates = physics.machine_rates()
     assert rates["bandwidth_gbs"] > 0 and rates["fp32_macs_per_s"] > 0
-    from specdec.models import native
+    from specdec import native
 
     if native.load() is not None:  # the q8 kernels' rate, not torch's int8 GEMM
         assert rates["int8_macs_per_s"] > 0 and rates["kernels"] != "torch"

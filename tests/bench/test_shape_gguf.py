@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import LLM, SamplingParams
-from specdec.models import native
+from specdec import LLM, SamplingParams, native
 
-pytestmark = pytest.mark.slow  # needs the real SmolLM2 GGUF
+pytestmark = [pytest.mark.slow,  # needs the real SmolLM2 GGUF
+              pytest.mark.xdist_group("shape_gguf")]  # one worker builds the module's fixtures
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docs" / "bench" / "shape_gguf.py"
 spec = importlib.util.spec_from_file_location("shape_gguf", SCRIPT)
@@ -36,6 +36,20 @@ SHAPE_KEYS = {"llama.block_count": 2, "llama.embedding_length": 64,
               "llama.feed_forward_length": 128, "llama.attention.head_count": 4,
               "llama.attention.head_count_kv": 2, "llama.rope.dimension_count": 16,
               "llama.rope.freq_base": 130000.0, "llama.context_length": 4096}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _each_file_parsed_once():
+    """gguf-py's reader of each file made once for the module and shared: the 135M file's
+    (``write_shape`` here and in a test, ``readers``) and the tiny file's (``readers``, and
+    transformers twice for ``hf``: config, weights); each parses a 49k-token vocabulary in
+    Python, ~4 s. And gguf-py's tensor-name map, which transformers builds per submodule. A
+    read-only memory map and a pure function: the same values (the alias conversion does the
+    same, ``_gguf_parsed_once``)."""
+    from specdec.models.aliases import _gguf_parsed_once
+
+    with _gguf_parsed_once():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +72,7 @@ def _reader(path: Path):
 
 @pytest.fixture(scope="module")
 def readers(source, tiny):
-    """(the 135M file's reader, the tiny file's): each parses a 49k-token vocabulary, ~3 s."""
+    """(the 135M file's reader, the tiny file's): gguf-py's, shared (``_each_file_parsed_once``)."""
     return _reader(source), _reader(tiny)
 
 
@@ -129,9 +143,9 @@ def test_specdec_loads_the_file_on_its_blocks_and_its_logits_are_hfs(llm, hf):
     from specdec.kv.block_table import BlockTable
 
     if native.load() is not None:
-        assert llm.engine.weights == "native"
+        assert llm.engine.parts.weights == "native"
     ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
-    runner = llm.engine.runner
+    runner = llm.engine.parts.runner
     table = BlockTable()
     assert runner.kv.try_reserve(table, len(ids))
     try:
@@ -178,9 +192,9 @@ Q4_K_M_SHAPE = shape_gguf.Shape(layers=2, hidden=512, intermediate=1024, heads=8
 @pytest.mark.skipif(native.load() is None, reason="compiled kernels not built")
 def test_a_q4_k_m_file_runs_on_its_blocks_in_parts(source, tmp_path):
     """~8 s: a 26 MB file (its Q6_K tied embedding of 49,152 rows is most of it)."""
-    from specdec.models import gguf_blocks as gb
-    from specdec.models import q8_activations as qa
-    from specdec.models.native import PanelParts
+    from specdec.models.gguf import blocks as gb
+    from specdec.models.gguf import q8_activations as qa
+    from specdec.native import PanelParts
 
     # std 0.1: at 0.02 the tied embedding dominates and greedy repeats the prompt's last token
     path = shape_gguf.write_shape(tmp_path / "q4_k_m.gguf", Q4_K_M_SHAPE, seed=0, std=0.1,
@@ -193,14 +207,14 @@ def test_a_q4_k_m_file_runs_on_its_blocks_in_parts(source, tmp_path):
     assert len(set(want[0])) > 2  # the layers matter
     for activations, codes in (("float", gb.FORMATS), ("q8", qa.FORMATS)):
         llm = LLM(weights="native", activations=activations, **kw)
-        assert llm.engine.weights == "native" and llm.engine.model.fused is not None
-        layers = llm.engine.model.layers  # use_more_bits: layer 1 of 2 has a Q6_K attn_v
-        qkv = llm.engine.kernels.prepared(layers[1].qkv_weight)
+        assert llm.engine.parts.weights == "native" and llm.engine.parts.model.fused is not None
+        layers = llm.engine.parts.model.layers  # use_more_bits: layer 1 of 2 has a Q6_K attn_v
+        qkv = llm.engine.parts.kernels.prepared(layers[1].qkv_weight)
         assert isinstance(qkv, PanelParts)
         assert [(p.out_features, p.fmt) for p in qkv.parts] == [
             (1024, codes[gb.KERNEL_FORMAT["Q4_K"]]), (512, codes[gb.KERNEL_FORMAT["Q6_K"]])]
-        assert not isinstance(llm.engine.kernels.prepared(layers[0].qkv_weight), PanelParts)
+        assert not isinstance(llm.engine.parts.kernels.prepared(layers[0].qkv_weight), PanelParts)
         # float: bitwise the dequantized logits; q8: llama.cpp's numbers, the same greedy
         # tokens on this file
         assert [o.token_ids for o in llm.generate(prompts, sp)] == want, activations
-    assert LLM(**kw).engine.weights == "native"  # "auto" no longer falls back to fp32
+    assert LLM(**kw).engine.parts.weights == "native"  # "auto" no longer falls back to fp32

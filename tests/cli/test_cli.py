@@ -80,9 +80,9 @@ def test_quantize_flag(chat_model, capsys):
 def test_draft_weights_help_says_what_auto_picks(capsys):
     """--draft-weights auto is each draft model's ``auto_draft_weights`` (the learned heads') or
     Q8_0 (a draft model): the help says so (it used to say q8_0 for all)."""
-    from specdec.models.block_diffusion import BlockDiffusionModel
-    from specdec.models.eagle3 import Eagle3Head
-    from specdec.models.mtp import MTPHeads
+    from specdec.models.heads.block_diffusion import BlockDiffusionModel
+    from specdec.models.heads.eagle3 import Eagle3Head
+    from specdec.models.heads.mtp import MTPHeads
 
     assert main(["generate", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())

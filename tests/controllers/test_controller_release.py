@@ -16,8 +16,8 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
+from specdec.controllers.costs import StepCosts
 from specdec.controllers.goodput import GoodputController
-from specdec.engine.costs import StepCosts
 from specdec.hookspecs import hookimpl
 from specdec.tree import DraftTree
 
@@ -175,7 +175,7 @@ def test_goodput_in_the_engine_forgets_a_request_that_ended(tiny_llama):
     llm = LLM(model=str(tiny_llama), dtype="float64", drafter="ngram",
               drafter_args={"min_ngram": 1}, controller="goodput",
               controller_args={"budget": 4, "costs": costs})
-    eng, controller = llm.engine, llm.engine.drafting.controller
+    eng, controller = llm.engine, llm.engine.controlling.controller
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for _ in range(2):  # the second request reuses the id
         eng.add_request(PROMPTS[0], params, request_id="x")

@@ -17,9 +17,9 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
+from specdec.controllers.costs import StepCosts
 from specdec.controllers.exploration import MAX_BACKOFF
 from specdec.controllers.goodput import GoodputController, _Line
-from specdec.engine.costs import StepCosts
 from specdec.tree import DraftTree
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
-from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 5, 6], [3, 4, 3, 4, 3], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9],
            [11, 12], [7, 7, 7, 7], [40, 41, 42, 40, 41], [60]]
@@ -35,10 +35,12 @@ def record_proposals(monkeypatch, drafter_cls) -> list:
     return seen
 
 
-def random_head(model, cfg, hf, draft_vocab: int = 64, seed: int = 0) -> Eagle3Head:
-    """A random EAGLE-3 head for ``model`` (on its device, in its dtype)."""
+def random_head(model, cfg, hf, draft_vocab: int = 64, seed: int = 0,
+                aux_layer_ids: tuple[int, int, int] | None = None) -> Eagle3Head:
+    """A random EAGLE-3 head for ``model`` (on its device, in its dtype; EAGLE-3's default
+    layers unless ``aux_layer_ids``: a target of fewer than 4 layers needs them)."""
     torch.manual_seed(seed)
-    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab), model.embed, hf)
+    head = Eagle3Head(Eagle3Config.for_target(cfg, draft_vocab, aux_layer_ids), model.embed, hf)
     head.reset_parameters(0.5)  # large weights: peaked, tie-free distributions
     used = torch.randperm(cfg.vocab_size)[:draft_vocab].sort().values
     head.set_vocab(used.to(model.embed.device))

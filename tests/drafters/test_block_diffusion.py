@@ -22,7 +22,7 @@ from specdec.attention.block_masks import anchor_blocks_mask, block_mask
 from specdec.attention.dense import DenseAttention
 from specdec.drafters.block_diffusion import BlockDiffusionDrafter
 from specdec.drafters.rank_tree import rank_paths
-from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from specdec.models.loader import load_model
 from specdec.training.block_loss import block_forward
 from specdec.training.target import target_batch

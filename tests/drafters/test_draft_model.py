@@ -4,25 +4,17 @@ model from a GGUF keeps no fp32 copy where the kernels run its blocks."""
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import make_tiny_model
+from gguf_helpers import write_tiny_gguf
 from safetensors.torch import load_file, save_file
 
 from specdec import LLM, SamplingParams
 from specdec.controllers.base import DraftBudget
 from specdec.hookspecs import hookimpl
-
-HELPERS = Path(__file__).resolve().parents[1] / "models" / "gguf_helpers.py"
-_spec = importlib.util.spec_from_file_location("gguf_helpers", HELPERS)
-gguf_helpers = sys.modules.setdefault("gguf_helpers", importlib.util.module_from_spec(_spec))
-if not hasattr(gguf_helpers, "write_tiny_gguf"):
-    _spec.loader.exec_module(gguf_helpers)
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 50)), [42] * 13, [3, 1, 4, 1, 5],
            [60, 61, 62], list(range(70, 90)), [5]]
@@ -70,7 +62,7 @@ def plain_outputs(tiny_llama):
 
 
 def all_pages_free(llm: LLM) -> bool:
-    assert len(llm.engine.drafter_runners) == 1
+    assert len(llm.engine.parts.drafter_runners) == 1
     pools = [llm.engine.kv.pool, llm.engine.drafting.drafter.runner.kv.pool]
     return all(p.num_free == p.num_pages for p in pools)
 
@@ -185,11 +177,11 @@ def test_a_gguf_draft_model_keeps_no_fp32_copy(weights, tmp_path, monkeypatch):
     is: where the kernels run them it keeps them (every matrix has its panels, none fp32);
     where they do not (weights="dequantized", no kernels) they are dequantized once. Either
     way speculation gives plain decoding's tokens."""
-    from specdec.models import native
-    from specdec.models.block_weight import BlockWeight
+    from specdec import native
+    from specdec.models.gguf.block_weight import BlockWeight
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    write = gguf_helpers.write_tiny_gguf
+    write = write_tiny_gguf
     target = write(tmp_path / "target.gguf", kind="Q4_1", std=0.3)
     # the same random values in Q8_0: a different model, whose drafts are mostly accepted
     draft = write(tmp_path / "draft.gguf", kind="Q8_0", std=0.3)
@@ -203,11 +195,11 @@ def test_a_gguf_draft_model_keeps_no_fp32_copy(weights, tmp_path, monkeypatch):
     assert [o.token_ids for o in out] == plain
     assert sum(sum(o.metrics.accepted_by_depth) for o in out) > 0
     model = spec.engine.drafting.drafter.runner.model
-    assert model is not spec.engine.model
+    assert model is not spec.engine.parts.model
     lean = weights == "auto" and native.load() is not None
     assert all(isinstance(w, BlockWeight) == lean for w in [model.embed, *model.matrices()])
     if lean:  # every matrix runs from panels made of its blocks, none prepared from fp32
-        kernels = spec.engine.kernels
+        kernels = spec.engine.parts.kernels
         n = kernels.num_prepared
         assert all(kernels.prepared(w).fmt not in native.FORMATS.values()
                    for w in model.matrices())

@@ -35,9 +35,9 @@ def test_graphed_drafter_runners_keep_greedy_exact(target, flashinfer_api_model,
     capture = graph_everything(llm.engine)
     got = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     assert [o.token_ids for o in got] == want
-    drafter_graphs = llm.engine.drafter_runners[0].graphs
+    drafter_graphs = llm.engine.parts.drafter_runners[0].graphs
     assert drafter_graphs.num_graphs > 0  # the drafter's own steps went through graphs
     assert sum(g.replays for g in capture.graphs) > llm.engine.totals.steps
     assert all(o.metrics.draft_tokens_proposed > 0 for o in got)
-    for runner in [llm.engine.runner, *llm.engine.drafter_runners]:  # no page leaked
+    for runner in [llm.engine.parts.runner, *llm.engine.parts.drafter_runners]:  # no page leaked
         assert runner.kv.pool.num_free == runner.kv.pool.num_pages - len(runner.graphs.scratch)

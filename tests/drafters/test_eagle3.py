@@ -24,8 +24,11 @@ from drafter_helpers import (
 from specdec import LLM
 from specdec.attention.dense import DenseAttention
 from specdec.drafters.eagle3 import Eagle3Drafter
-from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.loader import load_model
+
+# tiny float64 models: on a shared 2-core machine a second OpenMP thread only waits on barriers
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +37,12 @@ def target4(tmp_path_factory):
     folder = make_tiny_model(tmp_path_factory.mktemp("l4"), num_hidden_layers=4, seed=4)
     model, cfg, hf = load_model(folder, torch.float64, "cpu", 512)
     return folder, model, cfg, hf
+
+
+@pytest.fixture(scope="module")
+def target16(tmp_path_factory):
+    """The sampling tests' 16-token target (drafter_helpers.sampling_target), built once."""
+    return sampling_target(tmp_path_factory.mktemp("v16"))
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
@@ -174,11 +183,11 @@ def test_bad_args(target4):
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "eagle3+draft_model"])
-def test_sampled_tokens_follow_the_target(tmp_path, drafter):
+def test_sampled_tokens_follow_the_target(target16, drafter):
     """Sampled decoding with eagle3 trees (deterministic drafts, the q = 1 rule), alone and merged
     with a sampled draft model's chains (their draft probabilities dropped by the merge): tokens 2
     and 3 follow the target's exact joint distribution (chi-square over a 16-token vocabulary)."""
-    folder, model, cfg, hf = sampling_target(tmp_path)
+    folder, model, cfg, hf = target16
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_target(cfg, 12, (1, 1, 1)), model.embed, hf)
     head.reset_parameters(0.5)
@@ -191,11 +200,11 @@ def test_sampled_tokens_follow_the_target(tmp_path, drafter):
 
 @pytest.mark.parametrize("drafter, controller", [("eagle3", "static"),
                                                  ("eagle3+ngram", "goodput")])
-def test_sampled_tokens_follow_the_target_with_q8_heads(tmp_path, drafter, controller):
+def test_sampled_tokens_follow_the_target_with_q8_heads(target16, drafter, controller):
     """float32 with the head's matrices in Q8_0 blocks (draft_weights), alone under a static
     budget and composed with ngram under goodput (members drafting apart): tokens 2 and 3 still
     follow the target's exact joint distribution."""
-    folder, *_ = sampling_target(tmp_path)
+    folder = target16[0]
     model, cfg, hf = load_model(folder, torch.float32, "cpu", 64)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.for_target(cfg, 12, (1, 1, 1)), model.embed, hf)
@@ -203,7 +212,7 @@ def test_sampled_tokens_follow_the_target_with_q8_heads(tmp_path, drafter, contr
     head.set_vocab(torch.arange(12))
     eagle = {"head": head, "depth": 2, "topk": 2}
     args = eagle if drafter == "eagle3" else {"eagle3": eagle, "ngram": {"min_ngram": 1}}
-    from specdec.engine.costs import StepCosts
+    from specdec.controllers.costs import StepCosts
 
     # goodput with an injected, frozen cost curve: a 1 s forward whatever its rows, so the
     # measured draft time (milliseconds on any machine) never decides; it drafts, picking

@@ -70,7 +70,7 @@ def _run(folder, drafter, args, page: int, caching: bool):
         outs += out.outputs
     assert [o.error for o in outs] == [None] * len(outs)
     assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages, "pages leaked"
-    for r in llm.engine.drafter_runners:
+    for r in llm.engine.parts.drafter_runners:
         assert r.kv.num_free_pages == r.kv.num_pages, f"drafter {r.name} leaked pages"
     return outs
 

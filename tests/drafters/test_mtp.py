@@ -18,8 +18,8 @@ from drafter_helpers import (
 from specdec import LLM
 from specdec.drafters.mtp import MTPDrafter
 from specdec.drafters.rank_tree import rank_paths
+from specdec.models.heads.mtp import MTPConfig, MTPHeads
 from specdec.models.loader import load_model
-from specdec.models.mtp import MTPConfig, MTPHeads
 
 
 @pytest.fixture(scope="module")

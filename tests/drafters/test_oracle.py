@@ -51,7 +51,7 @@ def _spec(folder, truth, error_rate: float, depth: int, budget: int, max_depth=N
 def _record(llm: LLM) -> list[tuple[str, int, int]]:
     """(request id, nodes proposed, nodes accepted) of every verify step with a draft, as the
     controller hears them (the drafter's on_verified does not hear a request's final step)."""
-    controller, seen = llm.engine.drafting.controller, []
+    controller, seen = llm.engine.controlling.controller, []
     observe = controller.observe
 
     def recording(report):

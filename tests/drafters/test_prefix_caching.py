@@ -75,11 +75,11 @@ def _run(folder, drafter, args, batch: int, caching: bool, plugins=(), params=No
     third = [first[0][:2 * PAGE] + [rng.randrange(90) for _ in range(5)] for _ in range(2)]
     outs3 = llm.generate(third, params)
     assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages, "pages leaked"
-    for r in llm.engine.drafter_runners:
+    for r in llm.engine.parts.drafter_runners:
         assert r.kv.num_free_pages == r.kv.num_pages, f"drafter {r.name} leaked pages"
     outs = outs1 + outs2 + outs3
-    if llm.engine.tier is not None:
-        assert llm.engine.tier.hits > 0, "nothing came back from the tier"
+    if llm.engine.parts.tier is not None:
+        assert llm.engine.parts.tier.hits > 0, "nothing came back from the tier"
     assert [o.error for o in outs] == [None] * len(outs)
     return outs
 
@@ -256,18 +256,16 @@ def test_hidden_layers_are_checked_at_start_up(target, monkeypatch, layers):
 
 
 class _KeepOff(StaticController):
-    """Static budgets; ``keep`` answers keep_drafting (None: the method is absent)."""
+    """Static budgets; ``keep`` answers keep_drafting (None: BaseController's default, as a
+    controller that does not write the method)."""
 
     name = "keepoff"
     keep: bool | None = False
     asked: list = []
 
-    def __getattribute__(self, name):
-        if name == "keep_drafting" and type(self).keep is None:
-            raise AttributeError(name)
-        return super().__getattribute__(name)
-
     def keep_drafting(self, request, recompute_tokens):
+        if type(self).keep is None:
+            return super().keep_drafting(request, recompute_tokens)
         type(self).asked.append((request.request_id, recompute_tokens))
         return type(self).keep
 
@@ -318,8 +316,8 @@ def test_a_hit_the_drafter_cannot_restore_is_reused_when_the_controller_keeps_it
 
 def test_goodput_keeps_drafting_while_drafting_pays():
     from specdec.controllers.base import RequestOutcome, RequestView, StepReport
+    from specdec.controllers.costs import StepCosts
     from specdec.controllers.goodput import GoodputController
-    from specdec.engine.costs import StepCosts
 
     costs = StepCosts([1, 2, 4, 8, 16], [0.004, 0.0045, 0.0055, 0.0075, 0.0115])
     view = RequestView("new", 50, 0, 0, 0, (), 0, 0)
@@ -338,7 +336,7 @@ def test_a_request_kept_idle_drops_its_drafter_state_when_the_controller_says_so
     """Budget 0 at a decode step: keep_drafting is asked (nothing to recompute), and every 32
     idle steps after; False drops the request's drafter state (its pages back, no layers
     captured, no on_verified), True keeps it; the tokens are the same either way."""
-    from specdec.engine import draft_stage
+    from specdec.engine.drafting.controller_stage import IDLE_CHECK
 
     monkeypatch.setattr(_KeepOff, "keep", keep)
     monkeypatch.setattr(_KeepOff, "asked", [])
@@ -349,22 +347,22 @@ def test_a_request_kept_idle_drops_its_drafter_state_when_the_controller_says_so
               drafter_args={"head": random_head(target[1], target[2], target[3]), "depth": 2},
               controller="keepoff", controller_args={"budget": 0}, page_size=PAGE,
               plugins=(_KeepOffPlugin(),))
-    original = llm.engine.runner.forward
-    monkeypatch.setattr(llm.engine.runner, "forward", lambda batch, layers=(): (
+    original = llm.engine.parts.runner.forward
+    monkeypatch.setattr(llm.engine.parts.runner, "forward", lambda batch, layers=(): (
         captured.append(layers), original(batch, layers))[1])
     out = llm.generate([[3, 1, 4, 1, 5, 9, 2, 6]], params)[0]
     plain = LLM(model=str(folder), dtype="float64").generate([[3, 1, 4, 1, 5, 9, 2, 6]], params)[0]
     assert out.token_ids == plain.token_ids
     # asked at the first idle decode step, then every IDLE_CHECK while kept (79 idle steps)
     assert [n for _, n in _KeepOff.asked] == ([0] if not keep else
-                                              [0] * (1 + 79 // draft_stage.IDLE_CHECK))
+                                              [0] * (1 + 79 // IDLE_CHECK))
     steps_with_layers = sum(1 for layers in captured if layers)
     if keep:
         assert steps_with_layers == len(captured)
     else:  # the prefill step only: the first decode step asks before its forward
         assert steps_with_layers == 1 < len(captured)
     assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
-    for r in llm.engine.drafter_runners:
+    for r in llm.engine.parts.drafter_runners:
         assert r.kv.num_free_pages == r.kv.num_pages
 
 
@@ -407,9 +405,8 @@ def test_a_request_that_drafted_then_drops_its_state_stays_lossless(target, temp
     want = LLM(model=str(folder), dtype="float64").generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(o.metrics.draft_tokens_proposed > 0 for o in got)
-    assert llm.engine.drafting.undrafted == set() and llm.engine.drafting.idle == {}
     assert llm.engine.kv.num_free_pages == llm.engine.kv.num_pages
-    for r in llm.engine.drafter_runners:
+    for r in llm.engine.parts.drafter_runners:
         assert r.kv.num_free_pages == r.kv.num_pages
 
 
@@ -436,4 +433,4 @@ def test_a_controller_failing_in_keep_drafting_is_reported_and_the_prefix_recomp
     assert [o.error for o in outs] == [None, None]
     assert all(o.metrics.draft_tokens_proposed > 0 for o in outs)  # still drafting
     assert any("keep_drafting must return a bool" in e or "controller bug" in e
-               for e in llm.engine.drafting.errors + llm.engine.plugin_errors)
+               for e in llm.engine.plugin_errors)

@@ -22,10 +22,9 @@ from drafter_helpers import (
 )
 from suffix_helpers import propose
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, native
 from specdec.drafters.base import TokenView, VerifiedBatch, VerifiedRequest
 from specdec.drafters.suffix import SuffixDrafter
-from specdec.models import native
 from specdec.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

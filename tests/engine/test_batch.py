@@ -8,7 +8,7 @@ import torch
 from specdec.engine.batch import build_forward_batch
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import StepRequest
-from specdec.kv.block_table import KVCacheManager, slot_of
+from specdec.kv.block_table import TableAllocator, slot_of
 from specdec.kv.page_pool import PagePool
 from specdec.sampling_params import SamplingParams
 from specdec.tree import DraftTree, causal_mask
@@ -16,7 +16,7 @@ from specdec.tree import DraftTree, causal_mask
 PAGE = 4
 
 
-def record(kv: KVCacheManager, tokens: list[int], computed: int, fed: int,
+def record(kv: TableAllocator, tokens: list[int], computed: int, fed: int,
            tree: DraftTree | None = None) -> StepRequest:
     seq = Sequence(str(tokens[0]), tokens, SamplingParams(temperature=0), None)
     seq.num_computed = computed
@@ -43,7 +43,7 @@ def oracle_mask(rec: StepRequest) -> torch.Tensor:
 
 
 def test_rows_offsets_positions_slots_and_masks():
-    kv = KVCacheManager(PagePool(32), PAGE)
+    kv = TableAllocator(PagePool(32), PAGE)
     chunk = record(kv, list(range(100, 110)), 0, 5)  # a prefill chunk short of its frontier
     tree = DraftTree(torch.tensor([7, 8, 9]), torch.tensor([-1, -1, 0]))
     decode = record(kv, list(range(200, 210)), 9, 1, tree)
@@ -76,7 +76,7 @@ def test_rows_offsets_positions_slots_and_masks():
 
 def test_frontier_rows_line_up_with_the_verifier_layout():
     """logits_start + 1 + i is node i's logits row; the records' rows tile the batch."""
-    kv = KVCacheManager(PagePool(32), PAGE)
+    kv = TableAllocator(PagePool(32), PAGE)
     trees = [DraftTree.chain([1, 2, 3]), None, DraftTree(torch.tensor([4, 5]),
                                                          torch.tensor([-1, -1]))]
     records = [record(kv, [10 + i] * (6 + i), 5 + i, 1, t) for i, t in enumerate(trees)]

@@ -232,7 +232,7 @@ def test_greedy_speculation_through_graphs_equals_plain(tiny_llama, flashinfer_a
         assert [o.token_ids for o in got] == want
         # every step fits a shape (at most 8 requests, 64 rows): every forward was a replay
         assert sum(g.replays for g in capture.graphs) == llm.engine.totals.steps > 8
-        for runner in [llm.engine.runner, *llm.engine.drafter_runners]:  # no page leaked
+        for runner in [llm.engine.parts.runner, *llm.engine.parts.drafter_runners]:  # no page leaked
             pool = runner.kv.pool
             assert pool.num_free == pool.num_pages - len(runner.graphs.scratch)
         kind = llm.engine.totals.budget["speculative" if drafter else "plain"]

@@ -112,10 +112,10 @@ def test_close_lets_another_engine_open_the_tier(tiny_llama, tmp_path):
             first.generate([[10 * k + 50 + i % 7 for i in range(40)]], params)
         with pytest.raises(ValueError, match=r"kv\.tier.*in use.*LLM\.close\(\)"):
             LLM(**kw)
-        assert len(first.engine.tier) > 0
+        assert len(first.engine.parts.tier) > 0
     second = LLM(**kw)
     out = second.generate([prompt], params)[0]
-    assert out.token_ids == want and second.engine.tier.hits > 0
+    assert out.token_ids == want and second.engine.parts.tier.hits > 0
     second.close()
     second.close()  # twice is fine
 
@@ -140,13 +140,13 @@ def test_a_step_that_raises_leaves_no_request_and_no_page(tiny_llama, tmp_path, 
     def disk_full(key, page):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(llm.engine.tier, "put", disk_full)
+    monkeypatch.setattr(llm.engine.parts.tier, "put", disk_full)
     with pytest.raises(OSError, match="No space left"):
         llm.generate([SECOND], TIERED)
     assert nothing_queued(llm)
     monkeypatch.undo()
     assert len(llm.generate([SECOND], TIERED)[0].token_ids) == 4 and nothing_queued(llm)
-    assert llm.engine.tier.stores > 0
+    assert llm.engine.parts.tier.stores > 0
     llm.close()
 
 
@@ -158,7 +158,7 @@ def test_a_closed_engine_refuses_new_work_and_holds_nothing(tiny_llama, tmp_path
     llm.generate([FIRST], TIERED)
     running = llm.stream([SECOND], TIERED)
     assert not next(running).finished  # still running when the engine closes
-    assert llm.engine.tier.stores > 0  # the second request evicted the first one's pages
+    assert llm.engine.parts.tier.stores > 0  # the second request evicted the first one's pages
     llm.close()
     assert nothing_queued(llm)
     closed = r"this LLM was closed.*make a new one"

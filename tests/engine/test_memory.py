@@ -49,10 +49,10 @@ def test_engine_splits_one_budget_between_target_and_early_exit_drafter(tiny_lla
               drafter_args={"early_exit_layers": 1}, page_size=4, max_model_len=64,
               kv_cache_memory=300_000)
     eng = llm.engine
-    target, (drafter,) = eng.runner, eng.drafter_runners
+    target, (drafter,) = eng.parts.runner, eng.parts.drafter_runners
     assert drafter.num_layers == 1 and target.num_layers == 2
     assert drafter.bytes_per_page * 2 == target.bytes_per_page
-    split = eng.kv_split
+    split = eng.parts.kv_split
     assert [s.name for s in split.shares] == ["target", f"drafter {drafter.name}"]
     assert split.num_pages == 300_000 // (target.bytes_per_page + drafter.bytes_per_page)
     assert target.kv.num_pages == drafter.kv.num_pages == split.num_pages
@@ -63,10 +63,10 @@ def test_engine_splits_one_budget_between_target_and_early_exit_drafter(tiny_lla
 def test_engine_without_drafter_has_one_share(tiny_llama):
     eng = LLM(model=str(tiny_llama), dtype="float32", page_size=4, max_model_len=32,
               max_num_seqs=3).engine
-    (share,) = eng.kv_split.shares
-    assert share.name == "target" and eng.drafter_runners == []
-    one = eng.runner.bytes_per_page // 4 * 32  # bytes of one max_model_len request
-    assert share.bytes <= 3 * one and eng.kv_split.num_tokens >= 32
+    (share,) = eng.parts.kv_split.shares
+    assert share.name == "target" and eng.parts.drafter_runners == []
+    one = eng.parts.runner.bytes_per_page // 4 * 32  # bytes of one max_model_len request
+    assert share.bytes <= 3 * one and eng.parts.kv_split.num_tokens >= 32
 
 
 def test_engine_budget_too_small_names_target_and_drafter(tiny_llama):

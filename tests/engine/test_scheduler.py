@@ -9,7 +9,7 @@ import pytest
 from specdec.controllers.base import BatchComposition, DraftBudget
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence, SequenceStatus
-from specdec.kv.block_table import KVCacheManager
+from specdec.kv.block_table import TableAllocator
 from specdec.kv.page_pool import PagePool
 from specdec.sampling_params import SamplingParams
 
@@ -18,7 +18,7 @@ GREEDY = SamplingParams(temperature=0)
 
 def make(num_pages: int = 64, page_size: int = 4, max_num_seqs: int = 8,
          max_tokens: int = 64) -> Scheduler:
-    return Scheduler(KVCacheManager(PagePool(num_pages), page_size), max_num_seqs, max_tokens)
+    return Scheduler(TableAllocator(PagePool(num_pages), page_size), max_num_seqs, max_tokens)
 
 
 def add(sched: Scheduler, name: str, prompt_len: int) -> Sequence:
@@ -33,9 +33,9 @@ class Budgets:
     def __init__(self, ask: int | list[int] = 0, max_depth: int | None = None):
         self.ask, self.max_depth, self.calls = ask, max_depth, []
 
-    def __call__(self, seqs: list[Sequence], batch: BatchComposition) -> list[DraftBudget]:
-        self.calls.append(([s.request_id for s in seqs], batch))
-        asks = self.ask if isinstance(self.ask, list) else [self.ask] * len(seqs)
+    def __call__(self, records: list, batch: BatchComposition) -> list[DraftBudget]:
+        self.calls.append(([r.seq.request_id for r in records], batch))
+        asks = self.ask if isinstance(self.ask, list) else [self.ask] * len(records)
         return [DraftBudget(a, self.max_depth) for a in asks]
 
 
@@ -225,7 +225,7 @@ def test_stale_in_flight_pages_are_dropped_without_breaking_the_walk():
     """Past 4 x free pages + 1024 entries, admitting a request drops the in-flight pages of
     requests no longer running (regression: the walk deleted entries of the dict it walked,
     RuntimeError mid-regeneration after ~8,000 requests)."""
-    sched = Scheduler(KVCacheManager(PagePool(8), 4), 8, 64, prefix_caching=True)
+    sched = Scheduler(TableAllocator(PagePool(8), 4), 8, 64, prefix_caching=True)
     gone = Sequence("gone", [1, 2, 3], GREEDY, None)
     gone.status = SequenceStatus.FINISHED
     live = Sequence("live", [1, 2, 3], GREEDY, None)

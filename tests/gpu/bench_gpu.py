@@ -149,15 +149,15 @@ def plain_decode(folder: Path, batches: list[int], tokens: int) -> dict:
     graphs = _llm(folder, max_num_seqs=max(32, *batches))
     res["engine_start_s"] = round(time.perf_counter() - t0, 1)
     res["engine_start_by_stage_s"] = graphs.engine.parts.build_seconds
-    res["backend"] = graphs.engine.runner.backend.name
-    res["linear_kernels"] = getattr(graphs.engine.kernels, "key", "")
-    res["graphs_enabled"] = graphs.engine.runner.graphs is not None
+    res["backend"] = graphs.engine.parts.runner.backend.name
+    res["linear_kernels"] = getattr(graphs.engine.parts.kernels, "key", "")
+    res["graphs_enabled"] = graphs.engine.parts.runner.graphs is not None
     for b in batches:
         steps: dict = {}
         tps, _ = _timed_generate(graphs, _prompts(b, vocab, seed=b), tokens, steps)
         res[f"graphs_b{b}_tok_s"] = round(tps, 1)
         res[f"graphs_b{b}_steps"] = steps
-    res["graphs_captured"] = graphs.engine.runner.graphs.num_graphs if res["graphs_enabled"] else 0
+    res["graphs_captured"] = graphs.engine.parts.runner.graphs.num_graphs if res["graphs_enabled"] else 0
     _free(graphs)
     del graphs
     for name, kw in (("eager", dict(cuda_graphs=False)), ("fast", FAST)):
@@ -166,7 +166,7 @@ def plain_decode(folder: Path, batches: list[int], tokens: int) -> dict:
         tps, _ = _timed_generate(llm, _prompts(1, vocab, seed=1), tokens, steps)
         res[f"{name}_b1_tok_s"] = round(tps, 1)
         res[f"{name}_b1_steps"] = steps
-        res[f"{name}_backend"] = llm.engine.runner.backend.name
+        res[f"{name}_backend"] = llm.engine.parts.runner.backend.name
         del llm
         _free()
     if res.get("eager_b1_tok_s"):
@@ -243,13 +243,13 @@ def step_costs(folder: Path, batches: list[int]) -> dict:
     """T(rows per request, batch): ms of one target forward (logits for every row, as in
     verification) of `batch` requests over 256 cached tokens each feeding `rows` rows (a decode
     row plus a chain of rows - 1 draft nodes), CUDA graphs; eager beside it at batch 1. Also the
-    batch-1 profile the goodput controller itself takes (engine.step_costs)."""
+    batch-1 profile the goodput controller itself takes (engine.parts.step_costs)."""
     from specdec.kv.block_table import BlockTable
     from specdec.tree import DraftTree, step_mask
 
     llm = _llm(folder, max_num_seqs=max(32, *batches))
     engine = llm.engine
-    runner, vocab, ctx = engine.runner, _vocab(folder), 256
+    runner, vocab, ctx = engine.parts.runner, _vocab(folder), 256
     table: dict = {}
     g = torch.Generator().manual_seed(0)
     for b in batches:
@@ -278,7 +278,7 @@ def step_costs(folder: Path, batches: list[int]) -> dict:
                 runner.graphs = saved
         for t in tables:
             runner.kv.release(t)
-    costs = engine.step_costs()
+    costs = engine.parts.step_costs()
     table["controller_profile_b1"] = costs.to_dict()
     return table
 

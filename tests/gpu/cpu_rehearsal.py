@@ -48,6 +48,7 @@ def _install() -> None:
     from specdec.attention import flashinfer_backend
     from specdec.config import DTYPES, EngineConfig
     from specdec.engine import build, cuda_graphs, runner
+    from specdec.models import weights
 
     sys.modules["flashinfer"] = flashinfer_api_model.module()
     flashinfer_backend.check_supported = lambda spec: None
@@ -65,7 +66,7 @@ def _install() -> None:
         self.graphs = cuda_graphs.CudaGraphRunner(self, max_batch, max_rows, max_kv_len,
                                                   capture=RerunCapture())
 
-    def layer_ops(parts, models):  # the decoders' CUDA forward (torch ops on the CPU)
+    def layer_ops(models, device):  # the decoders' CUDA forward (torch ops on the CPU)
         for m in models:
             if hasattr(m, "layer_ops"):
                 m.layer_ops = True
@@ -80,7 +81,7 @@ def _install() -> None:
     attention.resolve_backend = resolve
     runner.ModelRunner.enable_cuda_graphs = enable_runner
     build._graphed_runners = graphed_runners
-    build._install_layer_ops = layer_ops
+    weights.install_layer_ops = layer_ops
     EngineConfig.torch_dtype = property(
         lambda self: torch.bfloat16 if self.dtype == "auto" else DTYPES[self.dtype])
 

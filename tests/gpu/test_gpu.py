@@ -53,17 +53,17 @@ def test_smoke_llm_starts_on_the_device_and_decodes(tmp_path, device):
     got = [o.token_ids for o in spec.generate(prompts, params)]
     assert all(len(w) == 12 for w in want)
     budget = spec.engine.totals.budget.get("speculative")
-    REPORT.add("smoke", device=name, backend=spec.engine.runner.backend.name,
+    REPORT.add("smoke", device=name, backend=spec.engine.parts.runner.backend.name,
                token_match=_match_rate(got, want),
                spec_graphed=budget and budget.graphed_steps,
                spec_eager=budget and budget.eager_steps)
-    if spec.engine.runner.graphs is not None and budget is not None:
+    if spec.engine.parts.runner.graphs is not None and budget is not None:
         assert budget.eager_steps == 0, budget
     if DEV.type == "cuda":  # row-invariant by default: the Triton kernels where triton imports
         from specdec.kernels import triton_available
 
         want = "invariant" if triton_available() else "flashinfer"
-        assert spec.engine.runner.backend.name == want
+        assert spec.engine.parts.runner.backend.name == want
 
 
 def _reference(step, cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,7 +333,7 @@ def test_host_tier_serves_evicted_pages_with_the_same_tokens(gpu_model):
                                       **kw).generate(prompts * 2, _greedy())]
     llm = _llm(gpu_model, kv_host_tier_bytes=64 << 20, **kw)
     got = [llm.generate(p, _greedy())[0].token_ids for p in prompts * 2]
-    tier = llm.engine.tier
+    tier = llm.engine.parts.tier
     REPORT.add("host_tier", hits=tier.hits, stores=tier.stores)
     assert got == want
     assert tier.hits > 0 and tier.stores > 0
@@ -350,7 +350,7 @@ def _random_head(folder, dtype):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafters"))
     from drafter_helpers import random_head
 
-    from specdec.models.config import resolve_dtype
+    from specdec.models.decoder.config import resolve_dtype
     from specdec.models.loader import load_model
 
     return random_head(*load_model(folder, resolve_dtype(dtype), DEV, 512))
@@ -366,11 +366,11 @@ def test_eagle3_head_runs_in_cuda_graphs(gpu_model):
                 drafter_args={"head": _random_head(gpu_model, "bfloat16"), "depth": 3,
                               "topk": 2})
     got = spec.generate(prompts, _greedy())
-    head_runner = spec.engine.drafter_runners[0]
+    head_runner = spec.engine.parts.drafter_runners[0]
     rate = _match_rate([o.token_ids for o in got], want)
     REPORT.add("eagle3_bf16_graphs", token_match_rate=rate,
                head_graphs=head_runner.graphs.num_graphs,
-               target_graphs=spec.engine.runner.graphs.num_graphs)
+               target_graphs=spec.engine.parts.runner.graphs.num_graphs)
     assert head_runner.graphs is not None and head_runner.graphs.num_graphs > 0
     assert rate > 0.5
 
@@ -393,7 +393,7 @@ def test_greedy_speculation_bf16_equals_plain_where_invariant(smollm2_shape, mod
     prompts = _prompts(8, SHAPES["smollm2-135m"]["vocab_size"])
     kw = dict(cuda_graphs=graphs, **MODES[mode])
     plain = _llm(smollm2_shape, **kw)
-    assert (plain.engine.runner.graphs is not None) == graphs
+    assert (plain.engine.parts.runner.graphs is not None) == graphs
     want = [o.token_ids for o in plain.generate(prompts, _greedy(48))]
     truth = {tuple(p): w for p, w in zip(prompts, want)}
     spec = _llm(smollm2_shape, drafter="oracle", plugins=(oracle_plugin(truth, 0.2, depth=4),),

@@ -28,8 +28,8 @@ def next_logits(llm: LLM, seq) -> torch.Tensor:
     eng = llm.engine
     req = StepRequest(seq, seq.num_tokens - seq.num_computed)
     eng.kv.reserve(seq.block_table, seq.num_tokens)
-    batch = build_forward_batch([req], eng.config.page_size, eng.device)
-    return eng.runner.forward(batch).logits[-1]
+    batch = build_forward_batch([req], eng.config.page_size, eng.parts.device)
+    return eng.parts.runner.forward(batch).logits[-1]
 
 
 def test_kv_and_next_logits_after_tree_acceptance(tiny_llama, monkeypatch):
@@ -65,6 +65,6 @@ def _prefill_all_but_last(llm: LLM, seq) -> torch.Tensor:
     eng.scheduler.waiting.remove(seq)
     eng.kv.reserve(seq.block_table, seq.num_tokens)
     req = StepRequest(seq, seq.num_tokens)
-    logits = eng.runner.forward(build_forward_batch([req], eng.config.page_size, eng.device)).logits
+    logits = eng.parts.runner.forward(build_forward_batch([req], eng.config.page_size, eng.parts.device)).logits
     seq.num_computed = seq.num_tokens
     return logits[-1]

@@ -16,7 +16,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specdec.kv.block_table import BlockTable, KVCacheManager
+from specdec.kv.block_table import BlockTable, TableAllocator
 from specdec.kv.page_pool import OutOfPagesError, PagePool
 
 # ---------------------------------------------------------------- unit tests
@@ -92,7 +92,7 @@ def test_double_free_is_value_error_and_changes_nothing():
 
 
 def test_slot_ids_hand_built():
-    mgr = KVCacheManager(PagePool(10), page_size=4)
+    mgr = TableAllocator(PagePool(10), page_size=4)
     table = BlockTable(pages=[7, 2], num_slots=6)
     assert mgr.slot_ids(table, 0, 6).tolist() == [28, 29, 30, 31, 8, 9]
     assert mgr.slot_ids(table, 2, 6).tolist() == [30, 31, 8, 9]
@@ -105,14 +105,14 @@ def test_slot_ids_hand_built():
 
 @pytest.mark.parametrize("start,end", [(0, 300), (5, 200), (17, 18), (63, 64), (100, 400)])
 def test_slot_ids_long_path_matches_reference(start, end):
-    mgr = KVCacheManager(PagePool(200), page_size=16)
+    mgr = TableAllocator(PagePool(200), page_size=16)
     table = BlockTable(pages=list(range(199, 199 - 25, -1)), num_slots=400)
     ref = [table.pages[i // 16] * 16 + i % 16 for i in range(start, end)]
     assert mgr.slot_ids(table, start, end).tolist() == ref
 
 
 def test_reserve_truncate_release():
-    mgr = KVCacheManager(PagePool(5), page_size=4)
+    mgr = TableAllocator(PagePool(5), page_size=4)
     t = BlockTable(pages=[])
     mgr.reserve(t, 5)
     assert len(t.pages) == 2 and t.num_slots == 5
@@ -131,7 +131,7 @@ def test_reserve_truncate_release():
 
 
 def test_fork_and_make_writable():
-    mgr = KVCacheManager(PagePool(8), page_size=4)
+    mgr = TableAllocator(PagePool(8), page_size=4)
     a = BlockTable(pages=[])
     mgr.reserve(a, 10)  # 3 pages
     b = mgr.fork(a)
@@ -147,7 +147,7 @@ def test_fork_and_make_writable():
 
 
 def test_make_writable_is_atomic_when_out_of_pages():
-    mgr = KVCacheManager(PagePool(4), page_size=2)
+    mgr = TableAllocator(PagePool(4), page_size=2)
     a = BlockTable(pages=[])
     mgr.reserve(a, 6)
     b = mgr.fork(a)
@@ -169,7 +169,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(num_pages=st.integers(1, 12), page_size=st.integers(1, 4))
     def setup(self, num_pages, page_size):
-        self.mgr = KVCacheManager(PagePool(num_pages), page_size)
+        self.mgr = TableAllocator(PagePool(num_pages), page_size)
         self.tables: dict[int, BlockTable] = {}
         self.slots: dict[int, int] = {}
         self.expect_pages: dict[int, list[int]] = {}

@@ -45,7 +45,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from specdec.kv.block_table import BlockTable, KVCacheManager
+from specdec.kv.block_table import BlockTable, TableAllocator
 from specdec.kv.page_pool import OutOfPagesError, PagePool
 from specdec.kv.prefix import extend_keys, root_key
 
@@ -80,7 +80,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @initialize(num_pages=st.integers(6, 12), page_size=st.integers(2, 4))
     def setup(self, num_pages, page_size):
         self.pool = PagePool(num_pages)
-        self.kv = KVCacheManager(self.pool, page_size)
+        self.kv = TableAllocator(self.pool, page_size)
         self.ps = page_size
         self.root = root_key("test-model")
         self.content: dict[int, list] = {p: [None] * page_size for p in range(num_pages)}

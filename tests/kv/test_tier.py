@@ -134,7 +134,7 @@ def test_pages_evicted_to_the_tier_come_back_with_the_same_tokens(tiny_llama, tm
     want = two_passes(LLM(enable_prefix_caching=False, **common))
     llm = LLM(kv_tier_path=str(tmp_path / "kv.tier"), **common)
     assert two_passes(llm) == want
-    tier = llm.engine.tier
+    tier = llm.engine.parts.tier
     assert tier.stores > 0 and tier.hits > 0 and llm.engine.totals.tier_hits == tier.hits
     assert llm.engine.kv.num_free_pages == 12
 
@@ -362,7 +362,7 @@ def test_the_fingerprint_follows_the_weight_files_bytes_size_and_mtime(tmp_path)
 def test_the_derived_panel_caches_are_the_ones_the_fingerprint_leaves_out():
     """Earlier versions cached panels beside a GGUF; a folder may still hold them."""
     from specdec.kv.fingerprint import DERIVED_PREFIX
-    from specdec.models.gguf_weights import LEGACY_CACHE_NAMES
+    from specdec.models.gguf.weights import LEGACY_CACHE_NAMES
 
     assert all(name.startswith(DERIVED_PREFIX) for name in LEGACY_CACHE_NAMES.values())
 
@@ -383,12 +383,12 @@ def test_an_engine_restarted_after_its_weights_changed_serves_nothing_from_the_t
 
     first = LLM(**common)
     old = run(first)
-    assert first.engine.tier.stores > 0
-    first.engine.tier.close()
+    assert first.engine.parts.tier.stores > 0
+    first.engine.parts.tier.close()
     make_tiny_model(folder, "llama", seed=1)  # same files, same sizes, other weights
     want = run(LLM(**{**common, "kv_tier_path": None, "enable_prefix_caching": False}))
     assert want != old, "the other weights must give other tokens for this test to mean much"
     again = LLM(**common)
     assert run(again) == want
-    assert again.engine.tier.hits == 0 and again.engine.totals.tier_hits == 0
-    assert len(again.engine.tier) > 0  # it did store the new pages
+    assert again.engine.parts.tier.hits == 0 and again.engine.totals.tier_hits == 0
+    assert len(again.engine.parts.tier) > 0  # it did store the new pages

@@ -13,8 +13,7 @@ import torch
 from conftest import oracle_plugin
 from logits_helpers import byte_model_fixture
 
-from specdec import LLM, SamplingParams
-from specdec.models import native
+from specdec import LLM, SamplingParams, native
 from specdec.sampling_params import StructuredOutputs
 
 byte_model = byte_model_fixture()

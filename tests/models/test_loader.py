@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from specdec.models import aliases
 from specdec.models.aliases import ALIASES, alias_folder, cache_dir, convert_gguf
-from specdec.models.config import SUPPORTED_MODEL_TYPES
+from specdec.models.decoder.config import SUPPORTED_MODEL_TYPES
 from specdec.models.loader import load_model, resolve_model_path
 
 F32 = torch.float32

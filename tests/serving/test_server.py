@@ -23,6 +23,10 @@ KEY = "test-key"
 CHAT = [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]
 
 
+# the tests of the served fixture run on one xdist worker (--dist loadgroup): it is built once
+on_one_worker = pytest.mark.xdist_group("server_served")
+
+
 @pytest.fixture(scope="module")
 def served(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), max_model_len=256)
@@ -44,6 +48,7 @@ def client(served):
     return OpenAI(base_url=served[2].url + "/v1", api_key=KEY, max_retries=0)
 
 
+@on_one_worker
 def test_chat_and_completion_equal_the_engine_streamed_or_not(served, client):
     llm = served[0]
     want, want_completion = llm.reference  # LLM.generate's, before the server started
@@ -62,6 +67,7 @@ def test_chat_and_completion_equal_the_engine_streamed_or_not(served, client):
     assert comp.choices[0].text == want_completion
 
 
+@on_one_worker
 def test_n_samples_stop_strings_and_seeds(client):
     stop = client.chat.completions.create(model="smollm2", messages=CHAT, max_tokens=60,
                                           temperature=0, stop=["\n7. 7"])
@@ -76,6 +82,7 @@ def test_n_samples_stop_strings_and_seeds(client):
     assert len({c.message.content for c in a.choices}) > 1
 
 
+@on_one_worker
 def test_concurrent_streams_with_aborts_leak_nothing(served):
     llm, loop, server = served
     headers = {"Authorization": f"Bearer {KEY}"}
@@ -128,6 +135,7 @@ def test_concurrent_streams_with_aborts_leak_nothing(served):
     (b'{"model": "smollm2", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}',
      413, None),
 ])
+@on_one_worker
 def test_bad_input_is_an_openai_error_naming_the_field(served, body, status, field):
     r = httpx.post(served[2].url + "/v1/chat/completions", content=body, timeout=30,
                    headers={"Authorization": f"Bearer {KEY}",
@@ -137,6 +145,7 @@ def test_bad_input_is_an_openai_error_naming_the_field(served, body, status, fie
     assert err["message"] and err["param"] == field
 
 
+@on_one_worker
 def test_prompt_over_max_model_len_auth_health_models_metrics(served):
     url, auth = served[2].url, {"Authorization": f"Bearer {KEY}"}
     long = {"model": "smollm2", "prompt": list(range(1, 300)), "max_tokens": 4}
@@ -172,6 +181,7 @@ def test_a_full_queue_answers_503_with_retry_after(smollm2_dir):
         loop.shutdown()
 
 
+@on_one_worker
 def test_bench_serve_load_measures_every_request(served):
     """The load generator's figures on a short run: every request counted, each token once."""
     import asyncio

@@ -29,16 +29,16 @@ from loader_replays import (
 )
 from safetensors.torch import load_file, save_file
 
-from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
-from specdec.models.block_diffusion_io import save_block_diffusion
-from specdec.models.checkpoint import rope_json
-from specdec.models.eagle3 import Eagle3Config, Eagle3Head
-from specdec.models.eagle3_io import save_eagle3, vocab_ids
-from specdec.models.export_formats import check_formats
-from specdec.models.export_formats import loads as format_loads
+from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.heads.block_diffusion_io import save_block_diffusion
+from specdec.models.heads.checkpoint import rope_json
+from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.heads.eagle3_io import save_eagle3, vocab_ids
+from specdec.models.heads.export_formats import check_formats
+from specdec.models.heads.export_formats import loads as format_loads
+from specdec.models.heads.mtp import MTPConfig, MTPHeads
+from specdec.models.heads.mtp_io import save_mtp
 from specdec.models.loader import load_model
-from specdec.models.mtp import MTPConfig, MTPHeads
-from specdec.models.mtp_io import save_mtp
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 LAYERS, VD, CUSTOM_AUX = 8, 32, (3, 5, 6)  # default aux ids for 8 layers: (2, 4, 5)

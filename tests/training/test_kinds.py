@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from conftest import make_tiny_model
 
 from specdec import LLM, SamplingParams
-from specdec.models.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
+from specdec.models.heads.mtp import MTPConfig, MTPHeads
 from specdec.models.loader import load_model
-from specdec.models.mtp import MTPConfig, MTPHeads
 from specdec.training.block_loss import _labels, block_forward, block_loss
 from specdec.training.config import TrainConfig
 from specdec.training.mtp_loss import mtp_loss
@@ -32,6 +32,7 @@ def test_smoke_run_lowers_loss_and_drafts_well(kind, chat_target, prompts_file, 
     out = tmp_path / kind
     config = TrainConfig(kind=kind, target=chat_target, data=[str(prompts_file)], out=str(out),
                          regenerate=True, regen_max_tokens=24, draft_vocab_size=24,
+                         regen_batch_size=4,  # (the KV zeroed at start: test_trainer._config)
                          max_length=64, batch_size=4, warmup_ratio=0.0, max_grad_norm=1.0,
                          holdout=2, eval_max_tokens=16, eval_budget=4, checkpoint_every=500,
                          calibration_examples=4, **KIND_ARGS[kind])

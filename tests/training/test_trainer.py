@@ -11,15 +11,18 @@ import torch
 from safetensors.torch import load_file
 
 from specdec import LLM, SamplingParams
-from specdec.models.eagle3_io import read_eagle3_config
+from specdec.models.heads.eagle3_io import read_eagle3_config
 from specdec.training.config import TrainConfig
 from specdec.training.trainer import train
 
 
 def _config(target, data, out, **kw) -> TrainConfig:
+    # regen_batch_size 4: the regeneration engine's KV budget is 64 MiB a request, zeroed at
+    # start (16: 1 GiB, ~0.8 s a train() here); greedy answers, the same file bitwise
     base = dict(target=target, data=[str(data)], out=str(out), regenerate=True,
-                regen_max_tokens=24, aux_layer_ids=[1, 1, 1], draft_vocab_size=24,
-                max_length=64, ttt_steps=3, batch_size=4, learning_rate=3e-3, warmup_ratio=0.0,
+                regen_max_tokens=24, regen_batch_size=4, aux_layer_ids=[1, 1, 1],
+                draft_vocab_size=24, max_length=64, ttt_steps=3, batch_size=4,
+                learning_rate=3e-3, warmup_ratio=0.0,
                 max_grad_norm=1.0, holdout=4, eval_max_tokens=24, eval_budget=6,
                 checkpoint_every=50)
     base.update(kw)
@@ -28,7 +31,9 @@ def _config(target, data, out, **kw) -> TrainConfig:
 
 def test_train_lowers_loss_and_drafts_well(chat_target, prompts_file, tmp_path):
     out = tmp_path / "run"
-    report = train(_config(chat_target, prompts_file, out, epochs=40))
+    # 20 epochs (100 steps): the loss drops 0.41-0.45 (seeds 0-3; 0.49-0.55 at 40 epochs, 0.34
+    # at 10, 0.23 after 5 steps), top1_0 0.71-0.83, tau 2.1-2.3 (1.9 after 5 steps)
+    report = train(_config(chat_target, prompts_file, out, epochs=20))
     drafter = out / "drafter"
     raw = read_eagle3_config(drafter)
     assert raw["architectures"] == ["LlamaForCausalLMEagle3"] and raw["draft_vocab_size"] == 24
@@ -44,7 +49,7 @@ def test_train_lowers_loss_and_drafts_well(chat_target, prompts_file, tmp_path):
     taus = [o.metrics.tau for o in outs if o.metrics.tau is not None]
     assert sum(taus) / len(taus) > 1.5, taus
     train_metrics = json.loads((drafter / "config.json").read_text())["specdec"]["train"]
-    assert train_metrics["steps"] == 40 * 5
+    assert train_metrics["steps"] == 20 * 5
     # the soft cross-entropy cannot go below the teacher's entropy: a clear drop, and the
     # first TTT step's argmax agrees with the target's most of the time
     assert train_metrics["loss"] < train_metrics["first_loss"] - 0.3

@@ -7,7 +7,7 @@ import torch
 from conftest import make_tiny_model
 
 from specdec.attention.dense import DenseAttention
-from specdec.models.eagle3 import Eagle3Config, Eagle3Head
+from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdec.models.loader import load_model
 from specdec.training.ttt import TTTAttention, target_batch, ttt_loss
 

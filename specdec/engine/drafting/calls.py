@@ -1,0 +1,57 @@
+"""A drafter call for many requests whose failure stays with the requests it concerns.
+
+``isolate(call, items, check, replay_safe)`` runs ``call(items)`` once; when it raises (or
+``check`` rejects what it returned) a ``replay_safe`` drafter is asked again request by request,
+so only the requests that fail alone get an error, and any other gets ``Unblamed`` for every
+request of the call (it must not be called twice in a step: drafters/base.py, "Failures").
+Used by the drafter stage (drafter_stage.py) for propose and on_verified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specdec.drafters.base import VerifiedBatch
+
+
+def check_trees(out, n: int) -> str | None:
+    if not isinstance(out, list) or len(out) != n:
+        return f"returned {type(out).__name__} of length {len(out) if isinstance(out, list) else '?'}, " \
+               f"expected a list of {n} trees"
+    return None
+
+
+class Unblamed:
+    """The outcome for a request of a call that raised for several requests, which a drafter
+    that is not replay_safe cannot be asked about again."""
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
+
+
+def isolate(call: Callable, items, check: Callable, replay_safe: bool) -> list:
+    """call(items) -> per item its result, an error string (the item fails: the drafter marked
+    it with ``fail``, or its own call raised) or ``Unblamed``. When the call raises (or
+    ``check(out, n)`` rejects its output), it is retried item by item only if ``replay_safe``.
+    ``items`` is a list of DraftRequest or a VerifiedBatch (whose calls return None)."""
+    reqs = items.requests if isinstance(items, VerifiedBatch) else items
+    n = len(reqs)
+    try:
+        out = call(items)
+        problem = check(out, n)
+    except Exception as e:
+        problem = f"failed: {e!r}"
+    marked = [None if r.error is None else f"failed: {r.error}" for r in reqs]
+    if problem is None:
+        results = out if isinstance(out, list) else [None] * n
+        return [m or o for m, o in zip(marked, results)]
+    if n == 1:
+        return [marked[0] or problem]
+    if not replay_safe:
+        return [m or Unblamed(problem) for m in marked]
+    return [isolate(call, items.select([i]) if isinstance(items, VerifiedBatch) else [reqs[i]],
+                     check, True)[0] for i in range(n)]
+
+
+def first_problem(outcomes: list) -> str:
+    return next(o.problem for o in outcomes if isinstance(o, Unblamed))
