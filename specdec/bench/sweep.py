@@ -136,8 +136,8 @@ def make_sweep_systems(args, batch_sizes: list[int], engine_kwargs: dict) -> lis
             systems.append(SweepSystem(label, EngineSystem(llm, args.max_new_tokens), recorder,
                                        batch_sizes))
     if args.baseline in ("hf", "hf-pld") and 1 in batch_sizes:
-        eos = systems[0].runner.llm.engine.model_config.eos_token_ids
-        hf = HFSystem(resolve_model_path(args.model), systems[0].runner.llm.engine.dtype,
+        eos = systems[0].runner.llm.engine.parts.model_config.eos_token_ids
+        hf = HFSystem(resolve_model_path(args.model), systems[0].runner.llm.engine.parts.dtype,
                       args.device,
                       args.max_new_tokens, eos, pld=args.baseline == "hf-pld")
         systems.append(SweepSystem(args.baseline, hf, batch_sizes=[1]))

@@ -71,9 +71,8 @@ def _install() -> None:
             if hasattr(m, "layer_ops"):
                 m.layer_ops = True
 
-    def graphed_runners(parts):
-        runners = [parts.runner, *parts.drafter_runners] if parts.config.cuda_graphs else []
-        return [r for r in runners if r.backend.supports_cuda_graphs]
+    def graphed_runners(config, runners):
+        return [r for r in runners if r.backend.supports_cuda_graphs] if config.cuda_graphs else []
 
     torch.set_num_threads(1)
     gpu_helpers.SHAPES["smollm2-135m"] = REHEARSAL_SMOLLM2
