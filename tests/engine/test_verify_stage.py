@@ -136,3 +136,30 @@ def test_greedy_verifier_refuses_sampled_requests_when_added(tiny_llama):
 def test_unknown_verifier_is_a_value_error(tiny_llama):
     with pytest.raises(ValueError, match="unknown verifier 'nope'; registered: greedy, gumbel, rejection"):
         LLM(model=str(tiny_llama), verifier="nope")
+
+
+class Hearing(Marking):
+    """Marking, recording what on_verified hears: (request id, tokens committed)."""
+
+    name = "hearing"
+    heard: list = []
+
+    def on_verified(self, batch):
+        type(self).heard += [(r.request_id, r.num_committed) for r in batch.requests]
+
+
+class HearingPlugin(Plugin):
+    @hookimpl
+    def specdec_drafters(self):
+        return {"hearing": Hearing}
+
+
+def test_a_request_whose_verification_failed_is_not_fed_back_to_the_drafter(tiny_llama,
+                                                                            monkeypatch):
+    monkeypatch.setattr(Hearing, "heard", [])
+    llm = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="hearing",
+              verifier="raising", plugins=(HearingPlugin(),), controller_args={"budget": 2})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    # the marked request: its prefill only (its first verification failed)
+    assert [n for rid, n in Hearing.heard if rid == outs[1].request_id] == [len(PROMPTS[1])]
