@@ -39,12 +39,36 @@ SUITE_CACHE = pytest.StashKey[tuple]()  # what the suite_cache fixture returns
 NESTED = "SPECDEC_SUITE_CACHE"  # set while a run's own cache is in use: a nested run shares it
 
 
+REPO = Path(__file__).resolve().parents[1]
+# the user's top-level folders and the import names pyproject.toml's package-dir gives them
+MAPPED = {"specdec": "specdec", "specdec.drafters": "drafters", "specdec.verifiers": "verifiers",
+          "specdec.controllers": "controllers", "specdec.training": "training"}
+
+
+def imported_from_elsewhere() -> list[str]:
+    """The mapped packages that import from another folder than this checkout's (an editable
+    install of another worktree: its finder answers for the folders this one's path lacks)."""
+    import importlib
+
+    wrong = []
+    for package, folder in MAPPED.items():
+        found = Path(importlib.import_module(package).__file__).resolve().parent
+        if found != REPO / folder:
+            wrong.append(f"{package} from {found} (this checkout's: {REPO / folder})")
+    return wrong
+
+
 def pytest_configure(config):
     """The suite is hermetic: every run gets its own empty ``$SPECDEC_CACHE`` (kernel tables,
     step costs, the converted SmolLM2), set before collection, so that every engine a test
     builds, and every subprocess it starts (they inherit ``os.environ``), uses it and nothing an
     earlier run left behind. A pytest run started by a test (the GPU tests' CPU rehearsal) shares
     its parent's. Removed at the end of the run (SmolLM2 in fp32 is ~540 MB)."""
+    wrong = imported_from_elsewhere()
+    if wrong:
+        raise pytest.UsageError(
+            "these tests would test another checkout's code: " + "; ".join(wrong) + ". Install "
+            f"this checkout (`pip install -e {REPO}`) into the Python that runs pytest.")
     before = os.environ.get("SPECDEC_CACHE")
     if before and os.environ.get(NESTED) == before:
         config.stash[SUITE_CACHE] = (Path(before), before, time.time(), False)

@@ -22,7 +22,16 @@ import pytest
 
 import specdec
 
-ROOTS = {"specdec": Path(specdec.__file__).parent}
+import specdec.controllers
+import specdec.drafters
+import specdec.training
+import specdec.verifiers
+
+# the import namespace is one; the folders are the user's top level (pyproject's package-dir)
+ROOTS = {name: Path(module.__file__).parent for name, module in {
+    "specdec": specdec, "specdec.drafters": specdec.drafters,
+    "specdec.verifiers": specdec.verifiers, "specdec.controllers": specdec.controllers,
+    "specdec.training": specdec.training}.items()}
 
 
 def _modules() -> dict[str, Path]:
@@ -194,3 +203,25 @@ def test_public_imports(statement):
 def test_specdec_keeps_only_small_shared_modules():
     top = sorted(p.stem for p in ROOTS["specdec"].glob("*.py") if p.stem != "__init__")
     assert len(top) <= 15, top
+
+
+def test_the_user_folders_are_the_mapped_packages():
+    """drafters/, verifiers/, controllers/, training/ sit beside specdec/ and are imported
+    as specdec.drafters, ...: the same files in this checkout, the wheel and an editable
+    install (tests/conftest.py stops a run that would import another checkout's)."""
+    repo = ROOTS["specdec"].parent
+    for name, folder in ROOTS.items():
+        assert folder == repo / name.rpartition(".")[2], (name, folder)
+
+
+def test_a_run_against_another_checkout_is_stopped(monkeypatch):
+    """The session check names the package imported from elsewhere (a second worktree)."""
+    import sys
+
+    conftest = next(m for n, m in sys.modules.items()
+                    if n.endswith("conftest") and hasattr(m, "imported_from_elsewhere"))
+    assert conftest.imported_from_elsewhere() == []
+    monkeypatch.setattr(conftest, "MAPPED", {"specdec.drafters": "elsewhere/drafters"})
+    (wrong,) = conftest.imported_from_elsewhere()
+    assert wrong.startswith(f"specdec.drafters from {ROOTS['specdec.drafters']}")
+    assert "elsewhere/drafters" in wrong

@@ -1,7 +1,7 @@
 """What `pip install .` gets: every package, and the files the code reads from its own folders.
 
-pyproject.toml finds the packages (every folder with an __init__.py under specdec/): the first
-tests read the source tree (instant, and they name what is missing: a module outside any
+pyproject.toml maps the user's top-level folders to their import names (package-dir:
+drafters/ -> specdec.drafters, ...) and lists every package: the first tests read the source tree (instant, and they name what is missing: a module outside any
 package, a data file nobody decided on); the last builds a wheel from a copy of the sources and
 reads its file list.
 That wheel has no compiled kernels (``SPECDEC_NO_NATIVE=1``: the C build alone takes ~15 s):
@@ -28,10 +28,11 @@ except ModuleNotFoundError:  # Python 3.10
 
 REPO = Path(__file__).resolve().parents[1]
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-PACKAGE_DIR = {"specdec": "specdec"}  # package -> its folder (found: packages.find)
+PACKAGE_DIR = SETUPTOOLS["package-dir"]  # package -> its folder
 # files in the package folders that are not shipped, and why (anything else must be package data)
 NOT_SHIPPED = {"specdec/native/*.c": "compiled by setup.py at install",
                "specdec/native/*.h": "compiled by setup.py at install"}
+USER_FOLDERS = ("drafters", "verifiers", "controllers", "training")
 # build outputs and hidden files (an editor's swap file): never in a clean checkout
 BUILD_LEFTOVERS = ("__pycache__", "*.pyc", "*.so", "*.egg-info", ".*")
 
@@ -76,9 +77,20 @@ def _package_data(name: str) -> bool:
     return _matches(name, "package-data") and not _matches(name, "exclude-package-data")
 
 
-def test_packages_are_found_under_specdec():
-    assert SETUPTOOLS["packages"]["find"]["include"] == ["specdec*"]
-    assert "package-dir" not in SETUPTOOLS, "every package is the folder of its name"
+def test_the_user_folders_are_mapped_into_one_namespace():
+    """The design card's top level: drafters/, verifiers/, controllers/, training/ beside
+    specdec/, imported as specdec.drafters, ... (no second copy under specdec/)."""
+    assert PACKAGE_DIR == {"specdec": "specdec", **{f"specdec.{d}": d for d in USER_FOLDERS}}
+    for folder in USER_FOLDERS:
+        assert (REPO / folder / "__init__.py").is_file(), folder
+        assert not (REPO / "specdec" / folder).exists(), f"a second {folder}/ under specdec/"
+
+
+def test_every_package_is_listed():
+    """package-dir's mapping is one automatic discovery cannot follow: the list is by hand."""
+    listed, found = set(SETUPTOOLS["packages"]), _tree_packages()
+    assert found - listed == set(), f"packages not in pyproject's packages: {found - listed}"
+    assert listed - found == set(), f"listed packages with no folder: {listed - found}"
 
 
 def test_every_module_is_in_a_package():

@@ -10,7 +10,7 @@ import pytest
 from specdec import LLM, SamplingParams
 from specdec.drafters.catalog import SHIPPED
 
-SHIPPED_DIR = Path(__file__).parents[2] / "specdec" / "drafters" / "shipped"
+SHIPPED_DIR = Path(__file__).parents[2] / "drafters" / "shipped"
 CHATS = ["Explain what a hash table is in two sentences.",
          "Write a Python function that returns the square of a number."]
 # two requests of < 100 tokens: KV for them, not the default 1 GiB each engine would zero

@@ -11,17 +11,17 @@ exclude=.git/info/exclude
 mkdir -p .git/info && touch "$exclude"
 case "${1:-}" in
   on)
-    git rm -r -q --cached specdec/drafters/shipped
-    grep -qx '/specdec/drafters/shipped/' "$exclude" || echo '/specdec/drafters/shipped/' >> "$exclude"
+    git rm -r -q --cached drafters/shipped
+    grep -qx '/drafters/shipped/' "$exclude" || echo '/drafters/shipped/' >> "$exclude"
     bytes=$( (git ls-files -z; git ls-files -z --others --exclude-standard) | xargs -0 du -cb \
       | tail -n 1 | cut -f1)
     wheels=$( (du -cb .whl 2>/dev/null || true) | tail -n 1 | cut -f1)
     echo "travels: $((bytes / 1048576)) MiB tree + $((wheels / 1048576)) MiB .whl (limit 64 MiB)"
     ;;
   off)
-    sed -i '\#^/specdec/drafters/shipped/$#d' "$exclude"
-    git add specdec/drafters/shipped
-    git status --short specdec/drafters/shipped | head -n 3
+    sed -i '\#^/drafters/shipped/$#d' "$exclude"
+    git add drafters/shipped
+    git status --short drafters/shipped | head -n 3
     ;;
   *) echo "usage: $0 on|off" >&2; exit 2 ;;
 esac

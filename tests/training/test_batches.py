@@ -1,4 +1,4 @@
-"""A step's examples (specdec/training/batches.py): seeded, length-grouped epochs, and each
+"""A step's examples (training/batches.py): seeded, length-grouped epochs, and each
 process's share of them."""
 
 from __future__ import annotations

@@ -90,5 +90,5 @@ def _say_if_no_restore(drafters: list[BaseDrafter]) -> None:
                 "drafter %r (plugin %r) has no restore() and does not declare "
                 "prefix_cache_safe = True: its requests recompute every prefix-cache hit (second "
                 "chat turns, shared system prompts, preempted requests, n > 1 samples); outputs "
-                "are unchanged. See 'Prefix caching' in specdec/drafters/base.py",
+                "are unchanged. See 'Prefix caching' in drafters/base.py",
                 d.name, d.plugin_name)

@@ -1,5 +1,5 @@
 """The examples a training step sees: seeded epochs of length-grouped batches, each process's
-share of them, padded into tensors (specdec/training/trainer.py)."""
+share of them, padded into tensors (training/trainer.py)."""
 
 from __future__ import annotations
 

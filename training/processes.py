@@ -1,4 +1,4 @@
-"""What the processes of a distributed training run share (specdec/training/trainer.py):
+"""What the processes of a distributed training run share (training/trainer.py):
 which one does a piece of work first, how their gradients agree, and a trace to check both.
 
 ``torchrun --nproc_per_node N -m specdec.cli train ...`` (or ``accelerate launch`` on GPUs)
