@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 import specdec
-
 import specdec.controllers
 import specdec.drafters
 import specdec.training
