@@ -17,6 +17,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
+# every interpreted tl.dot row by row, in order: what is tested is the kernel, not the host BLAS
+from interpreter_helpers import host_independent_interpreter_dot  # noqa: E402, F401
+
 from specdec.kernels.invariant_matmul import (  # noqa: E402
     BLOCK_M,
     invariant_linear,
