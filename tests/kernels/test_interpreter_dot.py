@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-
 from interpreter_helpers import row_by_row_dot
 
 
