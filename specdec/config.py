@@ -105,69 +105,81 @@ class EngineConfig:
         return "goodput" if self.drafter is not None else "static"
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got "
-                             f"{self.dtype!r}")
-        if self.attention_backend not in ATTENTION_CHOICES:
-            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_CHOICES)}, "
-                             f"got {self.attention_backend!r}")
-        for name in ("cuda_graphs", "enable_prefix_caching"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not (self.device == "cpu" or str(self.device).startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        if self.linear_kernels not in LINEAR_CHOICES:
-            raise ValueError(f"linear_kernels must be one of {', '.join(LINEAR_CHOICES)}, got "
-                             f"{self.linear_kernels!r}")
-        if self.weights not in WEIGHT_CHOICES:
-            raise ValueError(f"weights must be one of {', '.join(WEIGHT_CHOICES)}, got "
-                             f"{self.weights!r}")
-        if self.activations not in ACTIVATION_CHOICES:
-            raise ValueError(f"activations must be one of {', '.join(ACTIVATION_CHOICES)}, got "
-                             f"{self.activations!r}")
-        if self.activations == "q8" and self.weights == "dequantized":
-            raise ValueError("activations='q8' computes with a GGUF's own blocks: it needs "
-                             "weights='native' or 'auto', not 'dequantized'")
-        if self.quantize is not None and self.quantize not in QUANTIZE_CHOICES:
-            raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZE_CHOICES)}, "
-                             f"got {self.quantize!r}")
-        if self.quantize is not None and self.weights == "dequantized":
-            raise ValueError(f"quantize={self.quantize!r} computes with the blocks it makes: it "
-                             "needs weights='native' or 'auto', not 'dequantized'")
-        if self.draft_weights not in DRAFT_WEIGHT_CHOICES:
-            raise ValueError(f"draft_weights must be one of {', '.join(DRAFT_WEIGHT_CHOICES)}, "
-                             f"got {self.draft_weights!r}")
-        _positive("page_size", self.page_size)
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**63):
-            raise ValueError(f"seed must be None or an int in [0, 2**63 - 1], got {self.seed!r}")
-        if self.kv_tier_path is not None:
-            if not isinstance(self.kv_tier_path, (str, PathLike)) or not str(self.kv_tier_path):
-                raise ValueError(f"kv_tier_path must be a file path or None, got "
-                                 f"{self.kv_tier_path!r}")
-        if self.kv_host_tier_bytes is not None:
-            _positive("kv_host_tier_bytes", self.kv_host_tier_bytes)
-            if self.kv_tier_path is not None:
-                raise ValueError("give one second tier: kv_tier_path (disk) or "
-                                 "kv_host_tier_bytes (host memory), not both")
-        for name in ("kv_tier_path", "kv_host_tier_bytes"):
-            if getattr(self, name) is not None and not self.enable_prefix_caching:
-                raise ValueError(f"{name} keeps cached pages: it needs "
-                                 "enable_prefix_caching=True")
-        _positive("kv_tier_bytes", self.kv_tier_bytes)
-        for name in ("num_pages", "kv_cache_memory", "max_model_len"):
-            if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
-        for name, owner in (("drafter_args", "the drafter"), ("controller_args", "the controller")):
-            value = getattr(self, name)  # forwarded as **kwargs to the factory: dict, str keys
-            if not isinstance(value, dict):
-                raise TypeError(f"{name} must be a dict of keyword arguments for {owner}, "
-                                f"got {type(value).__name__} {value!r}")
-            if not all(isinstance(k, str) for k in value):
-                raise TypeError(f"{name} must be a dict of keyword arguments for {owner} with "
-                                f"str keys, got keys {list(value)!r}")
+        _check_choices(self)
+        _check_numerics(self)
+        _check_sizes(self)
+        _check_tiers(self)
+        _check_plugin_args(self)
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def _check_choices(c: EngineConfig) -> None:
+    """The options with a fixed set of values (each ValueError names the option)."""
+    if c.dtype != "auto" and c.dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(DTYPES)}, got {c.dtype!r}")
+    for name in ("cuda_graphs", "enable_prefix_caching"):
+        if not isinstance(getattr(c, name), bool):
+            raise ValueError(f"{name} must be True or False, got {getattr(c, name)!r}")
+    if not (c.device == "cpu" or str(c.device).startswith("cuda")):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {c.device!r}")
+    _choice("attention_backend", c.attention_backend, ATTENTION_CHOICES)
+    _choice("linear_kernels", c.linear_kernels, LINEAR_CHOICES)
+    _choice("weights", c.weights, WEIGHT_CHOICES)
+    _choice("activations", c.activations, ACTIVATION_CHOICES)
+    if c.quantize is not None and c.quantize not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be None or one of {', '.join(QUANTIZE_CHOICES)}, "
+                         f"got {c.quantize!r}")
+    _choice("draft_weights", c.draft_weights, DRAFT_WEIGHT_CHOICES)
+
+
+def _check_numerics(c: EngineConfig) -> None:
+    """q8 activations and quantize compute with blocks: not with dequantized weights."""
+    if c.activations == "q8" and c.weights == "dequantized":
+        raise ValueError("activations='q8' computes with a GGUF's own blocks: it needs "
+                         "weights='native' or 'auto', not 'dequantized'")
+    if c.quantize is not None and c.weights == "dequantized":
+        raise ValueError(f"quantize={c.quantize!r} computes with the blocks it makes: it "
+                         "needs weights='native' or 'auto', not 'dequantized'")
+
+
+def _check_sizes(c: EngineConfig) -> None:
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "kv_tier_bytes"):
+        _positive(name, getattr(c, name))
+    for name in ("num_pages", "kv_cache_memory", "max_model_len", "kv_host_tier_bytes"):
+        if getattr(c, name) is not None:
+            _positive(name, getattr(c, name))
+    if c.seed is not None and (not isinstance(c.seed, int) or isinstance(c.seed, bool)
+                               or not 0 <= c.seed < 2**63):
+        raise ValueError(f"seed must be None or an int in [0, 2**63 - 1], got {c.seed!r}")
+
+
+def _check_tiers(c: EngineConfig) -> None:
+    """At most one second KV tier, and only over the prefix cache whose pages it keeps."""
+    if c.kv_tier_path is not None and (not isinstance(c.kv_tier_path, (str, PathLike))
+                                       or not str(c.kv_tier_path)):
+        raise ValueError(f"kv_tier_path must be a file path or None, got {c.kv_tier_path!r}")
+    if c.kv_host_tier_bytes is not None and c.kv_tier_path is not None:
+        raise ValueError("give one second tier: kv_tier_path (disk) or kv_host_tier_bytes "
+                         "(host memory), not both")
+    for name in ("kv_tier_path", "kv_host_tier_bytes"):
+        if getattr(c, name) is not None and not c.enable_prefix_caching:
+            raise ValueError(f"{name} keeps cached pages: it needs enable_prefix_caching=True")
+
+
+def _check_plugin_args(c: EngineConfig) -> None:
+    """drafter_args / controller_args are forwarded as **kwargs: a dict with str keys."""
+    for name, owner in (("drafter_args", "the drafter"), ("controller_args", "the controller")):
+        value = getattr(c, name)
+        if not isinstance(value, dict):
+            raise TypeError(f"{name} must be a dict of keyword arguments for {owner}, "
+                            f"got {type(value).__name__} {value!r}")
+        if not all(isinstance(k, str) for k in value):
+            raise TypeError(f"{name} must be a dict of keyword arguments for {owner} with "
+                            f"str keys, got keys {list(value)!r}")
 
 
 def _positive(name: str, value) -> None:
