@@ -58,9 +58,10 @@ class EngineConfig:
     # "q8": each row rounded to int8 per block of 32 as llama.cpp's CPU backend does
     # (specdec.models.gguf.q8_activations: still row-invariant, so speculation stays exactly plain
     # decoding; ~2-3x cheaper rows, numbers within ~0.5 % of the fp32 model's); needs the
-    # native weights. "auto": q8 where the target computes with quantized blocks (a GGUF's, or
-    # quantize's), what llama.cpp computes for such a file; float otherwise (fp32 / bf16 / fp16
-    # weights, the GPU). ``LLMEngine.activations`` says which ran
+    # native weights. "auto", one rule: q8 wherever the target computes with quantized blocks
+    # (a GGUF's, also a model.gguf beside fp32 safetensors it equals, or quantize's), what
+    # llama.cpp computes for such weights; float wherever it computes with float matrices (a
+    # checkpoint as stored, dequantized weights, the GPU). ``LLMEngine.activations`` says which
     activations: str = "auto"
     # a safetensors checkpoint's matrices quantized at load into GGUF blocks, matrix by matrix:
     # "q8_0" or "q4_k" (Q8_0 where in_features % 256 != 0), then computed as a GGUF's blocks

@@ -54,7 +54,7 @@ def prepare_weights(config: EngineConfig, target, folder: Path, runner_models: l
     the target among them or not) and on the drafter's ``matmul_models`` (e.g. MTP heads)."""
     device = torch.device(config.device)
     drafts = _draft_models(target, runner_models, matmul_models)
-    activations = _resolve_activations(config, target)
+    activations = _resolve_activations(config, target, folder)
     adopted, activations = _native_weights(config, target, folder, runner_models, activations)
     quantized = _draft_weights(config, drafts, adopted, activations)
     models = [target, *runner_models, *matmul_models]
@@ -95,22 +95,24 @@ def install_layer_ops(models: list, device: torch.device) -> None:
             m.layer_ops = True
 
 
-def _resolve_activations(config: EngineConfig, target) -> str:
-    """``EngineConfig.activations``, "auto" resolved: "q8" where the target computes with
-    quantized blocks in the compiled kernels (a GGUF's own, or blocks ``quantize`` makes of a
-    checkpoint), what llama.cpp computes for such a file; "float" for float weights (an fp32,
-    bf16 or fp16 checkpoint as stored, a float GGUF), dequantized weights, other dtypes and
-    devices."""
+def _resolve_activations(config: EngineConfig, target, folder: Path) -> str:
+    """``EngineConfig.activations``, "auto" resolved by one rule: "q8" wherever the target is to
+    compute with quantized blocks in the compiled kernels, what llama.cpp computes for such
+    weights; "float" wherever it computes with float matrices. Quantized blocks are a GGUF's
+    (the model loaded from the file, or fp32 weights with a ``model.gguf`` beside them whose
+    blocks dequantize to them bitwise: the kernels run the file's blocks) or the ones
+    ``quantize`` makes of a checkpoint; float matrices are an fp32 / bf16 / fp16 checkpoint as
+    stored, a float GGUF, dequantized weights, other dtypes and devices. Where the blocks then
+    cannot run, "auto" falls back to "float" with the weights (``_native_weights``)."""
     c = config
     if c.activations != "auto":
         return c.activations
-    if (c.weights == "dequantized" or kernels_refusal(c) is not None
-            or torch.device(c.device).type != "cpu"):
+    if c.weights == "dequantized" or kernels_refusal(c) is not None:
         return "float"
     if from_checkpoint(target):
         return "q8" if c.quantize is not None else "float"
     blocks = any(isinstance(w, BlockWeight) for w in target.matrices())
-    return "q8" if blocks else "float"
+    return "q8" if blocks or (Path(folder) / GGUF_NAME).exists() else "float"
 
 
 def _native_weights(config: EngineConfig, target, folder: Path, runner_models: list,

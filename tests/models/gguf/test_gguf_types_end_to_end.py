@@ -147,6 +147,21 @@ def test_speculation_is_plain_decoding_on_every_type(mixed_model, activations):
     _speculation_is_plain(kw)
 
 
+@needs_kernels
+def test_auto_is_q8_wherever_the_blocks_run_also_beside_safetensors(mixed_model):
+    """One rule for activations="auto" (issue 51): the folder's fp32 safetensors sit beside a
+    GGUF whose blocks they equal, so the kernels run the file's blocks ("native") and auto
+    multiplies them as llama.cpp would (q8), as for a model loaded from the file itself; with
+    the weights dequantized, float."""
+    kw = dict(model=str(mixed_model), max_model_len=256)
+    auto = LLM(**kw)
+    assert (auto.engine.parts.weights, auto.engine.parts.activations) == ("native", "q8")
+    assert {p.fmt for p in auto.engine.parts.kernels._panels.values()} <= set(
+        qa.FORMATS.values())
+    deq = LLM(weights="dequantized", **kw)
+    assert (deq.engine.parts.weights, deq.engine.parts.activations) == ("dequantized", "float")
+
+
 @pytest.fixture(scope="module")
 def q4_k_m_model(tmp_path_factory) -> Path:
     return make_mixed_model(tmp_path_factory.mktemp("gguf-q4-k-m") / "model", seed=7,

@@ -138,7 +138,8 @@ def test_native_refuses_blocks_that_do_not_match(tiny_llama, tmp_path, monkeypat
     with pytest.raises(ValueError, match="weights='native' cannot run here: the file's "
                                          "head blocks do not dequantize"):
         LLM(model=str(folder), weights="native")
-    assert LLM(model=str(folder)).engine.parts.weights == "dequantized"
+    fallback = LLM(model=str(folder)).engine.parts
+    assert (fallback.weights, fallback.activations) == ("dequantized", "float")  # auto, auto
 
 
 @needs_kernels
