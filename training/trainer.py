@@ -34,6 +34,7 @@ import math
 import os
 import random
 import shutil
+import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -53,6 +54,7 @@ from specdec.training.data import (
     shorten_turns,
     tokenize_all,
 )
+from specdec.training.evaluate import run_warnings, summary_lines
 from specdec.training.kinds import Kind, kind
 from specdec.training.processes import (
     average_gradients,
@@ -82,10 +84,12 @@ class Progress:
 
 
 def train(config: TrainConfig) -> dict:
-    """Run the whole recipe; returns the evaluation report."""
+    """Run the whole recipe; returns the evaluation report (eval.json): ``summary`` holds the
+    lines ``specdec train`` prints, ``warnings`` what its figures need beside them."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    start = time.perf_counter()
     if config.report_to == "wandb":
         _require("wandb", "--report-to wandb")
     _fresh_accelerator_state()
@@ -122,6 +126,9 @@ def train(config: TrainConfig) -> dict:
         report["split"] = {"held_out": len(held_out), "train_conversations": len(train_convs),
                            "near_duplicates_removed": near_dups,
                            "holdout_near_dup": config.holdout_near_dup}
+        report["run_seconds"] = time.perf_counter() - start
+        report["warnings"] = run_warnings(report, config.max_steps)
+        report["summary"] = summary_lines(report)
         for path in (out / "eval.json", drafter / "eval.json"):
             path.write_text(json.dumps(report, indent=2) + "\n")
     accelerator.wait_for_everyone()

@@ -39,7 +39,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from specdec.bench.report import fmt
     from specdec.training.config import TrainConfig
     from specdec.training.trainer import train
 
@@ -49,7 +48,7 @@ def run(args) -> int:
                                            "export_for")}
     config = TrainConfig.from_sources(args.config, flags)
     report = train(config)
-    tau, speed = report.get("tau"), report.get("speedup_vs_plain")
-    print(f"drafter: {Path(config.out) / 'drafter'}  tau {fmt(tau)}  speedup vs plain "
-          f"{fmt(speed)}x on {report.get('num_prompts')} held-out prompts", file=sys.stderr)
+    print(f"drafter: {Path(config.out) / 'drafter'}", file=sys.stderr)
+    for line in report.get("summary", []):  # eval.json keeps the same lines
+        print(line, file=sys.stderr)
     return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from specdec.cli import main
 
 
@@ -35,3 +37,47 @@ def test_out_required(tmp_path, capsys):
     data.write_text('{"text": "hello"}\n')
     assert main(["train", "eagle3", "--data", str(data)]) == 1
     assert "out: give the output folder" in capsys.readouterr().err
+
+
+TINY = dict(regen_max_tokens=24, regen_batch_size=4, aux_layer_ids=[1, 1, 1],
+            draft_vocab_size=24, max_length=64, ttt_steps=3, batch_size=4, learning_rate=3e-3,
+            warmup_ratio=0.0, eval_max_tokens=24, eval_budget=6, checkpoint_every=1)
+
+
+def _tiny_config(tmp_path, **kw):
+    """A YAML of tiny-run settings (tests/training/test_trainer.py's)."""
+    import yaml
+
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({**TINY, **kw}))
+    return str(path)
+
+
+def test_train_prints_what_eval_json_says(chat_target, prompts_file, tmp_path, capsys):
+    """Issue 52 item 4: `--limit 10 --max-steps 2` printed `tau 1.00 speedup vs plain 3.82x`
+    (a ratio of summed times, with a goodput controller that never drafted). Now: the head's
+    quality at a static tree (it drafts every step), the speed as the spread of per-prompt
+    ratios, a warning that one conversation was trained on, and the printed lines are
+    eval.json's."""
+    out = tmp_path / "run"
+    assert main(["train", "eagle3", "--target", chat_target, "--data", str(prompts_file),
+                 "--out", str(out), "--regenerate", "--limit", "10", "--max-steps", "2",
+                 "--config", _tiny_config(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    report = json.loads((out / "eval.json").read_text())
+    printed = [line for line in err.splitlines() if line.startswith(("quality", "speed",
+                                                                     "warning"))]
+    assert printed == report["summary"] and len(printed) >= 3
+    assert "speedup_vs_plain" not in report and "tokens_per_s" not in report
+    quality, speed = report["quality"], report["speed"]
+    assert quality["controller"] == "static" and quality["budget"] == 6
+    assert quality["draft_tokens_proposed"] > 0 and quality["acceptance_by_depth"]
+    assert f"tau {quality['tau']:.2f}" in printed[0] and "6-node tree" in printed[0]
+    ratios = speed["prompt_speedups"]
+    assert len(ratios) == report["num_prompts"] == 9  # 10 drawn, 9 held out, 1 trained on
+    assert speed["min"] <= speed["q1"] <= speed["median"] <= speed["q3"] <= speed["max"]
+    assert f"median {speed['median']:.2f}x" in printed[1]
+    assert f"range {speed['min']:.2f}-{speed['max']:.2f}x" in printed[1]
+    assert report["split"]["train_conversations"] == 1
+    assert any("trained on 1 conversation (9 held out" in w for w in report["warnings"])
+    assert report["greedy_match_rate"] == 1.0
