@@ -2,11 +2,17 @@
 
 A prompt is a string, a chat (list of {"role", "content"} dicts, formatted with the tokenizer's
 chat template), or a list of token ids; `prompts` is one prompt or a list of them.
+
+Concurrency: one LLM may be used from several threads at once, and several of its streams may
+be consumed interleaved (or one paused while ``generate`` runs): every call gets only its own
+requests' outputs, complete. The calls take turns at the engine (specdec.engine.turns): each
+step runs every request in flight as one batch, whichever call stepped it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -14,7 +20,8 @@ from tqdm.auto import tqdm
 from specdec.config import EngineConfig
 from specdec.engine.core import LLMEngine
 from specdec.engine.sequence import Sequence
-from specdec.engine.streaming import DeltaTracker, changed
+from specdec.engine.streaming import DeltaTracker
+from specdec.engine.turns import EngineTurns, StreamCursor
 from specdec.models.aliases import DEFAULT_MODEL
 from specdec.models.tokenizer import chat_token_ids
 from specdec.outputs import CompletionOutput, RequestOutput
@@ -32,13 +39,15 @@ class LLM:
                               controller_args={} if controller_args is None else controller_args,
                               **engine_args)
         self.engine = LLMEngine(config, plugins)
+        self._turns = EngineTurns(self.engine)  # every call's engine work takes its turn
 
     def close(self) -> None:
         """Abort what still runs and let go of what outlives the engine: the disk tier's file
         and its lock, so that another engine may open it. Also ``with LLM(...) as llm:``.
         Afterwards ``generate`` / ``stream`` raise RuntimeError (make a new LLM); twice is
         fine."""
-        self.engine.close()
+        with self._turns.lock:  # after the step another thread may be running
+            self.engine.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -52,33 +61,53 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order. Safe from several threads
+        at once (see the module docstring)."""
         ids = self._add_all(prompts, sampling_params)
-        bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
+        remaining = [s for i in ids for s in self.engine.samples_of(i)]
+        bar = tqdm(total=len(remaining), desc="generate", disable=not use_tqdm)
+
+        def finished() -> list[RequestOutput] | None:  # under the turns' lock
+            nonlocal remaining
+            remaining = [s for s in remaining if not self.engine.requests[s].is_finished]
+            bar.update(bar.total - len(remaining) - bar.n)
+            if remaining:
+                return None
+            return [self._group_output([self.engine.pop_finished(s)
+                                        for s in self.engine.samples_of(i)]) for i in ids]
+
         try:
-            while self.engine.has_unfinished():
-                bar.update(len(self.engine.step().finished))
+            return self._turns.advance(finished)
         except BaseException:  # a step raised (or Ctrl-C): no request of this call stays
-            self._end(ids)
+            self._turns.end(ids)
             raise
         finally:
             bar.close()
-        return [self._group_output([self.engine.pop_finished(s)
-                                    for s in self.engine.samples_of(i)]) for i in ids]
 
     def stream(self, prompts, sampling_params=None) -> Iterator[RequestOutput]:
-        """Yield a delta (new tokens and text) each time a request emits, then a final one."""
+        """Yield a delta (new tokens and text) each time a request of this call emits, then a
+        final one per sample: only this call's requests, whatever else runs on this LLM
+        meanwhile (other streams, ``generate`` in other threads). Requests are queued at the
+        first ``next()``; closing the generator early aborts them."""
         ids = self._add_all(prompts, sampling_params)
-        sent = DeltaTracker(self.engine.tokenizer)
+        cursor = StreamCursor(self._turns, ids, self._delta)
         try:
-            while True:
-                self.engine.check_open()  # a stream resumed after close() says so, not ends
-                if not self.engine.has_unfinished():
-                    break
-                for seq in changed(self.engine.step()):
-                    yield self._delta(seq, sent)
+            while batch := cursor.next_batch():
+                yield from batch
         finally:
-            self._end(ids)
+            self._turns.end(ids)
+
+    async def astream(self, prompts, sampling_params=None) -> AsyncIterator[RequestOutput]:
+        """``stream`` for asyncio: ``async for delta in llm.astream(...)``. The engine steps in
+        a worker thread (``asyncio.to_thread``), so the event loop stays free meanwhile."""
+        ids = await asyncio.to_thread(self._add_all, prompts, sampling_params)
+        cursor = StreamCursor(self._turns, ids, self._delta)
+        try:
+            while batch := await asyncio.to_thread(cursor.next_batch):
+                for delta in batch:
+                    yield delta
+        finally:
+            await asyncio.to_thread(self._turns.end, ids)
 
     def _delta(self, seq: Sequence, sent: DeltaTracker) -> RequestOutput:
         delta = sent.delta(seq)
@@ -97,16 +126,7 @@ class LLM:
                 self.engine.check_request(ids, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
-        return [self.engine.add_request(ids, p) for ids, p in zip(token_lists, params)]
-
-    def _end(self, ids: list[str]) -> None:
-        """Abort what of ``ids`` still runs and forget every sample (their pages go back)."""
-        samples = [s for i in ids for s in self.engine.samples_of(i)]
-        for i in ids:
-            self.engine.abort(i)
-        for s in samples:
-            if s in self.engine.requests and self.engine.requests[s].is_finished:
-                self.engine.pop_finished(s)
+        return self._turns.add(token_lists, params)
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
         if _is_single_prompt(prompts):
