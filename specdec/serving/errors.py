@@ -28,14 +28,15 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str | None = None, headers: dict | None = None) -> None:
+                 kind: str | None = None, headers: dict | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.code = status, message, param, code
         self.kind = kind or KINDS.get(status, "invalid_request_error")
         self.headers = headers or {}
 
     def body(self) -> dict:
-        return error_body(self.message, self.kind, self.param)
+        return error_body(self.message, self.kind, self.param, self.code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)

@@ -1,7 +1,7 @@
 """The server under hostile or careless clients and in operation: hang-ups abort, bodies are
 refused before they are read, limits on stop strings, JSON depth and text, template errors,
 tokenization off the event loop, draining, health after a failed step, max_tokens by default
-the rest of the context."""
+the rest of the context and a 400 beyond it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import serving_helpers
 from serving_helpers import USER, error_of, slow_steps
 
+from specdec.models.tokenizer import chat_token_ids
 from specdec.serving.limits import ServerLimits
 
 chat_model_dir, served, make_server = (serving_helpers.chat_model_dir, serving_helpers.served,
@@ -177,6 +178,27 @@ def test_max_tokens_defaults_to_the_rest_of_the_context(make_server):
     capped = make_server(max_model_len=300, limits=ServerLimits(max_tokens=10))
     r = capped.post("/v1/completions", {"prompt": [5, 6, 7, 8], "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 10
+
+
+def test_a_prompt_and_max_tokens_beyond_the_context_is_a_400_naming_the_limits(make_server):
+    """As OpenAI and vLLM answer: the context, the tokens asked for, and how they split; a
+    request that just fits runs to its end (prompt + max_tokens == max_model_len)."""
+    s = make_server(max_model_len=300)
+    r = s.post("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 297})
+    err = error_of(r, 400)
+    assert err["message"].startswith(
+        "This model's maximum context length is 300 tokens. However, you requested 301 "
+        "tokens (4 in the prompt, 297 in the completion)."), err
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    ids = chat_token_ids(s.llm.engine.tokenizer, USER)
+    r = s.post("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 300})
+    err = error_of(r, 400)
+    assert f"({len(ids)} in the messages, 300 in the completion)" in err["message"], err
+    assert err["param"] == "max_completion_tokens"
+    r = s.post("/v1/completions", {"prompt": [5, 6, 7, 8], "max_tokens": 296,
+                                   "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == 296, r.text
+    assert s.pages_back()
 
 
 def test_the_error_body_of_a_bad_content_length_or_json_is_openai_shaped(served):
