@@ -105,13 +105,16 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
                    help="compute every request's KV from scratch (default: reuse cached full "
                         "pages of a common prefix)")
     p.add_argument("--kv-tier-path", default=None, metavar="FILE",
-                   help="keep cached pages evicted from memory in this file on local disk "
-                        "(a second KV tier; default: none)")
+                   help="keep the prefix cache in this file on local disk (a second KV tier): "
+                        "every full page a request computed is written when it ends, and a "
+                        "later run on the same file reuses it; the folder must exist "
+                        "(default: none)")
     p.add_argument("--kv-tier-bytes", type=int_at_least(1), default=2 << 30,
-                   help="the tier file's size limit in bytes (default 2 GiB)")
+                   help="the most the tier file grows to, in bytes; it grows as pages are "
+                        "written, then reuses its least recently used (default 2 GiB)")
     p.add_argument("--kv-host-tier-bytes", type=int_at_least(1), default=None,
                    help="instead of a file: a tier of this many bytes of pinned host memory "
-                        "below a GPU's KV")
+                        "below a GPU's KV, for pages evicted from it (default: none)")
 
 
 def add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,

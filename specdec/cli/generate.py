@@ -82,22 +82,35 @@ def run(args) -> int:
         choice = choose_drafter(args.model, calibrate=args.calibrate, **kwargs)
         print(describe(choice), file=sys.stderr)
         args.drafter = choice.drafter
-    llm = LLM(**engine_kwargs(args))
-    prompt = args.prompt if args.no_chat else [{"role": "user", "content": args.prompt}]
-    if not args.no_chat and getattr(llm.tokenizer, "chat_template", None) is None:
-        raise ValueError("the model's tokenizer has no chat template; pass --no-chat")
-    t0, last = time.perf_counter(), None
-    for delta in llm.stream(prompt, params):
-        sys.stdout.write(delta.text)
-        sys.stdout.flush()
-        last = delta
-    seconds = time.perf_counter() - t0
-    sys.stdout.write("\n")
-    if last is None or last.finish_reason == "error":
-        print(f"{PROG} generate: error: {last.error if last else 'no output'}", file=sys.stderr)
-        return 1
-    print(generate_stats(last.metrics, seconds, args.drafter is not None), file=sys.stderr)
+    with LLM(**engine_kwargs(args)) as llm:  # closed: the tier file complete for the next run
+        prompt = args.prompt if args.no_chat else [{"role": "user", "content": args.prompt}]
+        if not args.no_chat and getattr(llm.tokenizer, "chat_template", None) is None:
+            raise ValueError("the model's tokenizer has no chat template; pass --no-chat")
+        t0, last = time.perf_counter(), None
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            last = delta
+        seconds = time.perf_counter() - t0
+        sys.stdout.write("\n")
+        if last is None or last.finish_reason == "error":
+            print(f"{PROG} generate: error: {last.error if last else 'no output'}",
+                  file=sys.stderr)
+            return 1
+        print(generate_stats(last.metrics, seconds, args.drafter is not None), file=sys.stderr)
+        tier = llm.engine.parts.tier
+        if args.kv_tier_path is not None and tier is not None:
+            print(tier_stats(tier, last.metrics), file=sys.stderr)
     return 0
+
+
+def tier_stats(tier, m) -> str:
+    """What the disk tier did for this run, plainly: a second run of the same prompt reuses
+    the pages this one wrote (the file grows as pages are written, up to --kv-tier-bytes)."""
+    return (f"[kv tier {tier.path}: {m.num_cached_tokens} of {m.num_prompt_tokens} prompt tokens "
+            f"reused ({tier.hits} pages read from the file), {tier.stores} pages written; it "
+            f"holds {len(tier)} pages in {tier.path.stat().st_size / 2**20:.1f} MiB, at most "
+            f"{tier.num_slots} pages]")
 
 
 def generate_stats(m, seconds: float, speculative: bool) -> str:
@@ -105,8 +118,8 @@ def generate_stats(m, seconds: float, speculative: bool) -> str:
     parts = [f"{m.num_output_tokens} tokens", f"{m.num_output_tokens / seconds:.2f} tokens/s",
              f"TTFT {ttft}"]
     if speculative:
-        accepted = sum(m.accepted_by_depth)
-        rate = accepted / m.draft_tokens_proposed if m.draft_tokens_proposed else 0.0
+        accepted, proposed = sum(m.accepted_by_depth), m.draft_tokens_proposed
         tau = f"{m.tau:.2f}" if m.tau is not None else "n/a"
-        parts += [f"tau {tau}", f"acceptance {rate:.1%} ({accepted}/{m.draft_tokens_proposed})"]
+        parts += [f"tau {tau}", f"acceptance {accepted / proposed:.1%} ({accepted}/{proposed})"
+                  if proposed else "nothing drafted"]
     return "[" + ", ".join(parts) + "]"

@@ -22,6 +22,8 @@ class HostTier:
     """At most ``capacity_bytes // page_bytes`` pages of ``page_bytes`` bytes in host memory
     (pinned when the KV is on CUDA)."""
 
+    write_through = False  # host memory ends with the process: evicted pages are enough
+
     def __init__(self, page_bytes: int, capacity_bytes: int, device: torch.device) -> None:
         self.page_bytes = page_bytes
         self.num_slots = capacity_bytes // page_bytes

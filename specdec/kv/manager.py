@@ -53,9 +53,25 @@ class KVManager(TableAllocator):
     # ---- the second tier ---------------------------------------------------------------------
 
     def attach_tier(self, tier: DiskTier | HostTier) -> None:
-        """Copy every cached page the pool evicts into ``tier`` first."""
+        """Copy every cached page the pool evicts into ``tier`` first (and, for a
+        write-through tier, every released table's registered pages: ``release``)."""
         self.tier = tier
         self.pool.on_evict = lambda page, key: tier.put(key, self.cache.tensor[:, page])
+
+    def release(self, table: BlockTable) -> None:
+        """Return the table's pages (``TableAllocator.release``); with a write-through tier
+        (the disk tier) its registered full pages are stored there first, so that a later
+        engine on the same file finds them (their KV is final: nothing rewrites a registered
+        page)."""
+        tier = self.tier
+        try:
+            if tier is not None and tier.write_through:
+                for page in table.pages[:table.num_keyed]:
+                    key = self.pool.key_of(page)
+                    if key is not None and key not in tier:
+                        tier.put(key, self.cache.tensor[:, page])
+        finally:
+            super().release(table)
 
     def detach_tier(self) -> None:
         """No second tier any more (before it is closed): evictions drop pages, admissions

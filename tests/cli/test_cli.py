@@ -90,3 +90,39 @@ def test_draft_weights_help_says_what_auto_picks(capsys):
     assert len(heads) == 1
     assert f"{heads.pop()} for the learned heads (eagle3, mtp, block_diffusion) and q8_0 for a " \
            "draft model" in help_text
+
+
+def test_generate_with_a_tier_reuses_a_previous_runs_prompt_and_says_so(chat_model, tmp_path,
+                                                                         capsys):
+    """#52: the second run of one prompt on one --kv-tier-path reuses the pages the first one
+    wrote (the first run evicted nothing), with the same text; the file is as large as its
+    pages, not --kv-tier-bytes; a missing folder is an error naming it, not made."""
+    import re
+
+    path = tmp_path / "kv.tier"
+    argv = ["generate", "tell me everything about tea, " * 12, "--model", chat_model,
+            "--max-tokens", "4", "--drafter", "none", "--kv-tier-path", str(path)]
+    runs = []
+    for _ in range(2):
+        assert main(argv) == 0
+        out, err = capsys.readouterr()
+        reused, prompt = map(int, re.search(r"(\d+) of (\d+) prompt tokens reused", err).groups())
+        runs.append((out, reused, prompt))
+    assert runs[0][0] == runs[1][0] and runs[0][1] == 0
+    assert runs[1][1] >= runs[1][2] - 16 and runs[1][1] > 0
+    assert path.stat().st_size < 64 << 20  # not the 2 GiB limit up front
+    missing = tmp_path / "no" / "kv.tier"
+    assert main([*argv[:-1], str(missing)]) == 1
+    assert f"folder '{missing.parent}' does not exist" in capsys.readouterr().err
+    assert not missing.parent.exists()
+
+
+def test_generate_stats_say_nothing_drafted_rather_than_a_rate_of_nothing():
+    from specdec.cli.generate import generate_stats
+    from specdec.outputs import RequestMetrics
+
+    line = generate_stats(RequestMetrics(num_output_tokens=4), 1.0, speculative=True)
+    assert "nothing drafted" in line and "0/0" not in line and "acceptance" not in line
+    drafted = RequestMetrics(num_output_tokens=4, draft_tokens_proposed=4,
+                             accepted_by_depth=[2, 1])
+    assert "acceptance 75.0% (3/4)" in generate_stats(drafted, 1.0, speculative=True)

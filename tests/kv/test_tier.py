@@ -1,10 +1,12 @@
 """The disk tier: pages round-trip, slots are reused least recently used first, a torn or
 corrupted slot is detected and never served, a valid file is reopened; the path is the user's:
-a foreign file is refused and left byte for byte, a tier file in use is locked, the space is
-reserved up front (a full disk is an error at start-up), and every bad path is an error naming
-it; the namespace fingerprints the weights. End to end, an engine whose KV is too small for its
-prompts serves evicted pages from the tier with exactly the tokens it computes without one, and
-an engine restarted on the tier after its folder's weights changed serves none of them.
+a foreign file is refused and left byte for byte, a tier file in use is locked, the file grows
+with its pages (each step reserved before it is written; a full disk stops the growth), and
+every bad path is an error naming it; the namespace fingerprints the weights. End to end, an
+engine whose KV is too small for its prompts serves evicted pages from the tier with exactly the
+tokens it computes without one; a request's full pages are written through when it ends, so a
+new engine on the file reuses them; and an engine restarted on the tier after its folder's
+weights changed serves none of them.
 (Killed writers and two processes: test_tier_crash.py.)"""
 
 from __future__ import annotations
@@ -147,6 +149,25 @@ def test_pages_evicted_to_the_tier_come_back_with_the_same_tokens(tiny_llama, tm
     assert tier.torn > 0 and tier.hits == hits
 
 
+def test_a_new_engine_on_the_file_reuses_a_finished_requests_pages(tiny_llama, tmp_path):
+    """Write-through: nothing was evicted (the KV holds everything), yet engine B, started on
+    the tier engine A used, reuses the prompt's full pages and emits A's (and plain) tokens."""
+    prompt = _prompts(1, 37, 2)[0]  # 9 full pages of 4, the last token computed again
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    common = dict(model=str(tiny_llama), dtype="float64", page_size=4, num_pages=64,
+                  max_model_len=64)
+    want = LLM(enable_prefix_caching=False, **common).generate(prompt, params)[0].token_ids
+    path = tmp_path / "kv.tier"
+    with LLM(kv_tier_path=str(path), **common) as a:
+        assert a.generate(prompt, params)[0].token_ids == want
+        assert a.engine.kv.pool.num_evicted == 0 and a.engine.parts.tier.stores >= 9
+    with LLM(kv_tier_path=str(path), **common) as b:
+        out = b.generate(prompt, params)[0]
+        assert out.token_ids == want
+        assert out.metrics.num_cached_tokens == 36 and b.engine.parts.tier.hits == 9
+        assert b.engine.totals.cached_tokens == 36
+
+
 def test_host_tier_round_trip_and_least_recently_used_slot_reused():
     tier = HostTier(PAGE_BYTES, 2 * PAGE_BYTES, torch.device("cpu"))
     tier.put(b"a" * 16, _page(0))
@@ -216,10 +237,10 @@ def test_a_tier_file_of_another_version_geometry_or_namespace_is_reinitialised(t
     with caplog.at_level(logging.INFO, logger="specdec"):
         again = _tier(path, slots, namespace)
     assert len(again) == 0 and not again.get(b"\x01" * 16, torch.empty(SHAPE))
-    assert path.stat().st_size == _size(slots)
+    assert path.stat().st_size == FILE_HEADER  # made anew: the header, no page yet
     said = [r.getMessage() for r in caplog.records if "re-initialised" in r.getMessage()]
     assert len(said) == 1 and str(path) in said[0]
-    assert {"version": "format version 1", "slots": "geometry",
+    assert {"version": f"format version {VERSION - 1}", "slots": "geometry",
             "namespace": "namespace"}[change] in said[0]
 
 
@@ -249,19 +270,55 @@ def test_a_file_another_process_has_locked_is_refused_and_untouched(tmp_path):
     assert path.read_bytes() == b""
 
 
-def test_the_tier_reserves_its_space_up_front(tmp_path):
-    """Every block allocated when it opens (a sparse file meets a full disk as SIGBUS)."""
+def test_the_file_grows_with_its_pages_each_step_reserved_before_it_is_written(tmp_path,
+                                                                                 monkeypatch):
+    """A tier of 2 GiB that holds three pages is a file of three slots, not 2 GiB: it starts as
+    its header and grows (here a slot at a time) as pages are stored, every block allocated
+    before a page is written through the mapping (a sparse file meets a full disk as SIGBUS);
+    at its limit the least recently used slot makes room."""
+    import specdec.kv.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "GROW_BYTES", 1)  # one slot per step
     path = tmp_path / "kv.tier"
-    tier = _tier(path, slots=64)
-    st = path.stat()
-    assert st.st_size == _size(64) and st.st_blocks * 512 >= st.st_size
+    tier = _tier(path, slots=4)
+    assert path.stat().st_size == FILE_HEADER and tier.allocated == 0
+    for i in range(3):
+        tier.put(bytes([i]) * 16, _page(i))
+        st = path.stat()
+        assert st.st_size == _size(i + 1) and st.st_blocks * 512 >= st.st_size
     tier.close()
+    again = _tier(path, slots=4)  # kept: three slots, one more allowed
+    assert again.allocated == 3 and len(again) == 3
+    for i in (3, 4):
+        again.put(bytes([i]) * 16, _page(i))
+    assert path.stat().st_size == _size(4) and len(again) == 4 and b"\x00" * 16 not in again
+    out = torch.empty(SHAPE)
+    assert again.get(b"\x04" * 16, out) and torch.equal(out, _page(4))
+    again.close()
+    big = DiskTier(tmp_path / "big.tier", PAGE_BYTES, 2 << 30, "m")
+    big.put(b"\x01" * 16, _page(1))
+    assert (tmp_path / "big.tier").stat().st_size <= FILE_HEADER + tier_module.GROW_BYTES + 4096
+    big.close()
+
+
+def test_a_growth_cut_short_by_a_kill_loses_only_its_partial_slot(tmp_path):
+    path = tmp_path / "kv.tier"
+    tier = _tier(path, slots=3)
+    tier.put(b"\x01" * 16, _page(1))
+    tier.close()
+    with open(path, "r+b") as f:  # a partial slot past the three: zeros written, then killed
+        f.truncate(_size(3) + 1000)
+    again = _tier(path, slots=3)
+    out = torch.empty(SHAPE)
+    assert again.allocated == 3 and again.get(b"\x01" * 16, out) and torch.equal(out, _page(1))
+    assert path.stat().st_size == _size(3)
+    again.close()
 
 
 @pytest.mark.parametrize("existed", [False, True])
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EFBIG])
-def test_a_disk_too_small_is_an_error_at_start_and_nothing_is_left(tmp_path, monkeypatch,
-                                                                   existed, code):
+def test_a_disk_without_room_for_the_header_is_an_error_at_start_and_nothing_is_left(
+        tmp_path, monkeypatch, existed, code):
     path = tmp_path / "kv.tier"
     if existed:
         path.touch()
@@ -270,7 +327,7 @@ def test_a_disk_too_small_is_an_error_at_start_and_nothing_is_left(tmp_path, mon
         raise OSError(code, os.strerror(code))
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(ValueError, match=f"{path}.*cannot reserve {_size(8)} bytes.*"
+    with pytest.raises(ValueError, match=f"{path}.*cannot reserve {FILE_HEADER} bytes.*"
                                          f"{os.strerror(code)}"):
         _tier(path, slots=8)
     assert path.exists() == existed and (not existed or path.stat().st_size == 0)
@@ -278,21 +335,62 @@ def test_a_disk_too_small_is_an_error_at_start_and_nothing_is_left(tmp_path, mon
     _tier(path).close()  # the lock went with the error
 
 
-def test_without_fallocate_a_new_file_is_written_in_full(tmp_path, monkeypatch):
+def test_a_disk_that_fills_up_stops_the_growth_and_the_tier_goes_on(tmp_path, monkeypatch,
+                                                                   caplog):
+    """No SIGBUS and no error: the file keeps what it holds (said once), its least recently
+    used slot makes room from then on; with no slot at all a page is simply not stored."""
+    import specdec.kv.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "GROW_BYTES", 1)
+    real = os.posix_fallocate
+    room = {"slots": 2}
+
+    def filling(fd, offset, length):
+        if offset >= _size(room["slots"]):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", filling)
+    path = tmp_path / "kv.tier"
+    tier = _tier(path, slots=8)
+    with caplog.at_level(logging.WARNING, logger="specdec"):
+        for i in range(4):
+            tier.put(bytes([i]) * 16, _page(i))
+    assert path.stat().st_size == _size(2) and tier.allocated == 2 and len(tier) == 2
+    out = torch.empty(SHAPE)
+    assert tier.get(b"\x03" * 16, out) and torch.equal(out, _page(3))
+    said = [r.getMessage() for r in caplog.records if "disk is full" in r.getMessage()]
+    assert len(said) == 1 and "2 pages" in said[0]
+    tier.close()
+    room["slots"] = 0
+    empty = _tier(tmp_path / "empty.tier", slots=8)
+    empty.put(b"\x01" * 16, _page(1))
+    assert len(empty) == 0 and not empty.get(b"\x01" * 16, out)
+    empty.close()
+
+
+def test_without_fallocate_the_new_bytes_are_written(tmp_path, monkeypatch):
     def unsupported(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
     monkeypatch.setattr(os, "posix_fallocate", unsupported)
     path = tmp_path / "kv.tier"
-    tier = _tier(path, slots=40)  # more than one 1 MiB chunk of zeros
+    tier = _tier(path, slots=40)
+    tier.put(b"\x02" * 16, _page(2))
     st = path.stat()
     assert st.st_size == _size(40) and st.st_blocks * 512 >= st.st_size
-    tier.put(b"\x02" * 16, _page(2))
     tier.close()
     again = _tier(path, slots=40)  # kept: its slots are not zeroed again
     out = torch.empty(SHAPE)
     assert again.get(b"\x02" * 16, out) and torch.equal(out, _page(2))
     again.close()
+
+
+def test_a_missing_folder_is_an_error_naming_it_and_nothing_is_made(tmp_path):
+    path = tmp_path / "no" / "such" / "kv.tier"
+    with pytest.raises(ValueError, match=f"folder '{tmp_path / 'no' / 'such'}' does not exist"):
+        _tier(path)
+    assert not (tmp_path / "no").exists()
 
 
 def _fifo(path):

@@ -1,5 +1,5 @@
 """The disk tier under kill -9 and a second process: a writer killed at any moment (at random,
-once for certain in the middle of a page, once while the file is made) leaves a file that opens
+once for certain in the middle of a page, once while the file is made, once while it grows) leaves a file that opens
 again and whose every page reads back as the exact bytes written for its key or not at all,
 never wrong; a tier another process holds open is an error naming the path, and the lock goes
 with the process that held it."""
@@ -28,7 +28,8 @@ KEYS = 24  # three keys a slot: slots are overwritten all the time
 # a random order until the parent kills it (it says "started PID"), and says how that process
 # ended. "mid" stops for good inside the 40th put, after the page's bytes are in its slot and
 # before its key, crc and valid flag are ("mid-write PID"); "make" stops for good while the tier
-# file is made, once its space is reserved ("making PID"); "hold" puts SLOTS pages and waits.
+# file is made, once its header is reserved ("making PID"); "grow" once the file's first slots
+# are reserved, before a page is written to them ("growing PID"); "hold" puts SLOTS pages and waits.
 WRITER = r"""
 import hashlib, os, random, sys, time
 import torch
@@ -44,12 +45,14 @@ pages = {k: torch.frombuffer(bytearray(hashlib.shake_256(k).digest(page)), dtype
 
 def write(path, mode, seed):
     deadline = time.monotonic() + 20  # an orphan (the test died) ends by itself
-    if mode == "make":
+    if mode in ("make", "grow"):
         fallocate = os.posix_fallocate
 
-        def stalled(fd, offset, length):  # the file made and reserved, the tier not yet open
+        def stalled(fd, offset, length):  # the file made (or grown) and reserved, no more
             fallocate(fd, offset, length)
-            print("making", os.getpid(), flush=True)
+            if mode == "grow" and offset == 0:
+                return
+            print("making" if mode == "make" else "growing", os.getpid(), flush=True)
             time.sleep(20)
             os._exit(3)
 
@@ -116,7 +119,7 @@ def _wait_for(proc: subprocess.Popen, word: str) -> int:
 def _check_every_page(path) -> tuple[int, int]:
     """Reopen the tier: each key's page is its exact bytes or missing. (served, torn slots)."""
     tier = DiskTier(path, PAGE, SLOTS * DiskTier.stride_for(PAGE), "crash test")
-    torn = sum(1 for s in range(SLOTS)  # a write under way when killed: state 0, data in place
+    torn = sum(1 for s in range(tier.allocated)  # a write under way when killed: state 0, data in place
                if SLOT_HEADER.unpack_from(tier._mm, tier._offset(s))[0] == 0
                and any(tier._mm[tier._offset(s) + SLOT_HEADER.size:][:64]))
     served = 0
@@ -133,13 +136,13 @@ def _check_every_page(path) -> tuple[int, int]:
 
 def test_a_writer_killed_at_any_moment_never_leaves_a_wrong_page(tmp_path):
     rng = random.Random(0)
-    modes = ["mid", "make", "random", "random", "random", "random"]
+    modes = ["mid", "make", "grow", "random", "random", "random", "random"]
     writer = _writer(tmp_path, *modes)
     try:
         for mode in modes:
             pid = _wait_for(writer, "making" if mode == "make" else "started")
-            if mode == "mid":
-                pid = _wait_for(writer, "mid-write")
+            if mode in ("mid", "grow"):
+                pid = _wait_for(writer, "mid-write" if mode == "mid" else "growing")
             else:
                 time.sleep(rng.uniform(0.0, 0.1))
             os.kill(pid, signal.SIGKILL)
@@ -151,6 +154,7 @@ def test_a_writer_killed_at_any_moment_never_leaves_a_wrong_page(tmp_path):
     results = [_check_every_page(tmp_path / f"kv{r}.tier") for r in range(len(modes))]
     assert results[0][1] >= 1, "the mid-write kill must leave a torn slot to refuse"
     assert results[1] == (0, 0)  # a file killed while made is ours: opened again, empty
+    assert results[2] == (0, 0)  # killed while it grew: its new slots are empty
     assert sum(served for served, _ in results) > 0, "no page survived to be checked"
 
 
