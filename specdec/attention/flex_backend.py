@@ -1,7 +1,7 @@
 """FlexAttention backend: every request's KV gathered back to back, one flex_attention call.
 
-The GPU fallback when flashinfer cannot run (compiled on CUDA); on CPU flex_attention runs
-eagerly, exact but slow (the unfused path materialises every query row x KV slot score). The
+The GPU fallback when flashinfer cannot run; flex_attention runs eagerly by default, exact
+but slow (the unfused path materialises every query row x KV slot score). The
 paged cache is viewed as rows as in `kv_rows`: K of slot (page p, offset o) is row
 p * 2 * page_size + o, its V page_size rows later. The plan gathers all requests' KV slots into
 one packed sequence without padding and builds one BlockMask over [T query rows] x [S gathered
@@ -37,10 +37,12 @@ class FlexAttentionBackend:
     name = "flex"
     supports_cuda_graphs = False  # its plan makes new index tensors and shapes every step
 
-    def __init__(self, spec=None, compile: bool | None = None) -> None:
-        """`spec` (AttentionSpec) is ignored: flex needs no shape up front. `compile` None:
-        compiled flex_attention for CUDA tensors, eager elsewhere."""
-        self.compile = compile
+    def __init__(self, spec=None, compile: bool = False) -> None:
+        """`spec` (AttentionSpec) is ignored: flex needs no shape up front. `compile`: run
+        torch.compile'd flex_attention (opt-in: on the H200, torch 2.13's inductor found no
+        kernel template for a bf16 step of 79 rows, [1, 8, 79, 64], and raised
+        NoValidChoicesError; eager flex is exact on every device)."""
+        self.compile = bool(compile)
         self._plan: _Plan | None = None
         self._compiled = None  # torch.compile(flex_attention), built on first compiled use
 
@@ -58,7 +60,7 @@ class FlexAttentionBackend:
             tuple(q.shape), tuple(k.shape), tuple(v.shape), plan.num_rows)
         rows = write_kv(kv_cache, plan.write_index, k, v)
         kv = rows.index_select(0, plan.read_index).view(2, plan.num_slots, *rows.shape[1:])
-        attend = self._flex(q.is_cuda if self.compile is None else self.compile)
+        attend = self._flex(self.compile)
         out = attend(_heads_first(q), _heads_first(kv[0]), _heads_first(kv[1]),
                      block_mask=plan.block_mask, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).to(q.dtype)

@@ -53,9 +53,10 @@ def graph_shapes(max_batch: int, max_rows: int, batch_sizes=BATCH_SIZES,
     shapes = [Shape(b, b) for b in sizes if b <= max_rows]
     # any-rows shapes hold one seat more than their B: the dummy that takes the spare rows of
     # a step of B requests (a full batch) needs a seat of its own, not a request's
+    # (Shape(2, 2) of one request's 2 rows would be the decode shape of 2 requests: left out)
     shapes += [Shape(b + 1, b * r) for b in sizes for r in rows_per_request
-               if b * r <= max_rows]
-    return sorted(shapes, key=lambda s: (s.num_rows, s.batch_size))
+               if b * r <= max_rows and b * r != b + 1]
+    return sorted(dict.fromkeys(shapes), key=lambda s: (s.num_rows, s.batch_size))
 
 
 def choose_shape(num_requests: int, num_rows: int, decode: bool,
@@ -101,14 +102,16 @@ def pad_metadata(md: AttentionMetadata, rows: list[int], scratch: list[int]) -> 
 
 
 def pad_batch(batch, shape: Shape, scratch: list[int]):
-    """The ForwardBatch padded to ``shape`` (dummy rows: token 0, positions 0.., no logits):
-    host work, before the inputs are staged (features, on the device, padded with zeros)."""
+    """The ForwardBatch padded to ``shape`` (dummy rows: token 0, position 0, no logits):
+    host work, before the inputs are staged (features, on the device, padded with zeros). A
+    dummy's rows attend causally by its metadata, not by position; position 0 keeps every row
+    inside the RoPE table whatever ``max_model_len`` (a dummy may get up to max_rows rows)."""
     b, t = batch.metadata.batch_size, batch.num_rows
     rows = dummy_rows(shape, b, t)
     extra = shape.num_rows - t
     if not rows:
         return batch
-    pos = torch.cat([batch.positions, *(torch.arange(n) for n in rows)])
+    pos = torch.cat([batch.positions, batch.positions.new_zeros(extra)])
     features = batch.features
     if features is not None:
         features = torch.cat([features, features.new_zeros(extra, features.shape[1])])

@@ -236,3 +236,10 @@ def test_engine_greedy_and_speculative_equal_torch_backend(tiny_llama):
     got = oracle.generate([PROMPTS[1]], GREEDY)
     assert got[0].token_ids == want[1].token_ids
     assert _accepted(got) > 0
+
+
+def test_compiled_flex_is_opt_in():
+    """Eager by default on every device (compiled flex failed on the H200: no template for a
+    79-row bf16 step); compile=True asks for it."""
+    assert FlexAttentionBackend().compile is False
+    assert FlexAttentionBackend(compile=True).compile is True

@@ -63,7 +63,8 @@ def bf16_plain(tiny_llama):
 
     prompts = [[5, 6, 7, 8, 5, 6, 9], [3, 4, 3, 4, 3]]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    kw = dict(model=str(tiny_llama), dtype="bfloat16", max_num_seqs=2, max_num_batched_tokens=32,
+    kw = dict(model=str(tiny_llama), dtype="bfloat16", device=DEV, max_num_seqs=2,
+              max_num_batched_tokens=32,
               attention_backend="invariant", enable_prefix_caching=False)
     plain = LLM(**kw)
     graph_everything(plain.engine)
@@ -114,11 +115,11 @@ def test_eagle3_head_attends_through_the_invariant_backend(tiny_llama):
     from specdec.sampling_params import SamplingParams
 
     folder = tiny_llama
-    head = random_head(*load_model(folder, torch.float32, "cpu", 256), aux_layer_ids=(1, 1, 1))
+    head = random_head(*load_model(folder, torch.float32, DEV, 256), aux_layer_ids=(1, 1, 1))
     # 8 tokens: 6 speculative steps, 20 draft nodes from the head's expansion rows
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 5, 6, 9]]
-    kw = dict(model=str(folder), dtype="float32", attention_backend="invariant",
+    kw = dict(model=str(folder), dtype="float32", device=DEV, attention_backend="invariant",
               enable_prefix_caching=False, max_num_seqs=2, max_num_batched_tokens=64)
     want = [o.token_ids for o in LLM(**kw).generate(prompts, params)]
     spec = LLM(**kw, drafter="eagle3", drafter_args={"head": head, "depth": 3, "topk": 2},

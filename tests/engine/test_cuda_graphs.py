@@ -35,6 +35,8 @@ def test_graph_shapes_cover_the_batch_sizes_up_to_the_limits():
     assert all(s.num_rows <= 32 for s in shapes)
     assert Shape(8, 8) in shapes and Shape(5, 32) in shapes and Shape(9, 64) not in shapes
     assert shapes == sorted(shapes, key=lambda s: (s.num_rows, s.batch_size))
+    assert len(set(shapes)) == len(shapes), "a shape listed twice would be captured twice"
+    assert len(set(graph_shapes(8, 512))) == len(graph_shapes(8, 512))
     # a max_batch beyond every listed size is a shape of its own
     assert max(s.batch_size for s in graph_shapes(300, 1024) if s.decode) == 300
 
@@ -128,6 +130,8 @@ def test_padded_batch_gives_the_real_rows_what_the_unpadded_batch_gives(model):
     assert padded.num_rows == 32 and padded.metadata.batch_size == 8
     assert padded.metadata.qo_lens()[3:] == [1, 1, 1, 1, 18]
     assert padded.logits_indices.tolist() == same.logits_indices.tolist()
+    # dummies sit at position 0: a dummy of more rows than max_model_len stays in the RoPE table
+    assert padded.positions[batch.num_rows:].tolist() == [0] * 22
     out = pad_runner.forward(padded, capture_layers=(0,))
     torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=1e-12)
     torch.testing.assert_close(out.final_hidden[:batch.num_rows], ref.final_hidden, rtol=0,

@@ -166,12 +166,9 @@ def test_flashinfer_graph_shape_replays_after_each_plan(kinds):
     assert worst < 1e-2
 
 
-# compiled: Triton's flex kernels on CUDA, what the backend runs there; not rehearsed on a CPU,
-# where inductor would compile a different (C++) kernel that no engine path uses, and which
-# torch 2.13 gets wrong on AVX2-only CPUs ("index out of bounds" in its generated code)
-@pytest.mark.parametrize("compile", [False, True] if DEV.type == "cuda" else [False],
-                         ids=["eager", "compiled"] if DEV.type == "cuda" else ["eager"])
-def test_flex_matches_the_torch_backend_on_gpu(compile):
+# eager: what the backend runs by default (its compiled form is opt-in: on the H200 inductor
+# found no template for one of these steps, see specdec/attention/flex_backend.py)
+def test_flex_matches_the_torch_backend_on_gpu(compile=False):
     from specdec.attention.flex_backend import FlexAttentionBackend
 
     worst = 0.0

@@ -5,7 +5,8 @@
   (``FusedLayers``); where they do not load, the timed table below, said in the log.
 * ``"tuned"`` on a CPU: ``LinearKernels.tune`` (F.linear-based paths timed here, cached).
 * ``"invariant"`` on CUDA: the Triton row-invariant matmul (``specdec.kernels``), where
-  triton imports; else F.linear, said in the log.
+  triton imports and the dtype is one it takes (bf16 / fp16 / fp32); else F.linear, said in
+  the log (float64, the tests' dtype for exact argmaxes, among them).
 * ``"plain"``, or any other device: F.linear.
 """
 
@@ -73,7 +74,10 @@ def _choose(models: list, choice: str, dtype: torch.dtype, device: torch.device,
         logger.info("linear kernels: %s, %d weights prepared (%.0f MB)", kernels.key,
                     kernels.num_prepared, kernels.weight_bytes / 1e6)
         return kernels
-    if not on_cpu and choice == "invariant":
+    if not on_cpu and choice == "invariant" and dtype == torch.float64:
+        logger.info("linear kernels: float64 on %s runs F.linear (the Triton row-invariant "
+                    "matmul takes bf16 / fp16 / fp32)", device.type)
+    elif not on_cpu and choice == "invariant":
         from specdec.kernels import triton_available
 
         if triton_available():
