@@ -39,6 +39,10 @@ class StepStats:
     forward_device_seconds: float | None = None
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
+    # every exception a plugin raised this step, one line each naming the plugin and its call
+    # (specdec.plugins.Raised), a retry that saved the step included; also logged (the first of
+    # each kind, with its traceback) and counted by plugin (LLMEngine.faults, /metrics)
+    plugin_errors: list[str] = field(default_factory=list)
     controller: dict | None = None  # the controller's ``decision`` figures, if it keeps them
     # prefix caching, over this step's admissions: tokens / full pages they had to compute
     # without the cache, and how many of them came from it instead

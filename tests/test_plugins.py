@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,87 @@ def test_drafter_failing_in_init_or_on_verified(tiny_llama):
     assert "FailsLaterPlugin" in outs[2].error
     pool = llm.engine.kv.pool
     assert pool.num_free == pool.num_pages
+
+
+# ---- a plugin that cannot be used is skipped, and an error only where it is asked for ---------
+
+BROKEN = {  # the module an installed-looking entry point names, and the hook to ask by name
+    "import": ("raise ImportError('needs libfoo 2')\n", "specdec_drafters", ImportError),
+    "register": ("from specdec.hookspecs import hookimpl\n"
+                 "@hookimpl\ndef specdec_drafters(bogus):\n    return {}\n",
+                 "specdec_drafters", Exception),
+    "unknown-hook": ("from specdec.hookspecs import hookimpl\n"
+                     "@hookimpl\ndef specdec_drafter():\n    return {}\n",
+                     "specdec_drafters", Exception),
+    "hook-raises": ("from specdec.hookspecs import hookimpl\n"
+                    "@hookimpl\ndef specdec_controllers():\n"
+                    "    raise RuntimeError('bad registry')\n", "specdec_controllers",
+                    RuntimeError),
+}
+
+
+def fake_distribution(site: Path, module_source: str, module: str = "broken_plug_mod") -> Path:
+    """An installed-looking distribution `broken-plug` 1.2.3 on ``site`` (a *.dist-info folder
+    that importlib.metadata finds) whose entry point `broken` in group `specdec` names
+    ``<module>:plugin``, a module of ``module_source`` (``plugin``: the module itself)."""
+    info = site / "broken_plug-1.2.3.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plug\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(f"[specdec]\nbroken = {module}:plugin\n")
+    (site / f"{module}.py").write_text(module_source + "plugin = __import__(__name__)\n")
+    return site
+
+
+def _names_it(text: str, module: str = "broken_plug_mod") -> bool:
+    return all(s in text for s in ("'broken'", f"{module}:plugin", "broken-plug 1.2.3"))
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_a_broken_installed_plugin_is_skipped_with_one_warning(kind, tmp_path, monkeypatch,
+                                                              request, tiny_llama):
+    source, hook, cause = BROKEN[kind]
+    module = f"broken_plug_{kind.replace('-', '_')}"  # one module per case: it may import
+    monkeypatch.syspath_prepend(str(fake_distribution(tmp_path, source, module)))
+    request.addfinalizer(lambda: sys.modules.pop(module, None))
+    monkeypatch.delenv("SPECDEC_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        llm = LLM(model=str(tiny_llama), dtype="float32", drafter=None)
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.token_ids) == 3
+    about = [str(w.message) for w in seen if "broken" in str(w.message)]
+    assert len(about) == 1 and _names_it(about[0], module) and "skipped" in about[0], about
+    # asked for by name: a ValueError naming the plugin, its distribution and the error
+    kw = {"drafter": "broken"} if hook == "specdec_drafters" else {"controller": "broken"}
+    with warnings.catch_warnings(), pytest.raises(ValueError) as info:
+        warnings.simplefilter("ignore")
+        LLM(model=str(tiny_llama), dtype="float32", **kw)
+    assert _names_it(str(info.value), module) and "skipped" in str(info.value)
+    assert isinstance(info.value.__cause__, cause)
+    if kind in ("import", "hook-raises"):
+        assert ("needs libfoo 2" if kind == "import" else "bad registry") in str(info.value)
+
+
+def test_the_cli_runs_beside_a_broken_plugin_and_names_it_when_asked(tmp_path):
+    import cli_helpers
+
+    model = cli_helpers.make_tokenizer_model(tmp_path / "model")
+    site = fake_distribution(tmp_path / "site", BROKEN["import"][0])
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    env.pop("SPECDEC_DISABLE_PLUGIN_AUTOLOAD", None)
+    specdec = Path(sys.executable).parent / "specdec"
+
+    def run(*flags):
+        return subprocess.run([str(specdec), "generate", "write a poem", "--model", str(model),
+                               "--max-tokens", "3", *flags], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    plain = run("--drafter", "none")
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stderr.count("could not be loaded") == 1 and _names_it(plain.stderr)
+    assert "needs libfoo 2" in plain.stderr and "Traceback" not in plain.stderr
+    asked = run("--drafter", "broken")
+    assert asked.returncode == 2 and "Traceback" not in asked.stderr
+    error = asked.stderr.strip().splitlines()[-1]
+    assert "argument --drafter: unknown name 'broken'" in error and _names_it(error)
+    assert "ImportError('needs libfoo 2')" in error

@@ -48,7 +48,8 @@ def _check_registered(parser, args) -> None:
         if name not in names:
             member = f" (a member of {spec!r})" if spec != name else ""
             parser.error(f"argument {flag}: unknown name {name!r}{member}; registered: "
-                         f"{', '.join(sorted(names)) or '(none)'}")
+                         f"{', '.join(sorted(names)) or '(none)'}"
+                         f"{plugins.skipped_note(pm, hook, name)}")
 
 
 def _drafter_names(parser, args) -> list[tuple[str, str, str]]:

@@ -52,7 +52,41 @@ class StepResult:
     stats: StepStats
 
 
+def _part(name: str, doc: str) -> property:
+    """A read-only engine attribute that reads ``engine.parts.<name>``."""
+    def get(self):
+        return getattr(self.parts, name)
+
+    return property(get, doc=doc)
+
+
+class _Closed:
+    """What a closed engine holds in place of its parts and stages: any use says so."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(f"this LLM was closed (LLM.close() or the end of its 'with' block): "
+                           f"its model, KV and stages are gone ({name!r}); make a new one")
+
+
 class LLMEngine:
+    # what the engine was built with, read-only: the public names of docs/api.md ("Public
+    # surface") over ``parts`` (specdec.engine.build.EngineParts), which may change shape
+    activations = _part("activations", 'what the target\'s blocks multiply: "float" | "q8"')
+    weights = _part("weights", 'the target\'s weights: "native", "dequantized" or a quantize '
+                    "mode")
+    draft_weights = _part("draft_weights", 'a learned drafter\'s matrices: "none", "float" or '
+                          "a quantized mode")
+    kernels = _part("kernels", "the matmul kernels every model runs with")
+    tier = _part("tier", "the second KV tier (DiskTier | HostTier), or None")
+    runner = _part("runner", "the target's ModelRunner")
+    drafter_runners = _part("drafter_runners", "the drafter's ModelRunners (maybe none)")
+    device = _part("device", "the torch.device the engine runs on")
+    kv_split = _part("kv_split", "the KV budget's split over the runners (KVSplit)")
+    model = _part("model", "the target model (LlamaDecoder)")
+    max_model_len = _part("max_model_len", "the most tokens (prompt + output) of a request")
+    weight_bytes_per_forward = _part("weight_bytes_per_forward",
+                                     "bytes of matrices one target and drafter forward stream")
+
     def __init__(self, config: EngineConfig, plugins_: tuple = ()) -> None:
         self.config = config
         p = self.parts = build_engine(config, plugins_)  # what the step runs with (read-only)
@@ -77,13 +111,15 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self.samples: dict[str, list[str]] = {}  # request id -> its samples' sequence ids
         self.plugin_errors: list[str] = []  # plugin failures no request could be failed for
+        self.faults = plugins.Faults()  # every exception a plugin raised: counted, logged once
         self.closed = False
         self._ids = itertools.count()
         self._seeds = None if config.seed is None else torch.Generator().manual_seed(config.seed)
 
     def close(self) -> None:
         """Let go of what outlives a step: the disk tier's file and its lock (a later engine
-        on the same path may open it). Requests still running are aborted (their pages go
+        on the same path may open it), and the memory: the model, its weights and kernels,
+        the drafter, the KV (``_release``). Requests still running are aborted (their pages go
         back) and every request is forgotten; afterwards the engine refuses new work
         (``check_open``). Twice is fine."""
         if self.closed:
@@ -96,6 +132,17 @@ class LLMEngine:
         if self.parts.tier is not None:
             self.kv.detach_tier()  # no eviction or admission reaches the closed tier
             self.parts.tier.close()
+        self._release()
+
+    def _release(self) -> None:
+        """Memory goes back at close, not when the engine object does: every runner's KV
+        tensor is emptied, and the parts and the stages (which reach the model, the
+        drafter and the KV) are dropped; config, tokenizer, totals and errors stay."""
+        for runner in (self.parts.runner, *self.parts.drafter_runners):
+            runner.kv.cache.tensor = runner.kv.cache.tensor.new_empty(0)
+        gone = _Closed()
+        self.parts = self.kv = self.drafting = self.controlling = self.verifying = gone
+        self.scheduler = self.outputs = self.commits = self.recorder = gone
 
     def check_open(self) -> None:
         """RuntimeError once ``close()`` ran: a closed engine takes no new work."""
@@ -160,7 +207,10 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> None:
         """End a request (all its samples) now; its pages go back at once, and the controller
-        forgets it at once (between steps: no step's observe comes first)."""
+        forgets it at once (between steps: no step's observe comes first). Nothing to do once
+        the engine is closed (close() aborted every request)."""
+        if self.closed:
+            return
         ended, failures = [], Failures()
         for sid in self.samples_of(request_id):
             seq = self.requests.get(sid)
@@ -168,10 +218,12 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 failures.add(self.commits.finish(seq))
                 ended.append(seq)
-        self.plugin_errors += failures.add(self.controlling.release(ended)).reports
+        failures.add(self.controlling.release(ended))
+        self.faults.add(failures.raised)
+        self.plugin_errors += failures.reports
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return not self.closed and self.scheduler.has_work()
 
     def pop_finished(self, request_id: str) -> Sequence:
         """A finished sequence, forgotten by the engine (a request's samples: ``samples_of``)."""
@@ -235,7 +287,11 @@ class LLMEngine:
         self.controlling.observe(records, stats, self.drafting.source_seconds)
         ended = list(dict.fromkeys([*failed, *(r.seq for r in records if r.seq.is_finished)]))
         failures.add(self.controlling.release(ended))  # after observe: it heard their outcome
-        self.plugin_errors += plugins.notify_step_end(self.parts.pm, stats) + failures.reports
+        stats.plugin_errors = [str(r) for r in failures.raised]
+        reports, raised = plugins.notify_step_end(self.parts.pm, stats)
+        stats.plugin_errors += [str(r) for r in raised]  # (after the observers saw the stats)
+        self.faults.add(failures.raised + raised)
+        self.plugin_errors += reports + failures.reports
         emitted = [(r.seq, r.appended) for r in records if r.result is not None]
         return StepResult(emitted, ended, stats)
 
@@ -245,7 +301,9 @@ class LLMEngine:
         failed = [seq for seq in failures.requests if not seq.is_finished]
         for seq in failed:
             seq.finish_reason, seq.error = "error", failures.requests[seq]
-            failures.reports += self.commits.finish(seq).reports
+            finished = self.commits.finish(seq)  # (no request left to fail: reports only)
+            failures.reports += finished.reports
+            failures.raised += finished.raised
         return failed
 
     def _restore(self, seq: Sequence, keys: list[bytes]) -> tuple[int, Failures]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from specdec.controllers.base import NO_DRAFT, DraftBudget
 from specdec.engine.sequence import Sequence
+from specdec.plugins import Raised
 from specdec.tree import DraftTree
 from specdec.verifiers.base import VerifyResult
 
@@ -68,11 +69,14 @@ class StepRequest:
 class Failures:
     """What went wrong in a stage's plugin calls, as a value the stage returns: requests to fail,
     each with the message naming the plugin (the engine finishes them, all of a step's in one
-    place: ``LLMEngine.step``), and failures no request can be failed for (warned as a
-    RuntimeWarning when found; the engine keeps them in ``plugin_errors``)."""
+    place: ``LLMEngine.step``), failures no request can be failed for (warned as a
+    RuntimeWarning when found; the engine keeps them in ``plugin_errors``), and every exception a
+    plugin raised, whatever came of it (``raised``: the engine logs and counts them,
+    ``plugins.Faults``; a retry that saved the step included)."""
 
     requests: dict[Sequence, str] = field(default_factory=dict)  # request -> error (first wins)
     reports: list[str] = field(default_factory=list)
+    raised: list[Raised] = field(default_factory=list)
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self.requests
@@ -84,9 +88,14 @@ class Failures:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
         self.reports.append(message)
 
+    def caught(self, plugin: str, where: str, error: BaseException) -> None:
+        """``error`` was raised by ``plugin`` in ``where`` (e.g. "drafter 'ngram' propose")."""
+        self.raised.append(Raised.of(plugin, where, error))
+
     def add(self, other: Failures) -> Failures:
         """Those of ``other`` too; returns self."""
         for seq, error in other.requests.items():
             self.fail(seq, error)
         self.reports += other.reports
+        self.raised += other.raised
         return self

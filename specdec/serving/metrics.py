@@ -25,6 +25,10 @@ class Metrics:
         self.step_failures = Counter("specdec_step_failures",
                                      "engine steps that raised (each ended the requests it ran)",
                                      registry=r)
+        self.plugin_exceptions = Counter(
+            "specdec_plugin_exceptions", "exceptions raised by plugins (drafters, controllers, "
+            "step observers), whatever came of them (a failed request, or a retry that saved the "
+            "step)", ["plugin"], registry=r)
         self.kv_usage = Gauge("specdec_kv_cache_usage", "share of the target's KV pages in use",
                               registry=r)
         self.prefix_hit = Gauge("specdec_prefix_cache_hit_rate",
@@ -51,6 +55,7 @@ class Metrics:
                                 "the draft controller's latest decision figures (list figures: "
                                 "their mean)", ["figure"], registry=r)
         self._generated = self._forwards = self._failures = 0
+        self._plugin_exceptions: dict[str, int] = {}  # engine.faults.counts at the last scrape
 
     def finished(self, event: StreamEvent) -> None:
         m = event.metrics
@@ -76,6 +81,9 @@ class Metrics:
         failures = self.loop.step_failures
         self.step_failures.inc(failures - self._failures)
         self._failures = failures
+        for plugin, n in dict(engine.faults.counts).items():
+            self.plugin_exceptions.labels(plugin).inc(n - self._plugin_exceptions.get(plugin, 0))
+            self._plugin_exceptions[plugin] = n
         kv = engine.kv
         self.kv_usage.set(1 - kv.num_free_pages / kv.num_pages)
         rate = engine.totals.prefix_hit_rate["tokens"]

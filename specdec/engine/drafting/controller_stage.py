@@ -47,6 +47,10 @@ class ControllerStage:
     def name(self) -> str:
         return repr(self.controller.name)
 
+    def _error(self, message: str) -> plugins.PluginError:
+        """The step stops: the controller broke its contract (counted against its plugin)."""
+        return plugins.PluginError(message, self.controller.plugin_name)
+
     # ---- budgets ---------------------------------------------------------------------------
 
     def budgets(self, records: list[StepRequest], batch: BatchComposition) -> list[DraftBudget]:
@@ -69,12 +73,12 @@ class ControllerStage:
         answer = self.controller.budgets([_view(r.seq) for r in asking], batch)
         if not isinstance(answer, (list, tuple)) or len(answer) != len(asking) \
                 or not all(isinstance(b, DraftBudget) for b in answer):
-            raise plugins.PluginError(
+            raise self._error(
                 f"controller {self.name} must return {len(asking)} DraftBudget values (one per "
                 f"request), got {answer!r}")
         for b in answer:
             if b.sources is not None and not set(b.sources) <= set(self.sources):
-                raise plugins.PluginError(
+                raise self._error(
                     f"controller {self.name} asked for drafts from {list(b.sources)}; this "
                     f"drafter's sources are {sorted(self.sources) or 'none'}")
         return list(answer)
@@ -113,8 +117,10 @@ class ControllerStage:
         try:
             keep = self.controller.keep_drafting(_view(seq), recompute_tokens)
             if not isinstance(keep, bool):
-                raise plugins.PluginError(f"keep_drafting must return a bool, got {keep!r}")
+                raise self._error(f"keep_drafting must return a bool, got {keep!r}")
         except Exception as e:
+            failures.caught(self.controller.plugin_name, f"controller {self.name} keep_drafting",
+                            e)
             failures.report(f"controller {self.name} failed in keep_drafting: {e!r}; request "
                             f"{seq.request_id!r} computes its cached prefix for the drafter")
             return True, failures
@@ -131,15 +137,15 @@ class ControllerStage:
         kept = self.controller.prune([_view(r.seq) for r in records], [r.tree for r in records],
                                      batch)
         if not isinstance(kept, (list, tuple)) or len(kept) != len(records):
-            raise plugins.PluginError(f"controller {self.name}: prune must return one entry "
-                                      f"per tree ({len(records)}), got {kept!r}")
+            raise self._error(f"controller {self.name}: prune must return one entry "
+                              f"per tree ({len(records)}), got {kept!r}")
         for rec, keep in zip(records, kept):
             if keep is None:
                 continue
             try:
                 rec.tree = rec.tree.select(keep)
             except (ValueError, TypeError) as e:
-                raise plugins.PluginError(
+                raise self._error(
                     f"controller {self.name}: prune returned {keep!r} for a tree of "
                     f"{rec.num_proposed} nodes: {e}") from e
             # node indices of the proposal (through the constraint's selection, if any)
@@ -168,6 +174,7 @@ class ControllerStage:
             try:
                 self.controller.release(seq.request_id)
             except Exception as e:
+                failures.caught(self.controller.plugin_name, f"controller {self.name} release", e)
                 failures.report(f"controller {self.name} failed in release: {e!r}")
         return failures
 

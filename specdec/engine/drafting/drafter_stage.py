@@ -16,6 +16,8 @@ plugin); the others go on. A raising propose / on_verified call is retried reque
 only for a drafter that is ``replay_safe``; for any other, nothing is called twice in a step
 (drafters/base.py, "Failures"): its requests draft alone the next step (propose) or stop drafting
 (on_verified). Each method returns what went wrong as ``Failures``: the engine acts on them.
+Every exception is in ``Failures.raised`` (logged and counted by the engine), and a batched call
+that raised though each request alone succeeded is reported too: the outputs do not show it.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from specdec.drafters.base import (
     VerifiedBatch,
     VerifiedRequest,
 )
-from specdec.engine.drafting.calls import Unblamed, check_trees, first_problem, isolate
+from specdec.engine.drafting.calls import (
+    Unblamed,
+    check_trees,
+    first_problem,
+    isolate,
+    saved_by_retry,
+)
 from specdec.engine.sequence import RequestDrafting, Sequence
 from specdec.engine.step import Failures, StepRequest
 from specdec.tree import DraftTree
@@ -44,6 +52,20 @@ class DrafterStage:
     @property
     def name(self) -> str:
         return plugins.label(self.drafter)
+
+    def _caught(self, failures: Failures, call: str, raised) -> None:
+        """Each exception of ``raised`` ((number of requests, exception) pairs: calls.isolate)
+        into ``failures``."""
+        for _, e in raised:
+            failures.caught(self.drafter.plugin_name, f"drafter {self.drafter.name!r} {call}", e)
+
+    def _saved(self, failures: Failures, call: str, raised, outcomes: list) -> None:
+        """Report a batched call that raised though each request alone succeeded."""
+        e = saved_by_retry(raised, outcomes)
+        if e is not None:
+            failures.report(f"drafter {self.name} raised in {call} for several requests at once "
+                            f"({e!r}) but not for any of them alone: retried request by request "
+                            "(replay_safe), the outputs are right; its batched call has a bug")
 
     @property
     def source_seconds(self) -> dict[str, float]:
@@ -88,8 +110,11 @@ class DrafterStage:
         together = [i for i, rec in enumerate(jobs) if not rec.seq.drafting.suspect]
         outcomes: list = [None] * len(jobs)
         for group in ([together] if together else []) + [[i] for i in alone]:
+            raised: list = []
             got = isolate(self.drafter.propose, [requests[i] for i in group], check_trees,
-                          bool(self.drafter.replay_safe))
+                          bool(self.drafter.replay_safe), raised)
+            self._caught(failures, "propose", raised)
+            self._saved(failures, "propose", raised, got)
             for i, outcome in zip(group, got):
                 outcomes[i] = outcome
         for rec, outcome in zip(jobs, outcomes):
@@ -115,6 +140,7 @@ class DrafterStage:
                 d.ready = True
             except Exception as e:
                 failures.fail(seq, f"drafter {self.name} failed in init_state: {e!r}")
+                self._caught(failures, "init_state", [(1, e)])
         return failures
 
     # ---- prefix-cache hits -----------------------------------------------------------------
@@ -140,6 +166,7 @@ class DrafterStage:
         except Exception as e:
             failures.report(f"drafter {self.name} failed in restore: {e!r}; request "
                             f"{seq.request_id!r} computes its cached prefix instead")
+            self._caught(failures, "restore", [(1, e)])
             return 0, failures.add(self._drop_state(seq))
         return got, failures
 
@@ -153,8 +180,11 @@ class DrafterStage:
         live = [r for r in records if r.seq.drafting.ready and r.seq.finish_reason is None]
         if self.drafter is None or not live:
             return failures
+        raised: list = []
         outcomes = isolate(self.drafter.on_verified, _verified_batch(live, hidden),
-                           lambda out, n: None, bool(self.drafter.replay_safe))
+                           lambda out, n: None, bool(self.drafter.replay_safe), raised)
+        self._caught(failures, "on_verified", raised)
+        self._saved(failures, "on_verified", raised, outcomes)
         for rec, outcome in zip(live, outcomes):
             if isinstance(outcome, str):
                 detail = outcome.removeprefix("failed: ")
@@ -196,6 +226,7 @@ class DrafterStage:
         try:
             self.drafter.release(state)
         except Exception as e:
+            self._caught(failures, "release", [(1, e)])
             message = f"drafter {self.name} failed in release: {e!r}"
             if seq.finish_reason is None:
                 failures.fail(seq, message)

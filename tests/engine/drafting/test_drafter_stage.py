@@ -204,3 +204,59 @@ def test_stop_drops_the_state_and_marks_the_request_undrafted():
     assert not stage.stop([s]).requests
     assert s.drafting == RequestDrafting(undrafted=True)
     assert stage._ensure_states([s]).requests == {} and not s.drafting.ready
+
+
+# ---- every plugin exception is reported, once, even when a retry saved the step --------------
+
+class BatchBug(BaseDrafter):
+    """Correct alone; raises whenever it is asked for several requests at once."""
+
+    name = "batchbug"
+    replay_safe = True  # propose only reads: the engine retries it request by request
+    prefix_cache_safe = True
+
+    def __init__(self, target, **kwargs):
+        pass
+
+    def propose(self, requests):
+        if len(requests) > 1:
+            raise IndexError("batched path bug")
+        return [_chain(r, r.budget.depth_limit) for r in requests]
+
+
+class BatchBugPlugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"batchbug": BatchBug}
+
+
+class Steps:
+    def __init__(self):
+        self.stats = []
+
+    @hookimpl
+    def specdec_step_end(self, stats):
+        self.stats.append(stats)
+
+
+def test_a_batched_propose_saved_by_the_retry_is_reported_once(tiny_llama, plain, caplog):
+    steps = Steps()
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="batchbug", controller="static",
+              plugins=(BatchBugPlugin(), steps), controller_args={"budget": 2})
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8]]
+    with caplog.at_level("ERROR", logger="specdec"), \
+            pytest.warns(RuntimeWarning, match="'batchbug'.*batched path bug.*not for any of them"):
+        outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    assert all(o.metrics.draft_tokens_proposed > 0 for o in outs)  # the retry drafted them
+    raised = [s for s in steps.stats if s.plugin_errors]
+    assert len(raised) >= 5  # every step it ran batched: in the step's stats
+    assert "plugin 'BatchBugPlugin' raised in drafter 'batchbug' propose: IndexError(" \
+        in raised[0].plugin_errors[0]
+    engine = llm.engine
+    assert engine.faults.counts == {"BatchBugPlugin": len(raised)}
+    assert any("batched path bug" in e for e in engine.plugin_errors)
+    # logged once, with the traceback; the other steps' are counted
+    logged = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(logged) == 1 and logged[0].exc_info[0] is IndexError
+    assert sum(engine.faults.repeats.values()) == len(raised) - 1
