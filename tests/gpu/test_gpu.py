@@ -33,7 +33,7 @@ REPORT = Report()
 MIXED = ["prefill", "chunk", "decode", "tree", "decode", "tree", "chunk", "tree"]
 
 
-@pytest.mark.timeout(300)  # the process's first engine: CUDA and kernel libraries load here
+@pytest.mark.timeout(150)  # the process's first engine: CUDA and kernel libraries load here
 @pytest.mark.parametrize("device", ["default", "indexed"])
 def test_smoke_llm_starts_on_the_device_and_decodes(tmp_path, device):
     """First, because nothing else matters if it fails: ``LLM(device=...)`` builds on the
