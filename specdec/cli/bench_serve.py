@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+
 from specdec.cli.common import (
+    PROG,
     add_dataset_args,
     add_model_args,
     add_spec_args,
@@ -41,9 +44,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from specdec.bench.serve import print_serve_report, run_serve_bench
+    from specdec.bench.serve import mostly_failed, print_serve_report, run_serve_bench
 
     report = run_serve_bench(args, engine_kwargs(args))
     print_serve_report(report)
     write_report(report, args.json)
-    return 0
+    failed = mostly_failed(report)
+    for line in failed:
+        print(f"{PROG} bench-serve: error: {line}", file=sys.stderr)
+    return 1 if failed else 0

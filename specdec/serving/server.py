@@ -78,10 +78,18 @@ def _add_status_routes(app: FastAPI, loop: EngineLoop, model_name: str,
             return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
+    started = int(time.time())  # the model's "created": when this server began serving it
+    config = loop.engine.config
+    # what the server runs, for clients that report it (specdec bench-serve): beyond OpenAI's
+    # fields, which clients ignore
+    speculation = {"drafter": config.drafter, "controller": config.controller_name,
+                   "verifier": config.verifier}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "created": 0, "owned_by": "specdec"}]}
+                                            "created": started, "owned_by": "specdec",
+                                            "speculation": speculation}]}
 
     @app.get("/metrics")
     async def prometheus():
