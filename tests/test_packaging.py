@@ -128,6 +128,17 @@ def test_shipped_drafters_are_package_data():
                     assert _package_data(path), f"{kind}: {path} is not package data"
 
 
+def test_the_default_bench_prompts_are_package_data():
+    """The bench commands' --dataset default (#52: they needed a file nobody shipped)."""
+    from specdec.bench.data import DEFAULT_DATASET, load_questions
+
+    path = "specdec/bench/" + DEFAULT_DATASET.name
+    assert _source_files().get(path) == DEFAULT_DATASET and _package_data(path)
+    questions = load_questions(DEFAULT_DATASET, None)
+    assert len(questions) >= 32 and all(len(q.turns) == 2 for q in questions)
+    assert len({q.category for q in questions}) >= 8
+
+
 def _copy_or_stub(source: str, target: str) -> None:
     """Weights become empty files of the same name: the wheel's file list is what is checked,
     and zipping the shipped drafters' ~90 MB would take most of this test's time."""

@@ -4,7 +4,9 @@ Formats, detected from the first record's fields:
     MT-Bench / Spec-Bench   {"question_id", "category", "turns": [str, ...]}
     HumanEval               {"task_id", "prompt", ...}          category "humaneval"
     GSM8K                   {"question", "answer"}              category "gsm8k"
-Files are JSON lines, optionally gzip-compressed (`.gz`).
+Files are JSON lines, optionally gzip-compressed (`.gz`). Without ``--dataset`` the bench
+commands read ``DEFAULT_DATASET``: 32 questions of two turns each, four per MT-Bench category,
+written for specdec and shipped with it (package data), so that they run as documented.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec.models.tokenizer import chat_token_ids
+
+# the prompt set shipped with the package (pyproject package-data): --dataset's default
+DEFAULT_DATASET = Path(__file__).with_name("prompts.jsonl")
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from specdec.cli.common import (
+    add_dataset_arg,
     add_model_args,
     add_spec_args,
     engine_kwargs,
-    existing_file,
     int_at_least,
     write_report,
 )
@@ -17,8 +17,7 @@ def add_parser(sub) -> None:
     from specdec.bench.compare import BASELINES
 
     p = sub.add_parser("bench", help="engine vs a baseline on a prompt dataset (greedy)")
-    p.add_argument("--dataset", type=existing_file, required=True,
-                   help="MT-Bench/Spec-Bench or HumanEval jsonl (.gz ok)")
+    add_dataset_arg(p, "MT-Bench/Spec-Bench, HumanEval or GSM8K jsonl (.gz ok)")
     p.add_argument("--num-prompts", type=int_at_least(1), default=None, help="default: all")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=128)
     p.add_argument("--batch-size", type=int_at_least(1), default=1,

@@ -139,10 +139,22 @@ def add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
                         "table timed at start-up, or F.linear only")
 
 
+def add_dataset_arg(p, help_text: str) -> None:
+    """--dataset, defaulting to the prompt set shipped with specdec."""
+    from specdec.bench.data import DEFAULT_DATASET
+
+    p.add_argument("--dataset", type=existing_file, default=str(DEFAULT_DATASET),
+                   help=f"{help_text} (default: the 32 two-turn MT-Bench-style questions shipped "
+                        f"with specdec, {DEFAULT_DATASET.name})")
+
+
 def add_dataset_args(p, help_text: str, num_prompts: int, max_new_tokens: int) -> None:
-    p.add_argument("--dataset", type=existing_file, required=True, help=help_text)
-    p.add_argument("--num-prompts", type=int_at_least(1), default=num_prompts)
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=max_new_tokens)
+    add_dataset_arg(p, help_text)
+    p.add_argument("--num-prompts", type=int_at_least(1), default=num_prompts,
+                   help=f"questions taken from the dataset, round-robin over its categories "
+                        f"(default {num_prompts})")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=max_new_tokens,
+                   help=f"tokens generated per request (default {max_new_tokens})")
 
 
 # The engine options the engine flags set: each flag's argparse dest is the option's name

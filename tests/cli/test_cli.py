@@ -126,3 +126,12 @@ def test_generate_stats_say_nothing_drafted_rather_than_a_rate_of_nothing():
     drafted = RequestMetrics(num_output_tokens=4, draft_tokens_proposed=4,
                              accepted_by_depth=[2, 1])
     assert "acceptance 75.0% (3/4)" in generate_stats(drafted, 1.0, speculative=True)
+
+
+def test_bench_commands_read_the_shipped_prompts_without_dataset():
+    """#52: the docs' bench commands ran only with a file nobody shipped."""
+    from specdec.bench.data import DEFAULT_DATASET
+    from specdec.cli import parse_args
+
+    for command in ("bench", "bench-prefix", "bench-serve"):
+        assert parse_args([command]).dataset == str(DEFAULT_DATASET), command
