@@ -14,17 +14,22 @@ it (and not at all in a step none of its requests asks for them). Each member's 
 kept in ``last_source_seconds`` for the step report.
 
 Failures (drafters/base.py): a member marking a request failed fails it (the message names the
-member); the composition is replay_safe only when every member is, since a raising member leaves
-the members before it having proposed or updated already.
+member); a member that raises or returns something malformed raises a ``PluginError`` naming the
+member and its plugin (its ``plugin`` attribute: the engine counts it against that plugin),
+chained to the member's error; the composition is replay_safe only when every member is, since a
+raising member leaves the members before it having proposed or updated already. The
+composition's ``plugin_name`` is its members', joined by "+".
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from specdec.drafters.adapter import as_drafter
 from specdec.drafters.base import BaseDrafter, DraftRequest, VerifiedBatch
+from specdec.plugins import PluginError, label
 from specdec.tree import DraftTree, merge_trees
 
 
@@ -40,6 +45,7 @@ class ComposedDrafter(BaseDrafter):
         assert len(drafters) >= 2
         self.drafters = drafters = [as_drafter(d) for d in drafters]
         self.name = "+".join(d.name for d in drafters)
+        self.plugin_name = "+".join(dict.fromkeys(d.plugin_name for d in drafters))
         self.sources = tuple(d.name for d in drafters)
         self.hidden_layers = tuple(sorted({i for d in drafters for i in d.hidden_layers}))
         self.matmul_models = tuple(m for d in drafters for m in d.matmul_models)
@@ -47,7 +53,8 @@ class ComposedDrafter(BaseDrafter):
         self.last_source_seconds: dict[str, float] = {}  # the last propose's, by member
 
     def init_state(self, request_id: str, prompt_token_ids: list[int]) -> ComposedState:
-        return ComposedState([d.init_state(request_id, prompt_token_ids) for d in self.drafters],
+        return ComposedState([_call(d, "init_state", d.init_state, request_id, prompt_token_ids)
+                              for d in self.drafters],
                              [[] for _ in self.drafters], (request_id, prompt_token_ids))
 
     def restore(self, state: ComposedState, token_ids, page_keys: list[bytes]) -> int:
@@ -57,11 +64,13 @@ class ComposedDrafter(BaseDrafter):
         while True:
             for k, d in enumerate(self.drafters):
                 if done[k] is not None and done[k] != m:  # restored more: start it afresh
-                    d.release(state.states[k])
-                    state.states[k] = d.init_state(*state.request)
+                    _call(d, "release", d.release, state.states[k])
+                    state.states[k] = _call(d, "init_state", d.init_state, *state.request)
                     done[k] = None
                 if done[k] is None:
-                    done[k] = min(m, d.restore(state.states[k], token_ids, page_keys[:m]))
+                    got = _call(d, "restore", d.restore, state.states[k], token_ids,
+                                page_keys[:m])
+                    done[k] = min(m, got)
                     m = done[k]
             if all(v == m for v in done):
                 return m
@@ -77,15 +86,11 @@ class ComposedDrafter(BaseDrafter):
             trees = [DraftTree.empty() for _ in requests]
             if asked:
                 start = time.perf_counter()
-                got = d.propose([subs[i] for i in asked])
+                got = _call(d, "propose", d.propose, [subs[i] for i in asked])
                 self.last_source_seconds[d.name] = time.perf_counter() - start
                 _pass_failures(d, [subs[i] for i in asked], [requests[i] for i in asked])
-                if not isinstance(got, list) or len(got) != len(asked):
-                    raise TypeError(f"drafter {d.name!r} returned {type(got).__name__} for "
-                                    f"{len(asked)} requests")
+                _call(d, "propose", _check_trees, got, [subs[i] for i in asked])
                 for i, tree in zip(asked, got):
-                    tree.validate(max_nodes=subs[i].budget.max_nodes,
-                                  max_depth=subs[i].budget.max_depth)
                     trees[i] = tree
             per_drafter.append((subs, trees, set(asked)))
         out = []
@@ -106,7 +111,7 @@ class ComposedDrafter(BaseDrafter):
                 # what it proposed, kept or not: its own draft state (e.g. KV) covered all of it
                 reqs.append(replace(r, state=r.state.states[k], accepted=own, error=None,
                                     num_proposed=len(r.state.maps[k]) if r.num_proposed else 0))
-            d.on_verified(VerifiedBatch(reqs, batch.hidden))
+            _call(d, "on_verified", d.on_verified, VerifiedBatch(reqs, batch.hidden))
             _pass_failures(d, reqs, batch.requests)
         for r in batch.requests:
             r.state.maps = [[] for _ in self.drafters]
@@ -115,11 +120,30 @@ class ComposedDrafter(BaseDrafter):
         errors = []
         for d, s in zip(self.drafters, state.states):
             try:
-                d.release(s)
-            except Exception as e:  # release every drafter's resources, then report
-                errors.append(f"{d.name}: {e!r}")
+                _call(d, "release", d.release, s)
+            except PluginError as e:  # release every drafter's resources, then report
+                errors.append(e)
         if errors:
-            raise RuntimeError("; ".join(errors))
+            raise PluginError("; ".join(map(str, errors)), errors[0].plugin) from errors[0]
+
+
+def _call(drafter, call: str, fn: Callable, *args):
+    """``fn(*args)``, a member's call: what it raises is re-raised naming the member and its
+    plugin."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        raise PluginError(f"member {label(drafter)} failed in {call}: {e!r}",
+                          drafter.plugin_name) from e
+
+
+def _check_trees(got, requests: list[DraftRequest]) -> None:
+    if not isinstance(got, list) or len(got) != len(requests):
+        raise TypeError(f"returned {type(got).__name__} for {len(requests)} requests")
+    for r, tree in zip(requests, got):
+        if not isinstance(tree, DraftTree):
+            raise TypeError(f"returned {type(tree).__name__}, not a DraftTree")
+        tree.validate(max_nodes=r.budget.max_nodes, max_depth=r.budget.max_depth)
 
 
 def _pass_failures(drafter, subs: list, requests: list) -> None:

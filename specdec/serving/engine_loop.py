@@ -9,7 +9,9 @@ away) ends the request before the next step: its pages go back at once.
 ``drain(timeout)`` stops taking requests and lets those in flight finish; whatever is still
 running at the deadline ends with an error (a signal handler, SIGTERM's, calls ``drain_soon``:
 it takes no lock). A step that raises ends the requests it ran with its error (counted in
-``step_failures``); the loop goes on serving the next ones.
+``step_failures``); the loop goes on serving the next ones. Both, and a request that ends with
+an error (a plugin that failed it: the message names the plugin and the cause), are logged on
+``specdec.serving``: a client's 500 alone tells the operator nothing.
 
     loop = EngineLoop(llm.engine).start()   # a background thread (tests); a server calls
     stream = loop.submit(prompt_ids, SamplingParams(max_tokens=64))   # loop.run() instead
@@ -21,6 +23,7 @@ it takes no lock). A step that raises ends the requests it ran with its error (c
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -30,7 +33,10 @@ from dataclasses import dataclass, field
 
 from specdec.engine.streaming import DeltaTracker, changed
 from specdec.outputs import RequestMetrics, TokenLogprob
+from specdec.plugins import PluginError, Raised
 from specdec.sampling_params import SamplingParams
+
+log = logging.getLogger("specdec.serving")
 
 
 class QueueFullError(RuntimeError):
@@ -235,6 +241,10 @@ class EngineLoop:
         except Exception as e:  # the engine's state is unknown: end every request
             self.step_failures += 1
             self.last_error = f"engine step failed: {e!r}"
+            log.error("%s; its %d requests end with this error", self.last_error,
+                      len(self._streams), exc_info=e)
+            if isinstance(e, PluginError):  # a plugin broke its contract: counted against it
+                self.engine.faults.add([Raised.of("?", "an engine step", e)])
             self._fail_all(self.last_error, sent)
             return
         self.num_steps += 1
@@ -289,6 +299,8 @@ class EngineLoop:
         stream._put(event)
         if not done:
             return
+        if seq.finish_reason == "error":
+            log.error("request %s failed: %s", seq.request_id, seq.error)
         for hook in self.on_finish:
             hook(event)
         sent.forget(seq.request_id)

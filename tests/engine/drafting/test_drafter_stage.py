@@ -260,3 +260,39 @@ def test_a_batched_propose_saved_by_the_retry_is_reported_once(tiny_llama, plain
     logged = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(logged) == 1 and logged[0].exc_info[0] is IndexError
     assert sum(engine.faults.repeats.values()) == len(raised) - 1
+
+
+# ---- a composition's failing member is named, with its plugin --------------------------------
+
+class Toy(BaseDrafter):
+    """Raises in propose for a prompt starting with 5; else a one-token chain."""
+
+    name = "toy"
+    prefix_cache_safe = True
+
+    def __init__(self, target, **kwargs):
+        pass
+
+    def propose(self, requests):
+        if any(r.token_ids[0] == 5 for r in requests):
+            raise RuntimeError("toy bug")
+        return [_chain(r, 1) for r in requests]
+
+
+class ToyPlugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"toy": Toy}
+
+
+def test_a_failing_member_of_a_composition_is_named_with_its_plugin(tiny_llama, plain):
+    llm = LLM(model=str(tiny_llama), dtype="float64", drafter="toy+ngram", controller="static",
+              plugins=(ToyPlugin(),), controller_args={"budget": 2})
+    assert llm.engine.drafting.drafter.plugin_name == "ToyPlugin+specdec.builtins"
+    with pytest.warns(RuntimeWarning, match="failed in propose for 2 requests at once"):
+        outs = llm.generate([[1, 2, 3], [5, 6, 7]], GREEDY)
+    assert outs[0].token_ids == plain.generate([[1, 2, 3]], GREEDY)[0].token_ids
+    assert outs[1].finish_reason == "error" and "'?'" not in outs[1].error
+    assert "member 'toy' (plugin 'ToyPlugin') failed in propose: RuntimeError('toy bug')" \
+        in outs[1].error
+    assert set(llm.engine.faults.counts) == {"ToyPlugin"}  # counted against the member's plugin
