@@ -1,7 +1,9 @@
 """`specdec train` settings: one dataclass, from CLI flags and an optional YAML file.
 
-Precedence: defaults < YAML (`--config`) < flags given on the command line. Every field is
-checked here, with errors naming the field and what is allowed.
+Precedence: defaults < YAML (`--config`) < flags given on the command line; with `--resume`,
+defaults < the run's recorded settings < YAML < flags, where a setting given with another value
+than the recorded one is an error unless `allow_changed` names it (training/record.py). Every
+field is checked here, with errors naming the field and what is allowed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ class TrainConfig:
     out: str = ""
     eval_files: list[str] = field(default_factory=list)  # extra held-out prompts (e.g. MT-Bench)
     resume: bool = False
+    # settings a --resume may give with other values than the run recorded (training/record.py)
+    allow_changed: list[str] = field(default_factory=list)
     regenerate: bool = False  # the target answers the prompts (self-distillation)
     regen_temperature: float = 0.0
     regen_max_tokens: int = 256
@@ -72,7 +76,8 @@ class TrainConfig:
         if self.kind not in KINDS:
             raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if not self.data:
-            raise ValueError("data: give at least one training file (--data FILE ...)")
+            raise ValueError("data: give at least one training file (--data FILE ...; --resume "
+                             "takes the recorded ones of a run that recorded its settings)")
         if not self.out:
             raise ValueError("out: give the output folder (--out DIR)")
         for name in ("regen_max_tokens", "regen_batch_size", "max_length", "draft_vocab_size",
@@ -113,17 +118,21 @@ class TrainConfig:
             raise ValueError("regen_activations must be 'float' or 'q8', got "
                              f"{self.regen_activations!r}")
         _check_export_for(self.kind, self.export_for)
+        _check_allow_changed(self.allow_changed)
         if self.aux_layer_ids is not None and len(self.aux_layer_ids) != 3:
             raise ValueError(f"aux_layer_ids must list 3 layer ids, got {self.aux_layer_ids!r}")
 
     @classmethod
     def from_sources(cls, yaml_file: str | None, overrides: dict) -> TrainConfig:
-        """Defaults, then the YAML file's keys, then ``overrides`` (flags the user gave)."""
+        """Defaults, then (``resume``) the run's recorded settings, then the YAML file's keys,
+        then ``overrides`` (flags the user gave)."""
         values: dict = {}
         if yaml_file is not None:
             values.update(_read_yaml(Path(yaml_file)))
         values.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in fields(cls)}
+        if values.get("resume") and values.get("out"):
+            values = {**_recorded(values, known), **values}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown training settings {unknown}; allowed: {sorted(known)}")
@@ -131,6 +140,34 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _recorded(given: dict, known: set[str]) -> dict:
+    """The settings ``given["out"]`` recorded (none if it recorded none), after checking that
+    ``given`` changes none of them that ``allow_changed`` does not name."""
+    from specdec.training.record import (
+        NOT_COMPARED,
+        changed_settings,
+        check_changes,
+        normalized,
+        read_record,
+    )
+
+    recorded = read_record(given["out"])
+    if recorded is None:
+        return {}
+    check_changes(changed_settings(recorded, given), given.get("allow_changed") or [],
+                  given["out"])
+    return {k: v for k, v in normalized(recorded).items() if k in known and k not in NOT_COMPARED}
+
+
+def _check_allow_changed(names) -> None:
+    from specdec.training.record import NOT_COMPARED
+
+    allowed = sorted({f.name for f in fields(TrainConfig)} - set(NOT_COMPARED))
+    if not isinstance(names, list) or not all(n in allowed for n in names):
+        raise ValueError(f"allow_changed must list training settings ({', '.join(allowed)}), "
+                         f"got {names!r}")
 
 
 def _read_yaml(path: Path) -> dict:

@@ -15,7 +15,8 @@ Layout of ``out``::
     out/checkpoints/step_N/   accelerate states (model, optimizer, scheduler, RNG, progress)
     out/drafter/              the drafter: config.json + model.safetensors
     out/eval.json             evaluation of out/drafter (also in out/drafter/eval.json)
-    out/train_config.json     the settings of the run
+    out/train_config.json     the settings of the run (recorded at its start; --resume reads
+                              them, training/record.py)
 
 The same script runs under ``accelerate launch`` on several processes (GPUs, nodes, or
 CPU processes: ``torchrun --nproc_per_node N -m specdec.cli train ...``): every process answers
@@ -62,6 +63,7 @@ from specdec.training.processes import (
     on_main_first,
     trace_step,
 )
+from specdec.training.record import changed_settings, check_changes, read_record, write_record
 from specdec.training.vocab import coverage, draft_vocab
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,10 @@ def train(config: TrainConfig) -> dict:
                               project_dir=str(out), mixed_precision=config.mixed_precision,
                               cpu=not torch.cuda.is_available())
     _prepare_out(out, config.resume)  # every process checks before any of them writes
+    changes = _resume_changes(out, config)
     accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_record(out, config.to_dict(), changes)
     set_seed(config.seed)
     folder = resolve_model_path(config.target)
     dtype = getattr(torch, config.dtype)
@@ -161,6 +166,18 @@ def _prepare_out(out: Path, resume: bool) -> Path:
         raise ValueError(f"--resume: {out} does not exist; nothing to resume")
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+def _resume_changes(out: Path, config: TrainConfig) -> dict[str, tuple]:
+    """The settings ``config`` changes from those the resumed run recorded (the CLI fills in the
+    recorded ones; a Python caller gives every setting): an error unless ``allow_changed``
+    names them all."""
+    recorded = read_record(out) if config.resume else None
+    if recorded is None:
+        return {}
+    changes = changed_settings(recorded, config.to_dict())
+    check_changes(changes, config.allow_changed, out)
+    return changes
 
 
 class Split(NamedTuple):
@@ -376,7 +393,6 @@ def _export(k: Kind, head, hf, config: TrainConfig, out: Path, metrics: dict,
     k.save(head, folder, hf, getattr(torch, config.save_dtype),
            {"target": config.target, "train": metrics, **calibrated},
            formats=tuple(config.export_for))
-    (out / "train_config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
     return folder
 
 

@@ -19,7 +19,13 @@ def add_parser(sub) -> None:
     p.add_argument("--regenerate", action="store_true", default=None,
                    help="the target answers the prompts first (self-distillation)")
     p.add_argument("--resume", action="store_true", default=None,
-                   help="continue the run in --out from its last checkpoint")
+                   help="continue the run in --out from its last checkpoint, with the settings "
+                   "it recorded (--out DIR/train_config.json); a setting given with another "
+                   "value is an error unless --allow-changed names it")
+    p.add_argument("--allow-changed", nargs="+", default=None, metavar="SETTING",
+                   help="with --resume: settings (training/config.py names, e.g. max_steps) "
+                   "that may differ from the run's recorded ones; the change is logged and "
+                   "the replaced settings kept in DIR/train_config.history.jsonl")
     p.add_argument("--eval", nargs="+", type=existing_file, default=None, metavar="FILE",
                    dest="eval_files", help="extra held-out prompts for the final evaluation")
     p.add_argument("--config", type=existing_file, default=None, metavar="YAML",
@@ -45,7 +51,9 @@ def run(args) -> int:
     flags = {k: getattr(args, k) for k in ("kind", "target", "data", "out", "regenerate",
                                            "resume", "eval_files", "report_to", "max_steps",
                                            "limit", "init_from", "mixed_precision",
-                                           "export_for")}
+                                           "export_for", "allow_changed")}
+    if args.allow_changed:  # setting names, as flags spell them or as training/config.py does
+        flags["allow_changed"] = [n.replace("-", "_") for n in args.allow_changed]
     config = TrainConfig.from_sources(args.config, flags)
     report = train(config)
     print(f"drafter: {Path(config.out) / 'drafter'}", file=sys.stderr)

@@ -81,3 +81,43 @@ def test_train_prints_what_eval_json_says(chat_target, prompts_file, tmp_path, c
     assert report["split"]["train_conversations"] == 1
     assert any("trained on 1 conversation (9 held out" in w for w in report["warnings"])
     assert report["greedy_match_rate"] == 1.0
+
+
+def test_resume_takes_the_recorded_settings(chat_target, prompts_file, tmp_path, monkeypatch,
+                                            capsys):
+    """Issue 52 item 7: `--resume` demanded `--data` although the run recorded it, and trained
+    on other data given with it. Now the recorded settings are used, a differing one is an
+    error naming it (both values) unless --allow-changed names it, and the same file spelt
+    otherwise is no change."""
+    import specdec.training.trainer as trainer
+    from specdec.training.config import TrainConfig
+    from specdec.training.record import write_record
+
+    out = tmp_path / "run"
+    out.mkdir()
+    first = TrainConfig(target=chat_target, data=[str(prompts_file)], out=str(out),
+                        regenerate=True, max_steps=7, eval_budget=5)
+    write_record(out, first.to_dict(), {})
+    seen = []
+    monkeypatch.setattr(trainer, "train", lambda config: seen.append(config) or {"summary": []})
+    resume = ["train", "eagle3", "--out", str(out), "--resume"]
+    assert main(resume) == 0
+    config = seen[-1]
+    assert config.data == [str(prompts_file.resolve())] and config.target == chat_target
+    assert (config.regenerate, config.max_steps, config.eval_budget, config.resume) == (
+        True, 7, 5, True)
+    other = tmp_path / "other.jsonl"
+    other.write_text(prompts_file.read_text())
+    assert main([*resume, "--data", str(other), "--limit", "10"]) == 1
+    err = capsys.readouterr().err
+    assert f"data: recorded ['{prompts_file.resolve()}'], given ['{other.resolve()}']" in err
+    assert "limit: recorded None, given 10" in err and "--allow-changed data limit" in err
+    assert main(["train", "mtp", "--out", str(out), "--resume"]) == 1
+    assert "kind: recorded 'eagle3', given 'mtp'" in capsys.readouterr().err
+    assert main([*resume, "--max-steps", "9", "--allow-changed", "max-steps"]) == 0
+    assert (seen[-1].max_steps, seen[-1].data) == (9, config.data)
+    monkeypatch.chdir(prompts_file.parent)
+    assert main([*resume, "--data", prompts_file.name]) == 0  # the same file
+    assert len(seen) == 3
+    assert main([*resume, "--allow-changed", "learning_rat"]) == 1
+    assert "allow_changed must list training settings" in capsys.readouterr().err

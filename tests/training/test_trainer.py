@@ -95,6 +95,20 @@ def test_resume_equals_uninterrupted(chat_target, prompts_file, tmp_path, monkey
         train(config(tmp_path / "cut"))
     assert not (tmp_path / "cut" / "drafter").exists()
     monkeypatch.setattr(trainer, "_train_step", real)
+    # issue 52 item 7: the run recorded its settings when it started; a resume that would train
+    # on other data is refused, naming each setting with both values, and changes no file
+    record = tmp_path / "cut" / "train_config.json"
+    recorded = record.read_text()
+    assert json.loads(recorded)["data"] == [str(prompts_file.resolve())]
+    other = tmp_path / "other.jsonl"
+    other.write_text(prompts_file.read_text())
+    with pytest.raises(ValueError) as refused:
+        train(_config(chat_target, other, tmp_path / "cut", max_steps=6, checkpoint_every=3,
+                      holdout=0, resume=True, limit=10))
+    assert (f"data: recorded ['{prompts_file.resolve()}'], given ['{other.resolve()}']; limit: recorded "
+            "None, given 10" in str(refused.value)) and "--allow-changed data limit" in str(
+                refused.value)
+    assert record.read_text() == recorded and not (tmp_path / "cut" / "drafter").exists()
     train(config(tmp_path / "cut", resume=True))
     a = load_file(tmp_path / "full" / "drafter" / "model.safetensors")
     b = load_file(tmp_path / "cut" / "drafter" / "model.safetensors")
@@ -107,8 +121,14 @@ def test_resume_equals_uninterrupted(chat_target, prompts_file, tmp_path, monkey
         return json.loads((tmp_path / run / "drafter" / "config.json").read_text())["specdec"]["train"]
 
     assert metrics("cut") == metrics("full") and metrics("full")["first_loss"] is not None
-    train(config(tmp_path / "cut", resume=True))
+    # a change that --allow-changed names is made, logged and kept in the history
+    train(config(tmp_path / "cut", resume=True, eval_budget=4, allow_changed=["eval_budget"]))
     assert metrics("cut") == metrics("full")
+    assert json.loads(record.read_text())["eval_budget"] == 4
+    history = (tmp_path / "cut" / "train_config.history.jsonl").read_text().splitlines()
+    assert [json.loads(h)["changed"] for h in history] == [
+        {"eval_budget": {"recorded": 6, "given": 4}}]
+    assert json.loads(history[0])["replaced"]["eval_budget"] == 6
 
 
 def test_bad_input(chat_target, prompts_file, tmp_path):
