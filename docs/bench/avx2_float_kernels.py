@@ -51,6 +51,10 @@ cycle (a broadcast from memory takes a load port only). Per 8 weights and R rows
 
 The compute-bound column takes the measured mixes. Ratios only mean something within one run:
 say which CPU.
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``SPECDEC_BENCH_QUICK=1
+--no-e2e``: the port model and the bandwidth only; the two -O3 builds of the kernels and their
+timings (~50 s of compiling) are skipped, and it says so.
 """
 
 from __future__ import annotations
@@ -68,7 +72,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("cpu_kernels", "linear", "linear_q8", "attention", "layer", "suffix")
 # setup.py's flags (no contraction of a * b + c into an fma the C code does not ask for)
 CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c11", "-fPIC"]
 # Q6_K's 6-bit unpacking: ~21 logic ops a sub-block's 128 bytes, on any of the 4 pipes
@@ -169,21 +172,35 @@ def ports(tmp: Path) -> dict[str, float]:
     return {k: float(v) for k, v in (line.split("\t") for line in out.stdout.splitlines())}
 
 
+def native_files(base: str | None) -> list[str]:
+    """The C sources and headers of specdec/native in the work tree (base None) or at ``base``
+    (every one: a source added later is linked too)."""
+    if base is None:
+        names = [p.name for p in (ROOT / "specdec" / "native").iterdir()]
+    else:
+        names = [Path(n).name for n in subprocess.run(
+            ["git", "ls-tree", "--name-only", f"{base}:specdec/native"], cwd=ROOT, check=True,
+            capture_output=True, text=True).stdout.split()]
+    return sorted(n for n in names if n.endswith((".c", ".h")))
+
+
 def build(tmp: Path, name: str, base: str | None) -> Path:
     """The kernels' library from the work tree (base None) or from git commit ``base``."""
     src = tmp / name
     src.mkdir()
-    for f in [*(f"{s}.c" for s in SOURCES), "kernels.h"]:
+    files = native_files(base)
+    sources = [f[:-2] for f in files if f.endswith(".c")]
+    for f in files:
         path = f"specdec/native/{f}"
         text = (subprocess.run(["git", "show", f"{base}:{path}"], cwd=ROOT, check=True,
                                capture_output=True).stdout if base else (ROOT / path).read_bytes())
         (src / f).write_bytes(text)
     inc = sysconfig.get_paths()["include"]
     procs = [subprocess.Popen(["gcc", *CFLAGS, f"-I{inc}", "-c", str(src / f"{s}.c"), "-o",
-                               str(src / f"{s}.o")]) for s in SOURCES]
+                               str(src / f"{s}.o")]) for s in sources]
     assert all(p.wait() == 0 for p in procs), f"compiling {name} failed"
     lib = tmp / f"{name}.so"
-    subprocess.run(["gcc", "-shared", "-fopenmp", *(str(src / f"{s}.o") for s in SOURCES),
+    subprocess.run(["gcc", "-shared", "-fopenmp", *(str(src / f"{s}.o") for s in sources),
                     "-o", str(lib)], check=True)
     return lib
 
@@ -369,9 +386,14 @@ def main() -> None:
     os.environ["SPECDEC_NATIVE_ISA"] = "avx2"  # read once per library, at its first call
     from specdec.bench.physics import bandwidth_gbs
 
+    quick = os.environ.get("SPECDEC_BENCH_QUICK") == "1"
+    if quick:
+        args.no_kernels = True
+        print("skipped (quick form): the kernel builds and their timings", flush=True)
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        libs = {"base": build(tmp, "base", args.base), "new": build(tmp, "new", None)}
+        libs = ({} if args.no_kernels and args.no_e2e else
+                {"base": build(tmp, "base", args.base), "new": build(tmp, "new", None)})
         cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                     if line.startswith("model name")), "?")
         mix, bw = ports(tmp), bandwidth_gbs()

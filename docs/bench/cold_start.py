@@ -13,6 +13,9 @@ costs from earlier runs) and the model's files dropped from the page cache first
 (``posix_fadvise(DONTNEED)``, which needs no privileges; ``--keep-page-cache`` skips it), and
 **warm**, a second process on the cache and page cache the first one left. Beside them the
 model file's size and the KV budget, and peak RSS / (file + KV) (issue 35's target: <= 1.15).
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--model`` a tiny GGUF with a chat
+template, ``--max-model-len 256 --keep-page-cache``.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def child(a: argparse.Namespace, t_start: float) -> dict:
     from specdec.models.tokenizer import chat_token_ids
 
     t_import = time.time() - t_start
-    llm = LLM(model=a.model, activations=a.activations, weights=a.weights, max_model_len=2048)
+    llm = LLM(model=a.model, activations=a.activations, weights=a.weights,
+              max_model_len=a.max_model_len)
     ready = time.time() - t_start
     loaded = {"hwm_mb": _status_kb("VmHWM") / 1024, "rss_mb": _status_kb("VmRSS") / 1024}
     ids = chat_token_ids(llm.tokenizer, [{"role": "user", "content": PROMPT}])
@@ -92,7 +96,7 @@ def drop_page_cache(files: list[Path]) -> None:
 
 def start(a: argparse.Namespace, cache: str) -> dict:
     cmd = [sys.executable, __file__, "--child", "--model", a.model, "--activations",
-           a.activations, "--weights", a.weights]
+           a.activations, "--weights", a.weights, "--max-model-len", str(a.max_model_len)]
     env = {**os.environ, "SPECDEC_CACHE": cache}
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -109,6 +113,7 @@ def main() -> None:
     p.add_argument("--activations", default="float", choices=("float", "q8"))
     p.add_argument("--weights", default="auto")
     p.add_argument("--keep-page-cache", action="store_true")
+    p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--json", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -13,6 +13,9 @@ in this process
 the memory-bound time (weight bytes streamed / the stream bandwidth measured here with a large
 ``sum``, all threads) and the compute-bound time (multiply-adds / the FMA rate measured here with
 a large fp32 matmul). Ratios only mean something within one run: say which CPU.
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--model`` a tiny GGUF, ``--rows
+1,2 --repeats 1 --rounds 1`` and the two native configs.
 """
 
 from __future__ import annotations

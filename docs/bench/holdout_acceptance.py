@@ -20,6 +20,10 @@ answer and by prompt length.
     .venv/bin/python docs/bench/holdout_acceptance.py --dataset ../shared/data/eval/mt_bench.jsonl \
         --drafter ngram --drafter mtp=drafters/shipped/mtp-smollm2-135m-instruct-general \
         --budgets 1,8 --max-tokens 64 --activations q8 --json mt_bench.json --steps-json steps.json
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--model`` a tiny GGUF with a
+chat template, a 4-question ``--dataset``, ``--drafter ngram --budgets 1,2 --max-tokens 4
+--num-prompts 2 --steps-json``.
 """
 
 from __future__ import annotations
@@ -118,6 +122,8 @@ def main() -> None:
     p.add_argument("--budgets", default=None, help="several static budgets, e.g. 1,8")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--activations", default="float", choices=("float", "q8"))
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="the target: an alias, HF folder or .gguf file")
     p.add_argument("--json", required=True)
     p.add_argument("--steps-json", default=None,
                    help="every verification step here, and breakdowns in --json")
@@ -128,7 +134,7 @@ def main() -> None:
                else [args.budget if args.budget is not None else 8])
     t0 = time.perf_counter()
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    plain_llm = LLM(activations=args.activations)
+    plain_llm = LLM(model=args.model, activations=args.activations)
     ids, categories = prompt_ids(args, plain_llm.tokenizer)
     plain = plain_llm.generate(ids, params)
     ref = {i: o for i, o in enumerate(plain)}
@@ -143,7 +149,7 @@ def main() -> None:
     for spec in args.drafter:
         kind, _, path = spec.partition("=")
         for budget in budgets:
-            llm = LLM(activations=args.activations, drafter=kind,
+            llm = LLM(model=args.model, activations=args.activations, drafter=kind,
                       drafter_args={"path": path} if path else {},
                       controller="static", controller_args={"budget": budget})
             tap = StepTap(llm.engine.controlling.controller)

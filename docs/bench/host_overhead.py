@@ -16,6 +16,8 @@ TorchDispatchMode on the CPU: views are free and not counted; the attention kern
 
 ``--json`` writes ``{"plain_b1_us", "spec_b1_us", "plain_b8_us", "spec_b8_us",
 "ops_per_layer", ...}`` (median host microseconds per step of each kind) and the CPU.
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--steps 3 --vocab 1024``.
 """
 
 from __future__ import annotations
@@ -36,26 +38,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 VOCAB, HIDDEN, TOKEN, DEPTH, PROMPT = 49152, 576, 17, 4, 64
 
 
-def tiny_smollm2(folder: Path, layers: int = 2) -> Path:
+def tiny_smollm2(folder: Path, layers: int = 2, vocab: int = VOCAB) -> Path:
     """SmolLM2-135M's vocabulary and widths with 2 layers (the forward is stubbed: only the
     logits' and hidden states' shapes matter), random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=1536,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=1536,
                          num_hidden_layers=layers, num_attention_heads=9, num_key_value_heads=3,
                          max_position_embeddings=2048, tie_word_embeddings=True,
-                         rope_theta=100000.0, bos_token_id=0, eos_token_id=VOCAB - 1)
+                         rope_theta=100000.0, bos_token_id=0, eos_token_id=vocab - 1)
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
     return folder
 
 
-def stub_forward(runner) -> None:
+def stub_forward(runner, vocab: int = VOCAB) -> None:
     """The runner returns logits whose argmax is TOKEN for every row asked for (and zero
     hidden states), without running the model."""
     from specdec.engine.runner import ForwardResult
 
-    logits = torch.zeros(1024, VOCAB)
+    logits = torch.zeros(1024, vocab)
     logits[:, TOKEN] = 1.0
     hidden = torch.zeros(1024, HIDDEN)
 
@@ -66,7 +68,8 @@ def stub_forward(runner) -> None:
     runner.forward = forward
 
 
-def step_times(folder: Path, batch: int, speculative: bool, steps: int) -> list[float]:
+def step_times(folder: Path, batch: int, speculative: bool, steps: int,
+               vocab: int = VOCAB) -> list[float]:
     """Seconds of each ``engine.step()`` that decoded (prefill steps left out)."""
     from specdec import LLM, SamplingParams
     from specdec.drafters.oracle import oracle_plugin
@@ -80,7 +83,7 @@ def step_times(folder: Path, batch: int, speculative: bool, steps: int) -> list[
     llm = LLM(model=str(folder), device="cpu", dtype="float32", max_model_len=2048,
               max_num_seqs=max(batch, 8), enable_prefix_caching=False, **kw)
     engine = llm.engine
-    stub_forward(engine.parts.runner)
+    stub_forward(engine.parts.runner, vocab)
     argmax = _timed_argmax()
     params = SamplingParams(temperature=0, max_tokens=steps * (DEPTH + 1 if speculative else 1),
                             ignore_eos=True)
@@ -189,16 +192,18 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json")
     p.add_argument("--steps", type=int, default=300, help="decode steps per run")
+    p.add_argument("--vocab", type=int, default=VOCAB,
+                   help="vocabulary size (SmolLM2's by default; > 1000, the prompts' ids)")
     args = p.parse_args()
     torch.set_num_threads(1)  # host work is one thread's; the stub has no parallel work
     res: dict = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
                  "steps": args.steps, "depth": DEPTH}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = tiny_smollm2(Path(tmp) / "model")
+        folder = tiny_smollm2(Path(tmp) / "model", vocab=args.vocab)
         res.update(layer_ops(folder))
         for b in (1, 8):
             for name, spec in (("plain", False), ("spec", True)):
-                times, raw = step_times(folder, b, spec, args.steps)
+                times, raw = step_times(folder, b, spec, args.steps, args.vocab)
                 res[f"{name}_b{b}_us"] = round(statistics.median(times) * 1e6, 1)
                 res[f"{name}_b{b}_with_argmax_us"] = round(statistics.median(raw) * 1e6, 1)
     res["spec_over_plain_b1"] = round(res["spec_b1_us"] / res["plain_b1_us"], 2)

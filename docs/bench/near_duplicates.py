@@ -12,6 +12,9 @@ candidates checked exactly). Reported:
 Examples near the threshold are printed so that the threshold can be judged.
 
     .venv/bin/python docs/bench/near_duplicates.py --json OUT.json [--threshold 0.5]
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--train`` and ``--eval``
+folders of small files, ``--recipe`` a tiny recipe over them.
 """
 
 from __future__ import annotations
@@ -84,16 +87,16 @@ def recipe_split(recipe: str, threshold: float) -> dict:
                                           f"{train[m.other].index}"} for m in matches[:12]]}
 
 
-def train_prompts() -> tuple[list[str], list[str]]:
-    files = sorted(TRAIN.glob("*.json*"))
+def train_prompts(folder: Path = TRAIN) -> tuple[list[str], list[str]]:
+    files = sorted(folder.glob("*.json*"))
     convs = load_conversations(files)
     return [prompt_text(prompts_of(c)) for c in convs], [Path(c.source).name for c in convs]
 
 
-def eval_prompts() -> dict[str, list[str]]:
+def eval_prompts(folder: Path = EVAL) -> dict[str, list[str]]:
     out = {}
     for name in ("mt_bench.jsonl", "humaneval.jsonl.gz", "gsm8k_test.jsonl"):
-        out[name] = ["\n".join(q.turns) for q in load_questions(EVAL / name, None)]
+        out[name] = ["\n".join(q.turns) for q in load_questions(folder / name, None)]
     return out
 
 
@@ -175,6 +178,10 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.5)
     p.add_argument("--scan-threshold", type=float, default=0.3,
                    help="lowest Jaccard kept for the examples and the histogram")
+    p.add_argument("--train", type=Path, default=TRAIN, help="the training data's folder")
+    p.add_argument("--eval", type=Path, default=EVAL, help="the evaluation sets' folder")
+    p.add_argument("--recipe", action="append", default=None,
+                   help="a recipe whose split to check (repeatable; default: the shipped ones)")
     p.add_argument("--json", required=True)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -182,8 +189,8 @@ def main() -> None:
     report = {"command": " ".join(sys.argv), "threshold": args.threshold,
               "similarity": "Jaccard of word 3-gram sets (NFKC, lower case), MinHash LSH "
                             "128 hashes x 32 bands, candidates checked exactly"}
-    report["splits"] = [recipe_split(r, args.threshold) for r in RECIPES]
-    texts, sources = train_prompts()
+    report["splits"] = [recipe_split(r, args.threshold) for r in args.recipe or RECIPES]
+    texts, sources = train_prompts(args.train)
     within, matches = within_train(texts, sources, args.threshold)
     report["within_train"] = within
     # the histogram and the examples near the threshold come from a lower-threshold scan
@@ -194,7 +201,7 @@ def main() -> None:
     report["near_threshold_examples"] = {
         f"{lo}-{hi}": near_threshold(texts, sources, low, lo, hi, 6)
         for lo, hi in ((0.3, 0.4), (0.4, 0.5), (0.5, 0.6), (0.6, 0.7))}
-    report["contamination"] = contamination(eval_prompts(), texts, sources, args.threshold)
+    report["contamination"] = contamination(eval_prompts(args.eval), texts, sources, args.threshold)
     report["seconds"] = time.perf_counter() - t0
     Path(args.json).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     print(json.dumps({k: v for k, v in report.items()

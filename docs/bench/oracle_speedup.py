@@ -19,6 +19,10 @@ the median of the per-pass ratios. Reported beside it: the realized tau (end eff
 little under the target), whether every output equals the plain one (it must: the oracle is
 lossless under greedy), and the speedup the engine's own step costs predict,
 tau * T(1) / T(depth + 1) (profile_forward: the forward alone, over 64 cached tokens).
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--model`` a tiny GGUF with a
+chat template, a 4-question ``--dataset``, ``--taus 2 --depth 2 --num-prompts 2
+--max-new-tokens 4 --repeats 1 --max-model-len 256``.
 """
 
 from __future__ import annotations
@@ -97,13 +101,14 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--json", default=None)
     a = p.parse_args()
     taus = [float(t) for t in a.taus.split(",")]
     for tau in taus:
         error_rate_for_tau(tau, a.depth)  # fails here on a tau the depth cannot reach
     engine_kw = dict(model=a.model, activations=a.activations, weights=a.weights,
-                     max_model_len=1024)
+                     max_model_len=a.max_model_len)
     plain = LLM(**engine_kw)
     prompts = [it.prompt_ids for it in first_turn_items(
         load_questions(a.dataset, a.num_prompts), plain.tokenizer)]

@@ -9,6 +9,9 @@ Prints ``kind outxin rN fastest median`` per case. To compare two builds of the 
 AMX against the AVX-512 kernels below a format's AMX threshold: linear_q8.c's Q8_FORMATS
 ``amx_rows`` set to 1 in one build, to 1000 in the other), run it once per build, interleaved,
 and compare the fastest times; ``SPECDEC_NATIVE_ISA=avx512-vnni`` alone caps every format.
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--kinds Q4_K --rows 8 --shapes
+256x256 --copies 2 --repeats 1``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,11 @@
 #
 # Run it from the repository root with the README's venv, nothing else heavy running:
 #
-#   bash docs/bench/readme_table.sh        # ~3 min on 2 cores; N, TOK, DATA, DRAFTERS, OUT override
+#   bash docs/bench/readme_table.sh        # ~3 min on 2 cores; N, TOK, DATA, DRAFTERS, MODEL, OUT override
+#
+# Quick form (the test suite's, tests/bench/test_bench_scripts.py): MODEL a tiny GGUF with a chat
+# template, DATA a folder with a 4-question mt_bench.jsonl, N=2 TOK=4 DRAFTERS=ngram, OUT a
+# temporary folder (the shipped learned drafters need SmolLM2 itself).
 #
 # Writes to $OUT (default docs/bench/results/<date>-<cpu>/readme_table/): lscpu.txt,
 # float.json / q8.json and their logs, and table.md, which goes into README.md as it is.
@@ -20,20 +24,22 @@ TOK=${TOK:-64}
 BIN=${BIN:-.venv/bin/specdec}
 PY=${PY:-.venv/bin/python}
 DRAFTERS=${DRAFTERS:-ngram,eagle3,mtp,block_diffusion}
+MODEL=${MODEL:-}  # default: specdec bench's (SmolLM2-135M-Instruct)
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt" 2>&1 || echo "Model name: unknown-cpu" > "$OUT/lscpu.txt"
 for act in float q8; do
-  "$BIN" bench --dataset "$D/mt_bench.jsonl" --num-prompts "$N" --max-new-tokens "$TOK" \
-    --repeats 1 --warmup 1 --batch-sizes 1 --drafters "$DRAFTERS" --controllers goodput \
+  "$BIN" bench ${MODEL:+--model "$MODEL"} --dataset "$D/mt_bench.jsonl" --num-prompts "$N" \
+    --max-new-tokens "$TOK" --repeats 1 --warmup 1 --batch-sizes 1 --drafters "$DRAFTERS" --controllers goodput \
     --baseline plain --activations "$act" --json "$OUT/$act.json" > "$OUT/$act.log" 2>&1
 done
-"$PY" - "$OUT" <<'PYEOF'
+"$PY" - "$OUT" "$DRAFTERS" <<'PYEOF'
 import json
 import re
 import sys
 from pathlib import Path
 
 out = Path(sys.argv[1])
+drafters = sys.argv[2].split(",")  # one drafter: bench names its system by the controller alone
 lscpu = (out / "lscpu.txt").read_text()
 
 
@@ -67,7 +73,8 @@ lines = [
     "|---|---|---|---|---|---|---|",
 ]
 for s in systems:
-    name = "plain decoding" if s == "plain" else f"`{s.split('/')[0]}`"
+    drafter = s.split("/")[0] if len(drafters) > 1 else drafters[0]
+    name = "plain decoding" if s == "plain" else f"`{drafter}`"
     lines.append(f"| {name} | " + " | ".join(cells(rows["float"].get(s)) + cells(rows["q8"].get(s)))
                  + " |")
 match = [r.get("greedy_match_rate_vs_plain") for act in rows for r in rows[act].values()]

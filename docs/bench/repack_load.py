@@ -17,6 +17,8 @@ against the torch ones once.
 
     .venv/bin/python docs/bench/repack_load.py FILE.gguf [--repeats 5] [--threads 1]
         [--activations float q8] [--no-torch] [--cold]
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): a tiny GGUF, ``--repeats 1``.
 """
 
 from __future__ import annotations

@@ -17,11 +17,16 @@ Ratios only mean something within one run on one machine: say which CPU. ``--thr
 threads, default 1): on a machine other jobs share, two OpenMP threads can wait on each other
 for whole scheduler slices (plain decoding measured 1 token/s with 2 threads beside a training
 job, 130 with 1).
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--model`` a tiny GGUF with a chat
+template, ``--eval`` a folder of 2-question files, ``--requests 2 --warm 1 --max-tokens 4
+--activations q8``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import subprocess
@@ -40,15 +45,15 @@ DATASETS = {"gsm8k": ("gsm8k_test.jsonl", "{}"),
                           "Complete this Python function.\n```python\n{}```")}
 
 
-def chats(name: str, n: int | None) -> list[list[dict]]:
+def chats(name: str, n: int | None, folder: Path = EVAL) -> list[list[dict]]:
     file, template = DATASETS[name]
     return [[{"role": "user", "content": template.format(q.turns[0])}]
-            for q in load_questions(EVAL / file, None)[:n]]
+            for q in load_questions(folder / file, None)[:n]]
 
 
 def budgets(llm: LLM) -> dict[str, StepBudget]:
     """Copies of the engine's step budgets by step kind (plain, speculative, prefill)."""
-    return {k: StepBudget(b.steps, b.rows, b.draft_nodes, dict(b.seconds))
+    return {k: dataclasses.replace(b, seconds=dict(b.seconds))
             for k, b in llm.engine.totals.budget.items()}
 
 
@@ -96,15 +101,16 @@ def summarize(rows: list[dict]) -> dict:
 
 def stream(name: str, activations: str, drafters: list[str], args) -> dict:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    engines = {d: LLM(activations=activations, drafter=None if d == "none" else d)
+    engines = {d: LLM(model=args.model, activations=activations,
+                      drafter=None if d == "none" else d)
                for d in drafters}
     # warm-up on the file's last two questions (outside the stream), under a salt of their own
     # so that the suffix drafter's history for the stream starts empty
-    warm = chats(name, None)[-2:]
+    warm = chats(name, None, args.eval)[-2:]
     for llm in engines.values():
         llm.generate(warm, SamplingParams(temperature=0, max_tokens=16, cache_salt="warm-up"))
     rows: dict[str, list[dict]] = {d: [] for d in drafters}
-    for i, chat in enumerate(chats(name, args.requests)):
+    for i, chat in enumerate(chats(name, args.requests, args.eval)):
         for d, llm in engines.items():
             rows[d].append(run_one(llm, chat, params))
         print(f"{name} {activations} request {i + 1}/{args.requests}", flush=True)
@@ -134,6 +140,9 @@ def main() -> None:
     ap.add_argument("--drafters", default="none,ngram,suffix",
                     help="comma-separated; the first is the baseline ('none' = plain)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="an alias, HF folder or .gguf file")
+    ap.add_argument("--eval", type=Path, default=EVAL, help="the folder of the data sets")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -4,6 +4,8 @@
 # OUT, so a run never overwrites an earlier machine's figures:
 #
 #   OUT=$(bash docs/bench/results_dir.sh prefix)   # docs/bench/results/2026-12-03-amd-epyc/prefix
+#
+# Quick form (the test suite's, tests/bench/test_bench_scripts.py): as it is, `results_dir.sh quick`.
 set -euo pipefail
 what=${1:?usage: results_dir.sh WHAT}
 model=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1 || true)

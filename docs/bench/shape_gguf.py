@@ -42,6 +42,10 @@ complete, so a file by that name is never a torn one. ``--gguf-only`` is accepte
 nothing (the script once also wrote an fp32 HF folder, the form specdec loaded before it read a
 GGUF as it is). tests/bench/test_shape_gguf.py checks a tiny file against the 135M one and HF
 transformers reading it; tests/bench/test_shape_gguf_kquants.py the K-quant files against gguf-py.
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--source`` a tiny GGUF (in
+place of SmolLM2's), a 2-layer shape of hidden 64;
+tests/bench/test_shape_gguf.py checks the files it writes against transformers.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ Python): a kernel at the bandwidth streams as fast as the memory allows.
 Use a model whose weights do not fit in the last-level cache (e.g. a SmolLM2-1.7B shape from
 docs/bench/shape_gguf.py), or the figure is the cache's, not the memory's. Ratios only mean
 something within one run: say which CPU.
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--model`` a tiny GGUF, ``--rows
+1 --repeats 1``.
 """
 
 from __future__ import annotations

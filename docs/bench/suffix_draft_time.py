@@ -15,6 +15,10 @@ Reported: median and mean microseconds per ``propose`` call (one request) for ea
 the thread's CPU time (so that a job sharing the machine does not count), their ratio, tau (tokens per step under the replay: a proxy of acceptance, not the target's), the
 draft size and the history size. ``--profile`` prints cProfile's top functions for the Python
 path instead. Times only compare within one run on one machine: say which CPU.
+
+Quick form (the test suite's, tests/bench/test_bench_scripts.py): ``--tokenizer`` a tiny chat
+model's folder, ``--train`` a folder of a small ``gsm8k_train.jsonl``, ``--requests 6
+--budget 4``.
 """
 
 from __future__ import annotations
@@ -35,15 +39,18 @@ from specdec.drafters.suffix import SuffixDrafter
 TRAIN = Path("../shared/data/train")
 
 
-def load_stream(file: str, n: int) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids) of the file's first ``n`` records, chat-templated."""
+def load_stream(file: Path, n: int, tokenizer: str | None = None
+                ) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids) of the file's first ``n`` records, chat-templated by
+    ``tokenizer`` (a folder; default SmolLM2-135M-Instruct's, converted in the cache)."""
     from transformers import AutoTokenizer
 
     from specdec.models.aliases import cache_dir
 
-    tok = AutoTokenizer.from_pretrained(cache_dir() / "models" / "smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(tokenizer or cache_dir() / "models" /
+                                        "smollm2-135m-instruct")
     out = []
-    with open(TRAIN / file) as f:
+    with open(file) as f:
         for line in f:
             if len(out) == n:
                 break
@@ -110,10 +117,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--budget", type=int, default=16)
     ap.add_argument("--data", default="gsm8k_train.jsonl")
+    ap.add_argument("--train", type=Path, default=TRAIN, help="the folder of --data")
+    ap.add_argument("--tokenizer", default=None,
+                    help="a folder with a chat template (default SmolLM2-135M-Instruct's)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    stream = load_stream(args.data, args.requests)
+    stream = load_stream(args.train / args.data, args.requests, args.tokenizer)
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(replay, stream, {"python": SuffixDrafter(None, native=False)}, args.budget)
@@ -125,7 +135,7 @@ def main() -> None:
     report["ratio_python_over_native"] = (report["per_propose"]["python"]["median_us"]
                                           / report["per_propose"]["native"]["median_us"])
     report["command"] = "docs/bench/suffix_draft_time.py " + " ".join(
-        f"--{k} {v}" for k, v in vars(args).items() if k not in ("json", "profile"))
+        f"--{k} {v}" for k, v in vars(args).items() if k not in ("json", "profile", "train", "tokenizer"))
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
