@@ -15,6 +15,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 def nothing_queued(llm: LLM) -> bool:
     eng = llm.engine
+    if eng.closed:  # its pages were checked back before close() let go of them
+        return not eng.has_unfinished() and eng.requests == {} and eng.samples == {}
     pool = eng.kv.pool
     return (not eng.scheduler.has_work() and eng.requests == {}
             and pool.num_free == pool.num_pages)
@@ -159,8 +161,9 @@ def test_a_closed_engine_refuses_new_work_and_holds_nothing(tiny_llama, tmp_path
     running = llm.stream([SECOND], TIERED)
     assert not next(running).finished  # still running when the engine closes
     assert llm.engine.parts.tier.stores > 0  # the second request evicted the first one's pages
+    pool = llm.engine.kv.pool
     llm.close()
-    assert nothing_queued(llm)
+    assert nothing_queued(llm) and pool.num_free == pool.num_pages
     closed = r"this LLM was closed.*make a new one"
     with pytest.raises(RuntimeError, match=closed):
         next(running)
@@ -174,3 +177,31 @@ def test_a_closed_engine_refuses_new_work_and_holds_nothing(tiny_llama, tmp_path
         assert nothing_queued(llm), name
     llm.close()
     assert nothing_queued(llm)
+
+
+@pytest.mark.parametrize("drafter", [None, "draft_model"])
+def test_close_returns_the_memory_while_the_llm_is_still_referenced(tiny_llama, drafter):
+    """close() lets go of the model, the drafter's, the kernels and the KV (issue 51): weak
+    references to them die at close() (no cycle waits for the garbage collector: the fused
+    layers hold their model weakly), with the LLM and its engine still held; what the engine
+    keeps of its parts says it was closed."""
+    import gc
+    import weakref
+
+    kw = {} if drafter is None else dict(drafter=drafter, drafter_args={
+        "model": str(tiny_llama), "max_depth": 2})
+    llm = LLM(model=str(tiny_llama), dtype="float32", max_model_len=64, **kw)
+    llm.generate([[1, 2, 3]], GREEDY)
+    parts = llm.engine.parts
+    refs = [weakref.ref(x) for x in (parts.model, parts.kernels, llm.engine.kv.cache.tensor,
+                                     *(r.model for r in parts.drafter_runners))]
+    del parts
+    gc.collect()
+    gc.disable()  # no cycle may hold them either: they go at close(), not at a collection
+    try:
+        llm.close()
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="this LLM was closed"):
+        llm.engine.model  # noqa: B018

@@ -27,6 +27,8 @@ output stays independent of its companions.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from specdec.kv.cache import KVCache
@@ -38,7 +40,9 @@ class FusedLayers:
     """Every layer of one model as prepared ``LayerArgs`` (see module docstring)."""
 
     def __init__(self, kernels: Kernels, linears: PreparedLinears, model) -> None:
-        self.kernels, self.linears, self.model = kernels, linears, model
+        # the model holds this (model.fused): a weak reference back, so that no cycle keeps
+        # a dropped model's weights until the garbage collector runs
+        self.kernels, self.linears, self.model = kernels, linears, weakref.proxy(model)
         self._build()
 
     @staticmethod
