@@ -26,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from specdec.kernels.invariant_attention import _attention_kernel, block_config
-from specdec.kernels.invariant_matmul import BLOCK_M, _linear_kernel
+from specdec.kernels.invariant_matmul import ADD_BLOCK, BLOCK_M, _add_ranges, _linear_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
 
@@ -39,7 +39,7 @@ def compile_(fn, signature, constexprs):
     return ptx
 
 
-ints = dict.fromkeys(("M", "N", "K", "stride_xm", "stride_wn", "stride_ym"), "i32")
+ints = dict.fromkeys(("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_ym"), "i32")
 for dtype, bias in (("bf16", False), ("fp32", True)):
     ptx = compile_(_linear_kernel,
                    {**dict.fromkeys(("x_ptr", "w_ptr", "b_ptr", "y_ptr"), f"*{dtype}"), **ints},
@@ -48,6 +48,9 @@ for dtype, bias in (("bf16", False), ("fp32", True)):
     # one tensor-core tile shape for every M
     assert dtype != "bf16" or "mma.sync.aligned.m16n8k16" in ptx
     print("matmul", dtype, "ok")
+ptx = compile_(_add_ranges, {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
+                             "N": "i32"}, dict(SPLITS=4, HAS_BIAS=True, BLOCK=ADD_BLOCK))
+print("split-K add", "ok")
 for group in (1, 3, 4):
     pad = triton.next_power_of_2(group)
     sig = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
@@ -70,4 +73,4 @@ def test_invariant_kernels_compile_for_sm90(tmp_path):
     run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                          timeout=300, env=env, cwd=Path(__file__).resolve().parents[2])
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count(" ok") == 5, run.stdout
+    assert run.stdout.count(" ok") == 6, run.stdout

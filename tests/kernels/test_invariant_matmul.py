@@ -51,7 +51,7 @@ def close_to_reference(y: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, k", [(48, 40), (100, 130)])
+@pytest.mark.parametrize("n, k", [(48, 40), (100, 130), (48, 320)])  # the last: 2 K ranges
 def test_matches_reference_on_ragged_shapes(dtype, n, k):
     for m in (1, 5, 17, 33):
         x, w, b = operands(m, m, n, k, dtype)
@@ -75,6 +75,26 @@ def test_a_row_is_bitwise_the_same_alone_and_anywhere_in_a_batch(dtype):
         assert torch.equal(invariant_linear(batch, w, b)[len(before)], y[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_rows_are_bitwise_the_same_for_1_to_64_rows(dtype):
+    """A weight whose K is cut into ranges (their partials added in range order by a second
+    kernel): a row alone, and at random places of calls of 1 to 64 rows, is bitwise itself."""
+    n, k = 40, 576
+    assert tile_config(n, k, dtype).split_k == 3
+    x, w, b = operands(2, 64, n, k, dtype)
+    rows = (0, 9, 31, 63)
+    alone = {i: invariant_linear(x[i:i + 1], w, b)[0] for i in rows}
+    gen = torch.Generator().manual_seed(3)
+    for m in (2, 17, 64):
+        picks = torch.randperm(64, generator=gen)[:m]
+        picks[torch.randperm(m, generator=gen)[:2]] = torch.tensor(rows[:2] if m < 64 else rows[2:])
+        y = invariant_linear(x[picks], w, b)
+        close_to_reference(y, invariant_linear_reference(x[picks], w, b))
+        for place, i in enumerate(picks.tolist()):
+            if i in alone:
+                assert torch.equal(y[place], alone[i]), (m, i, place)
+
+
 def test_empty_inputs():
     x, w, b = operands(0, 0, 48, 40, torch.float32)
     assert invariant_linear(x, w, b).shape == (0, 48)
@@ -91,6 +111,16 @@ def test_tile_config_depends_on_the_weight_only():
     assert tile_config(4096, 2048, torch.bfloat16).block_n == 32  # 128 programs
     assert tile_config(128256, 2048, torch.bfloat16).block_n == 64
     assert tile_config(48, 40, torch.float32).block_k == 64
+    # K ranges: only where the column tiles are too few, whole BLOCK_K steps, none empty
+    o_proj, down = tile_config(576, 576, torch.bfloat16), tile_config(576, 1536, torch.bfloat16)
+    assert (o_proj.split_k, o_proj.k_per_split) == (3, 192)
+    assert (down.split_k, down.k_per_split) == (4, 384)
+    assert tile_config(49152, 576, torch.bfloat16).split_k == 1
+    assert tile_config(100, 130, torch.float32).split_k == 1  # 3 steps: too few to split
+    for n, k in [(576, 576), (576, 1536), (48, 320), (2048, 8192), (40, 64 * 9 + 1)]:
+        cfg = tile_config(n, k, torch.bfloat16)
+        assert cfg.k_per_split % cfg.block_k == 0
+        assert (cfg.split_k - 1) * cfg.k_per_split < k <= cfg.split_k * cfg.k_per_split
 
 
 def test_bad_inputs_are_value_errors():
