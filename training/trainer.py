@@ -63,7 +63,13 @@ from specdec.training.processes import (
     on_main_first,
     trace_step,
 )
-from specdec.training.record import changed_settings, check_changes, read_record, write_record
+from specdec.training.record import (
+    RECORD,
+    changed_settings,
+    check_changes,
+    read_record,
+    write_record,
+)
 from specdec.training.vocab import coverage, draft_vocab
 
 log = logging.getLogger(__name__)
@@ -159,7 +165,9 @@ def _require(module: str, why: str) -> None:
 
 
 def _prepare_out(out: Path, resume: bool) -> Path:
-    if out.exists() and any(out.iterdir()) and not resume:
+    """``out`` made ready. A folder that holds only a run's record (a run that stopped before
+    it wrote anything: a missing answer, a bad target) counts as empty: nothing came of it."""
+    if out.exists() and {p.name for p in out.iterdir()} - {RECORD} and not resume:
         raise ValueError(f"--out {out} exists and is not empty: pass --resume to continue that "
                          "run, or choose a new folder")
     if resume and not out.exists():

@@ -139,6 +139,11 @@ def test_bad_input(chat_target, prompts_file, tmp_path):
         train(_config(chat_target, prompts_file, out))
     with pytest.raises(ValueError, match="no assistant answer.*--regenerate"):
         train(_config(chat_target, prompts_file, tmp_path / "new", regenerate=False))
+    # that run stopped before it wrote anything but its record: a new run may take the folder
+    import specdec.training.trainer as trainer
+
+    assert [p.name for p in (tmp_path / "new").iterdir()] == ["train_config.json"]
+    trainer._prepare_out(tmp_path / "new", resume=False)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"foo": 1}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl"):
