@@ -25,8 +25,11 @@ from specdec.attention.block_masks import block_mask
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
 from specdec.kv.block_table import BlockTable
-from specdec.models.heads.block_diffusion import BlockDiffusionModel
+from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from specdec.tree import DraftTree
+
+__all__ = ["BlockDiffusionConfig", "BlockDiffusionDrafter", "BlockDiffusionModel", "load_model"]
+
 
 
 @dataclass

@@ -30,8 +30,11 @@ import torch
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.kv.block_table import BlockTable
 from specdec.kv.prefix import next_token_key
-from specdec.models.heads.eagle3 import Eagle3Head
+from specdec.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdec.tree import DraftTree
+
+__all__ = ["Eagle3Config", "Eagle3Drafter", "Eagle3Head", "load_head"]  # the head: drafter_args
+
 
 
 @dataclass

@@ -20,8 +20,11 @@ import torch
 
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
-from specdec.models.heads.mtp import MTPHeads
+from specdec.models.heads.mtp import MTPConfig, MTPHeads
 from specdec.tree import DraftTree
+
+__all__ = ["MTPConfig", "MTPDrafter", "MTPHeads", "load_heads"]  # the heads: drafter_args
+
 
 
 @dataclass
