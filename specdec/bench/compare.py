@@ -257,6 +257,7 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     draft = _share(start, _totals(systems["engine"]))
     report = build_report(args, tallies, questions, draft)
     report["runtime"] = runtime_info(systems["engine"].llm.engine)
+    report["numbers"] = compared_numbers(report["runtime"], args.baseline)
     report["step_budget"] = step_budget(engines, budgets)
     # warm-up and repeats run the same prompts: with the cache on, timed runs reuse their
     # prompts' full pages (the hit rate says how much)
@@ -279,6 +280,35 @@ def runtime_info(engine) -> dict:
             "linear_kernels": {k: kernels[k] for k in ("key", "choices", "from_cache")},
             "kv_cache": engine.parts.kv_split.describe(),
             "prefix_caching": engine.config.enable_prefix_caching}
+
+
+def compared_numbers(runtime: dict, baseline: str) -> dict:
+    """What the match rates against ``baseline`` compare: {"engine", "baseline": the numbers
+    each computes, "same": whether greedy tokens must match (an exactness check), "note": why
+    not, and what to compare instead}. HF transformers computes in the engine's dtype with
+    float activations: the engine's numbers wherever it computes in float too (its native
+    blocks and dequantized weights are bitwise the float model's). q8 activations round each
+    row to int8 as llama.cpp does, so greedy text parts from the float model's at the first
+    near-tie; llama.cpp's own kernels are never bitwise the engine's."""
+    dtype = runtime["dtype"].removeprefix("torch.")
+    engine = f"specdec: {runtime['weights']} weights, {runtime['activations']} activations, {dtype}"
+    if baseline in HF_BASELINES:
+        other = f"HF transformers: {dtype}, float activations"
+        same = runtime["activations"] == "float" and runtime["weights"] in ("native",
+                                                                            "dequantized")
+    elif baseline in LLAMA_CPP_BASELINES:
+        other, same = "llama.cpp: its own kernels (q8 activations over quantized blocks)", False
+    else:  # plain (the same engine without a drafter) or none
+        return {"engine": engine, "baseline": engine if baseline == "plain" else None,
+                "same": baseline == "plain", "note": None}
+    note = None if same else (
+        f"not an exactness check: the engine computes with {runtime['activations']} "
+        f"activations, {baseline} with {'float' if baseline in HF_BASELINES else 'its own'} "
+        "numbers, so greedy outputs part at near-ties by design; exactness is the match with "
+        "plain decoding (same numbers)" + (
+            "; --activations float compares with HF token for token"
+            if baseline in HF_BASELINES and runtime["activations"] == "q8" else ""))
+    return {"engine": engine, "baseline": other, "same": same, "note": note}
 
 
 def _totals(system: EngineSystem) -> tuple[float, float]:

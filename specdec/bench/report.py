@@ -14,8 +14,7 @@ def _summary_rows(r: dict) -> list[tuple[str, str]]:
             ("plain engine tokens/s", fmt(plain.get("tokens_per_s"))),
             ("speedup vs baseline", fmt(r["speedup_vs_baseline"], ".3f")),
             ("speedup vs plain", fmt(r["speedup_vs_plain"], ".3f")),
-            ("greedy match rate", fmt(r["greedy_match_rate"], ".1%")),
-            ("token match rate", fmt(r["token_match_rate"], ".1%")),
+            *_match_rows(r),
             ("tau (tokens / target forward)", fmt(r["tau"], ".3f")),
             ("acceptance rate", fmt(r["acceptance_rate"], ".1%")),
             ("acceptance by depth", " ".join(f"{a:.2f}" for a in r["acceptance_by_depth"]) or "-"),
@@ -40,6 +39,26 @@ def _summary_rows(r: dict) -> list[tuple[str, str]]:
                      "/".join(fmt(p[q], ".1f") for q in ("p50", "p90", "p99"))))
     rows.append(("prompts / requests / new tokens",
                  f"{r['num_prompts']} / {r['num_requests']} / {r['total_new_tokens']}"))
+    return rows
+
+
+def _match_rows(r: dict) -> list[tuple[str, str]]:
+    """Greedy and token match rates, each against what it compares: the baseline (labelled
+    "agreement" with the reason when it computes other numbers than the engine: not an
+    exactness check) and plain decoding (same numbers: exact)."""
+    name = (r["baseline"] or {}).get("name", "baseline")
+    numbers = r.get("numbers") or {}
+    same = numbers.get("same", True)
+    label = f"vs {name}" if same else f"agreement with {name} (other numbers)"
+    rows = [(f"greedy match {label}", fmt(r["greedy_match_rate"], ".1%")),
+            (f"token match {label}", fmt(r["token_match_rate"], ".1%"))]
+    if r.get("greedy_match_rate_vs_plain") is not None:
+        rows += [("greedy match vs plain (same numbers)",
+                  fmt(r["greedy_match_rate_vs_plain"], ".1%")),
+                 ("token match vs plain", fmt(r["token_match_rate_vs_plain"], ".1%"))]
+    if numbers.get("note"):
+        rows += [("compared", f"{numbers['engine']} | {numbers['baseline']}"),
+                 ("why they differ", numbers["note"])]
     return rows
 
 

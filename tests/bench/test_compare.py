@@ -52,12 +52,41 @@ def test_bench_hf_baseline(tmp_path, chat_model, dataset):
     check_common(report)
     assert report["baseline"]["name"] == "hf" and report["baseline"]["tokens_per_s"] > 0
     assert report["greedy_match_rate"] == 1.0 and report["token_match_rate"] == 1.0
+    assert report["numbers"]["same"] and report["numbers"]["note"] is None  # float64 both
     assert report["speedup_vs_baseline"] > 0 and report["speedup_vs_plain"] is None
     assert report["tau"] == pytest.approx(1.0)  # no drafter: one token per target forward
     assert report["draft_ms_share"] is None
     for row in report["per_category"].values():
         assert row["engine_tokens_per_s"] > 0 and row["baseline_tokens_per_s"] > 0
         assert row["speedup"] > 0 and row["num_requests"] == 2
+
+
+def test_a_match_with_other_numbers_is_said_to_be_one():
+    """Issue 51: by default (q8 activations over a GGUF's blocks) HF's fp32 tokens are not the
+    engine's; the report says what it compares and why they differ, beside the exact match
+    with plain decoding, instead of a bare "greedy match rate 0.0 %"."""
+    from specdec.bench.compare import compared_numbers
+    from specdec.bench.report import _match_rows
+
+    q8 = {"dtype": "torch.float32", "weights": "native", "activations": "q8"}
+    numbers = compared_numbers(q8, "hf")
+    assert not numbers["same"] and "--activations float" in numbers["note"]
+    assert "q8 activations" in numbers["engine"] and "float" in numbers["baseline"]
+    assert compared_numbers(dict(q8, activations="float"), "hf")["same"]
+    assert compared_numbers(dict(q8, activations="float"), "hf-pld")["same"]
+    assert not compared_numbers(dict(q8, weights="q8_0", activations="float"), "hf")["same"]
+    assert not compared_numbers(q8, "llama.cpp")["same"]
+    assert compared_numbers(q8, "plain")["same"]
+    report = {"baseline": {"name": "hf"}, "numbers": numbers, "greedy_match_rate": 0.0,
+              "token_match_rate": 0.146, "greedy_match_rate_vs_plain": 1.0,
+              "token_match_rate_vs_plain": 1.0}
+    rows = dict(_match_rows(report))
+    assert rows["greedy match agreement with hf (other numbers)"] == "0.0%"
+    assert rows["greedy match vs plain (same numbers)"] == "100.0%"
+    assert "not an exactness check" in rows["why they differ"]
+    same = dict(_match_rows(dict(report, numbers=compared_numbers(
+        dict(q8, activations="float"), "hf"))))
+    assert same["greedy match vs hf"] == "0.0%" and "why they differ" not in same
 
 
 def test_bench_plain_baseline_multi_turn(tmp_path, chat_model, dataset, capsys):
