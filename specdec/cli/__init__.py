@@ -5,8 +5,10 @@ serve, train; what they share: common.py).
     specdec bench --dataset mt_bench.jsonl --num-prompts 16 --max-new-tokens 128 \\
         --baseline hf --drafter ngram --json out.json
 
-User errors (bad flags, unknown drafter, unreadable dataset) exit 2 with a message naming the
-argument; errors the engine reports as ValueError exit 1 with its message.
+User errors (bad flags, unknown drafter, a controller setting the controller refuses,
+unreadable dataset) exit 2 with a message naming the argument, all as ``specdec COMMAND: error:
+...``; errors the engine reports as ValueError exit 1 with its message. ``specdec --version``
+prints the installed version.
 """
 
 from __future__ import annotations
@@ -20,9 +22,21 @@ from specdec.cli.common import PROG
 COMMANDS = (generate, bench, bench_prefix, serve, bench_serve, train)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"{PROG} {version('specdec')}"
+    except PackageNotFoundError:  # a source tree run without installing it
+        return f"{PROG} (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="speculative decoding engine")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the installed version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="one of these (specdec COMMAND --help lists its flags)")
     for command in COMMANDS:
         command.add_parser(sub)
     return parser
@@ -72,6 +86,38 @@ def _drafter_names(parser, args) -> list[tuple[str, str, str]]:
     return out
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subcommand's parser: usage errors found after parsing come from it, as argparse's own
+    do (``specdec generate: error: ...``), with its usage line."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    raise AssertionError("build_parser makes subcommands")
+
+
+def _check_controller(parser, args) -> None:
+    """The controller's own rules for --budget and --controller-args at parse time: each
+    controller the command builds (goodput with a drafter, static without, or --controller) is
+    made here once (no model needed), so that e.g. ``--budget 0`` with goodput (budget >= 1) is
+    a usage error naming the flag, not a failure after the model loaded. Bench sweeps' own
+    --controllers entries are checked when they run."""
+    from specdec import plugins
+
+    if getattr(args, "controllers", None):
+        return
+    drafters = getattr(args, "drafters", None)
+    specs = ([d.strip() for d in drafters.split(",")] if drafters else
+             [args.drafter or "none"])
+    names = {args.controller or ("static" if spec == "none" else "goodput") for spec in specs}
+    pm = plugins.get_plugin_manager()
+    for name in sorted(names):
+        try:
+            plugins.create(pm, "specdec_controllers", "controller", name, **args.controller_args)
+        except ValueError as e:
+            budget = args.budget is not None and "budget" in str(e)
+            parser.error(f"argument {'--budget' if budget else '--controller-args'}: {e}")
+
+
 def _merge_budget(parser, args) -> None:
     merged = dict(args.controller_args)
     if args.budget is not None:
@@ -88,6 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command == "train":
         return args  # its settings are checked by TrainConfig (flags and --config together)
+    parser = _command_parser(parser, args.command)
     _merge_budget(parser, args)
     if args.command == "generate":
         generate.check_sampling(parser, args)
@@ -108,6 +155,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not torch.cuda.is_available():
             parser.error(f"argument --device: {args.device!r} but CUDA is not available here")
     _check_registered(parser, args)
+    _check_controller(parser, args)
     return args
 
 

@@ -21,10 +21,11 @@ def add_parser(sub) -> None:
     p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help=f"comma-separated, of {', '.join(WORKLOADS)} (default: all)")
     p.add_argument("--repeats", type=int_at_least(1), default=3,
-                   help="repeats of the no-hit throughput comparison")
+                   help="repeats of the no-hit throughput comparison (default 3)")
     p.add_argument("--tier-dir", default=None, help="folder for the tier workload's file "
                                                     "(default: a temporary folder)")
-    p.add_argument("--json", default=None, metavar="OUT.json", help="write the report here")
+    p.add_argument("--json", default=None, metavar="OUT.json",
+                   help="write the report here (default: print only)")
     add_model_args(p, cache_flags=False)  # each workload sets the cache and tier itself
     add_spec_args(p)
     p.set_defaults(func=run)

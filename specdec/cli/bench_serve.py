@@ -22,22 +22,40 @@ def add_parser(sub) -> None:
                       32, 128)
     p.add_argument("--request-rates", default="0.5,1,inf", metavar="R,R,...",
                    help="requests/s, inf = all at once (default 0.5,1,inf)")
-    p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson")
-    p.add_argument("--max-concurrency", type=int_at_least(1), default=16)
-    p.add_argument("--slo-ttft-ms", type=float, default=None)
-    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--arrival", choices=("poisson", "fixed"), default="poisson",
+                   help="gaps between arrivals: random (poisson) or equal (fixed) at the rate "
+                        "(default poisson)")
+    p.add_argument("--max-concurrency", type=int_at_least(1), default=16,
+                   help="most requests in flight; later arrivals wait for one to end "
+                        "(default 16)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None,
+                   help="goodput counts only requests whose time to first token meets this "
+                        "(default: no TTFT limit)")
+    p.add_argument("--slo-tpot-ms", type=float, default=None,
+                   help="goodput counts only requests whose time per output token meets this "
+                        "(default: no TPOT limit)")
     p.add_argument("--drafters", default=None, metavar="none,NAME,...",
                    help="one server per entry (none = plain decoding), one after the other, "
                         "--drafter-args keyed by name (default: the one --drafter gives, plain "
                         "decoding without it)")
     p.add_argument("--compare-generate", action="store_true",
                    help="time LLM.generate at batch 1 on the same prompts first: the server's "
-                        "TPOT overhead at the first rate (use --max-concurrency 1 for it)")
-    p.add_argument("--url", default=None, help="a running server instead of in-process ones")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--json", default=None, metavar="OUT.json")
-    p.add_argument("--plot", default=None, metavar="FILE.png")
+                        "TPOT overhead at the first rate (use --max-concurrency 1 for it; "
+                        "default: off)")
+    p.add_argument("--url", default=None, metavar="URL",
+                   help="a running server instead of in-process ones: http://HOST:PORT or the "
+                        "OpenAI base URL http://HOST:PORT/v1; its system is what its /v1/models "
+                        "says (default: in-process servers)")
+    p.add_argument("--api-key", default=None,
+                   help="sent as 'Authorization: Bearer KEY' to a --url server that needs one "
+                        "(default: none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id requests name (default: the one the server lists, else "
+                        "--model)")
+    p.add_argument("--json", default=None, metavar="OUT.json",
+                   help="write the report here (default: print only)")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="goodput, TPOT and TTFT against the request rate (default: none)")
     add_model_args(p)
     add_spec_args(p)
     p.set_defaults(func=run)

@@ -74,7 +74,7 @@ def add_model_args(p: argparse.ArgumentParser, cache_flags: bool = True) -> None
                    help=f"alias, HF folder, .gguf file or hub id (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto (default): bfloat16 on CUDA, float32 on the CPU")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help="a GGUF model's weights: native (its own blocks, Q4_0/Q4_1/Q5_0/Q5_1/"
                         "Q8_0/Q4_K/Q5_K/Q6_K: the same tokens as dequantized, a fraction of the "
@@ -120,12 +120,18 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
 def add_spec_args(p: argparse.ArgumentParser, drafter: str | None = None,
                    drafter_help: str = "registered drafter name (default: none)") -> None:
     p.add_argument("--drafter", default=drafter, help=drafter_help)
-    p.add_argument("--drafter-args", type=json_object, default={}, metavar="JSON")
+    p.add_argument("--drafter-args", type=json_object, default={}, metavar="JSON",
+                   help="the drafter's settings as a JSON object, e.g. '{\"min_ngram\": 2}' "
+                        "for ngram; a composition's keyed by member, '{\"ngram\": {...}}' "
+                        "(default: {}, the drafter's own defaults)")
     p.add_argument("--controller", default=None,
                    help="registered controller name (default: goodput with a drafter, else static)")
     p.add_argument("--budget", type=int_at_least(0), default=None,
-                   help="draft budget per request per step (sets controller_args budget)")
-    p.add_argument("--controller-args", type=json_object, default={}, metavar="JSON")
+                   help="draft budget per request per step (sets controller_args budget; "
+                        "default: the controller's own, 16 for goodput)")
+    p.add_argument("--controller-args", type=json_object, default={}, metavar="JSON",
+                   help="the controller's settings as a JSON object, e.g. '{\"max_depth\": 4}' "
+                        "(default: {}, the controller's own defaults)")
     p.add_argument("--verifier", default="gumbel",
                    help="registered verifier name: gumbel (default), rejection, greedy")
     p.add_argument("--draft-weights", choices=DRAFT_WEIGHT_CHOICES, default="auto",

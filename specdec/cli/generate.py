@@ -18,7 +18,8 @@ from specdec.cli.common import (
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="stream one completion to stdout")
-    p.add_argument("prompt", type=prompt_text, help="the user message (or raw text with --no-chat)")
+    p.add_argument("prompt", type=prompt_text,
+                   help="the user message (or raw text with --no-chat)")
     add_model_args(p)
     add_spec_args(p, "auto", "registered drafter name, or none; default auto: the drafter "
                               "shipped as the choice for the model on this class of machine "
@@ -27,14 +28,23 @@ def add_parser(sub) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="with --drafter auto: time plain decoding, ngram and the drafters "
                         "shipped for the model here first (~35 s on 2 cores), cache the "
-                        "fastest for later runs and use it")
-    p.add_argument("--max-tokens", type=int_at_least(1), default=256)
+                        "fastest for later runs and use it (default: use the cached or "
+                        "shipped choice)")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=256,
+                   help="most tokens to generate; fewer when the model ends its answer "
+                        "(default 256)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); below 1e-5 also decodes greedily")
-    p.add_argument("--top-p", type=float, default=1.0, help="in (0, 1]; 1 = off")
-    p.add_argument("--top-k", type=int, default=-1, help="-1 or 0 = off")
-    p.add_argument("--seed", type=int, default=None, help="int in [0, 2**63 - 1]")
-    p.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling, in (0, 1]; 1 = off (default)")
+    p.add_argument("--top-k", type=int, default=-1,
+                   help="sample from the k likeliest tokens; -1 or 0 = off (default -1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="int in [0, 2**63 - 1]: the same seed, the same sampled text (default: "
+                        "a fresh one each run)")
+    p.add_argument("--no-chat", action="store_true",
+                   help="feed the prompt as raw text (default: a user message under the chat "
+                        "template)")
     p.set_defaults(func=run)
 
 

@@ -20,20 +20,26 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int_at_least(0), default=8000)
+    p.add_argument("--port", type=int_at_least(0), default=8000,
+                   help="TCP port to listen on; 0 picks a free one (default 8000)")
     p.add_argument("--api-key", action="append", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health; "
                         "repeat for several keys, each a tenant with its own prefix cache "
                         "(default: $SPECDEC_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: --model)")
-    p.add_argument("--max-model-len", type=int_at_least(2), default=None)
-    p.add_argument("--max-num-seqs", type=int_at_least(1), default=32)
+    p.add_argument("--max-model-len", type=int_at_least(2), default=None,
+                   help="most tokens (prompt + completion) a request may hold; longer prompts "
+                        "get 400 (default: the model's context length, at most 4096)")
+    p.add_argument("--max-num-seqs", type=int_at_least(1), default=32,
+                   help="requests decoded together in one batch; more wait in the queue "
+                        "(default 32)")
     p.add_argument("--max-queued", type=int_at_least(1), default=256,
-                   help="requests waiting beyond this get 503 with Retry-After")
+                   help="requests waiting beyond this get 503 with Retry-After (default 256)")
     p.add_argument("--max-tokens-limit", type=int_at_least(1), default=None,
                    help="largest max_tokens a request may ask (default: max_model_len)")
-    p.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20)
+    p.add_argument("--max-body-bytes", type=int_at_least(1), default=1 << 20,
+                   help="largest request body accepted; larger get 413 (default 1 MiB)")
     p.add_argument("--drain-timeout", type=float_at_least(0), default=30.0,
                    help="on SIGTERM: seconds running requests may take to finish (new ones "
                         "get 503); those still running then end with an error (default 30)")

@@ -14,33 +14,48 @@ def add_parser(sub) -> None:
     p.add_argument("kind", choices=["eagle3", "mtp", "block_diffusion"], help="drafter kind")
     p.add_argument("--target", default=None, help=f"target model (default {DEFAULT_MODEL})")
     p.add_argument("--data", nargs="+", type=existing_file, default=None, metavar="FILE",
-                   help="json/jsonl: ShareGPT, Alpaca, MT-Bench turns, GSM8K or plain text")
-    p.add_argument("--out", default=None, help="output folder (must not exist, or --resume)")
+                   help="json/jsonl: ShareGPT, Alpaca, MT-Bench turns, GSM8K or plain text "
+                        "(no default: required, unless --resume or --config gives it)")
+    p.add_argument("--out", default=None,
+                   help="output folder (must not exist, or --resume; no default: required "
+                        "unless --config gives it)")
     p.add_argument("--regenerate", action="store_true", default=None,
-                   help="the target answers the prompts first (self-distillation)")
+                   help="the target answers the prompts first (self-distillation; default: "
+                        "train on the data's own answers)")
     p.add_argument("--resume", action="store_true", default=None,
                    help="continue the run in --out from its last checkpoint, with the settings "
                    "it recorded (--out DIR/train_config.json); a setting given with another "
-                   "value is an error unless --allow-changed names it")
+                   "value is an error unless --allow-changed names it (default: a new run)")
     p.add_argument("--allow-changed", nargs="+", default=None, metavar="SETTING",
                    help="with --resume: settings (training/config.py names, e.g. max_steps) "
                    "that may differ from the run's recorded ones; the change is logged and "
-                   "the replaced settings kept in DIR/train_config.history.jsonl")
+                   "the replaced settings kept in DIR/train_config.history.jsonl (default: "
+                   "none)")
     p.add_argument("--eval", nargs="+", type=existing_file, default=None, metavar="FILE",
-                   dest="eval_files", help="extra held-out prompts for the final evaluation")
+                   dest="eval_files", help="extra held-out prompts for the final evaluation "
+                                           "(default: the held-out part of --data only)")
     p.add_argument("--config", type=existing_file, default=None, metavar="YAML",
-                   help="settings (training/config.py names); flags override them")
-    p.add_argument("--report-to", choices=["none", "wandb"], default=None)
-    p.add_argument("--max-steps", type=int_at_least(1), default=None)
+                   help="settings (training/config.py names); flags override them (default: "
+                        "none, every setting at its default)")
+    p.add_argument("--report-to", choices=["none", "wandb"], default=None,
+                   help="where the training curves go: wandb (offline unless configured) or "
+                        "none (default: none)")
+    p.add_argument("--max-steps", type=int_at_least(1), default=None,
+                   help="stop after this many optimizer steps (default: the epochs over the "
+                        "data, 1 epoch unless --config says otherwise)")
     p.add_argument("--limit", type=int_at_least(1), default=None,
-                   help="use this many conversations of the data (seeded sample)")
+                   help="use this many conversations of the data (seeded sample; default: "
+                        "all)")
     p.add_argument("--init-from", default=None, metavar="DIR",
-                   help="start from this drafter's weights and vocabulary (fine-tune it)")
+                   help="start from this drafter's weights and vocabulary (fine-tune it; "
+                        "default: fresh weights)")
     p.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default=None,
-                   help="accelerate's mixed precision (bf16: CPUs with bf16 units, GPUs)")
+                   help="accelerate's mixed precision (bf16: CPUs with bf16 units, GPUs; "
+                        "default: no)")
     p.add_argument("--export-for", nargs="+", choices=["vllm", "sglang"], default=None,
                    metavar="ENGINE", help="engines the exported drafter must load in (vllm, "
-                   "sglang); an error before training if its format cannot")
+                   "sglang); an error before training if its format cannot (default: none "
+                   "checked)")
     p.set_defaults(func=run)
 
 

@@ -135,3 +135,66 @@ def test_bench_commands_read_the_shipped_prompts_without_dataset():
 
     for command in ("bench", "bench-prefix", "bench-serve"):
         assert parse_args([command]).dataset == str(DEFAULT_DATASET), command
+
+
+def _subparsers():
+    import argparse
+
+    from specdec.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return parser, sub.choices
+
+
+def test_every_flag_of_every_command_says_what_it_does_and_its_default():
+    """#52: 20-odd flags had no help (serve --port, bench-serve's, --drafter-args, ...)."""
+    import argparse
+
+    parser, commands = _subparsers()
+    missing = [f"{name} {'/'.join(a.option_strings) or a.dest}"
+               for name, p in commands.items() for a in p._actions
+               if not isinstance(a, argparse._HelpAction)
+               and (not (a.help or "").strip()
+                    or (a.option_strings and "default" not in a.help.lower()))]
+    assert not missing, f"flags without a help text naming their default: {missing}"
+    assert all((a.help or "").strip() for a in parser._actions)
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"specdec {version('specdec')}"
+
+
+def test_budget_follows_the_controller_that_will_run(capsys):
+    """#52: --budget 0 passed the parser (>= 0) and failed after loading the model in goodput
+    (>= 1); static takes 0 (plain decoding)."""
+    from specdec.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["generate", "hi", "--drafter", "ngram", "--budget", "0"])
+    err = capsys.readouterr().err
+    assert "specdec generate: error: argument --budget:" in err and "goodput" in err
+    with pytest.raises(SystemExit):
+        parse_args(["bench-serve", "--drafters", "none,ngram", "--controller-args",
+                    '{"width": 0}'])
+    assert "specdec bench-serve: error: argument --controller-args:" in capsys.readouterr().err
+    args = parse_args(["generate", "hi", "--drafter", "ngram", "--controller", "static",
+                       "--budget", "0"])
+    assert args.controller_args == {"budget": 0}
+    assert parse_args(["bench", "--controllers", "static:0,goodput", "--budget", "0"])
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["generate", "hi", "--drafter", "nosuch"], "--drafter"),  # after parsing
+    (["generate", "hi", "--max-tokens", "0"], "--max-tokens"),  # argparse's own
+    (["bench", "--drafter", "ngram", "--drafters", "ngram"], "--drafters"),
+    (["serve", "--budget", "3", "--controller-args", '{"budget": 4}'], "--budget"),
+])
+def test_usage_errors_all_name_the_command(argv, flag, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"specdec {argv[0]}: error: argument {flag}" in err, err
+    assert f"usage: specdec {argv[0]}" in err
