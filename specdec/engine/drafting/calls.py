@@ -18,10 +18,17 @@ from specdec.drafters.base import VerifiedBatch
 
 
 def check_trees(out, n: int) -> str | None:
-    if not isinstance(out, list) or len(out) != n:
-        return f"returned {type(out).__name__} of length {len(out) if isinstance(out, list) else '?'}, " \
-               f"expected a list of {n} trees"
-    return None
+    """What is wrong with propose's result for ``n`` requests, in words, or None:
+    ``"returned a list of 2 trees, expected one tree (one per request)"``."""
+    if isinstance(out, list) and len(out) == n:
+        return None
+    got = _trees(len(out), "a list of ") if isinstance(out, list) else \
+        f"{type(out).__name__}, not a list"
+    return f"returned {got}, expected {_trees(n)} (one per request)"
+
+
+def _trees(n: int, prefix: str = "") -> str:
+    return "one tree" if n == 1 and not prefix else f"{prefix}{n} tree{'' if n == 1 else 's'}"
 
 
 class Unblamed:

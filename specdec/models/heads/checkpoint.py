@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -39,6 +40,9 @@ def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor], *
     try:
         (tmp / "config.json").write_text(text)
         safetensors.torch.save_file(tensors, tmp / "model.safetensors", metadata={"format": "pt"})
+        # safetensors makes its file 0600; the weights get the mode any file written here gets
+        # (config.json's: 0666 less the umask), not one the user did not ask for
+        os.chmod(tmp / "model.safetensors", stat.S_IMODE((tmp / "config.json").stat().st_mode))
         for f in (tmp / "config.json", tmp / "model.safetensors", tmp):
             _fsync(f)
         _publish(tmp, folder, overwrite)
