@@ -40,6 +40,10 @@ class InvariantAttentionBackend:
         self._md: AttentionMetadata | None = None
         self._rows = None  # RowMetadata on the device
         self._pages: tuple[torch.Tensor, torch.Tensor] | None = None  # kv_indptr, kv_indices
+        # the KV splits' bound: a graph's is the longest context it may replay (its grid is
+        # captured); an eager step's, its own longest. It never changes a row's result.
+        self._graph_slots = 0
+        self._max_slots = 0
 
     def stage_arrays(self, md: AttentionMetadata) -> list[torch.Tensor]:
         """The step's plan as host int64 arrays for the runner's one staged copy:
@@ -52,7 +56,9 @@ class InvariantAttentionBackend:
 
     def add_graph_shape(self, batch_size: int, num_rows: int, max_pages: int, page_size: int,
                         masked: bool = False) -> None:
-        """Nothing to set up: a graph keeps the staged arrays' addresses."""
+        """A graph keeps the staged arrays' addresses; its KV splits cover its longest
+        context (``max_pages`` pages a request)."""
+        self._graph_slots = max(self._graph_slots, max_pages * page_size)
 
     def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
         """``staged``: the device views of ``stage_arrays(metadata)`` (the runner's); without
@@ -61,13 +67,15 @@ class InvariantAttentionBackend:
             staged = [a.to(self.spec.device) for a in self.stage_arrays(metadata)]
         request, limit, tree, indptr, indices = staged
         self._md = metadata
+        self._max_slots = self._graph_slots or max(metadata.kv_lens(), default=1)
         self._rows = self._kernels.RowMetadata(request, limit, tree)
         self._pages = (indptr, indices)
 
     def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
         assert self._md is not None, "plan() must be called before run()"
         write_kv(kv_cache, self._md.kv_write_index(), k, v)
-        return self._kernels.invariant_attention(q, kv_cache, self._rows, *self._pages, scale)
+        return self._kernels.invariant_attention(q, kv_cache, self._rows, *self._pages, scale,
+                                                 max_slots=self._max_slots)
 
 
 def check_supported(spec: AttentionSpec) -> None:

@@ -29,9 +29,21 @@ slots, so they walk the same blocks and compute the same values. q.k and p.v are
 products reduced with tl.sum (no tl.dot: a tensor-core tile would mix rows of the call); the
 block shapes are constexprs fixed per (head_dim, group size), never per row count.
 
-CUDA graphs: everything that changes per step comes as a tensor; the grid is (rows, Hkv) with
-rows the caller's padded row count. A padding row (limit 0, tree 0) reads no KV, loads nothing
-through its ``row_request``, and writes zeros.
+Split-KV: a row's slots are cut at fixed multiples of ``split_slots`` (a constant of the
+caller, the same for every call: SPLIT_SLOTS, a multiple of every BLOCK_N), and one program per
+(row, KV head, split) runs the online softmax above over its split's blocks, leaving (m, l,
+acc) in a workspace; a second kernel merges a row's splits in split order (0, 1, ...). A split
+starts at a block boundary, so lane j still holds slot start + j, and what a split computes,
+and the merge's operands and their order, are functions of the row's query and visible slots
+alone: a decode row and a chain node at one position still agree bitwise. ``num_splits`` (the
+grid's third axis) only bounds the splits; a row uses cdiv(its last visible slot + 1,
+split_slots) of them, whatever the bound, so a graph captured with the bound of its longest
+context replays any shorter one. At batch 1 this gives a 2,000-slot context 8 programs per KV
+head instead of one walking all of it.
+
+CUDA graphs: everything that changes per step comes as a tensor; the grid is (rows, Hkv,
+num_splits) with rows the caller's padded row count. A padding row (limit 0, tree 0) reads no
+KV, loads nothing through its ``row_request``, and writes zeros.
 
 Limit: a row's visible slots past its ``row_limit`` must lie within 64 slots of it (the bits of
 one int64): a draft tree of up to 64 nodes after any prefix is always within it.
@@ -51,6 +63,8 @@ from specdec.kernels.invariant_matmul import interpreted
 
 TREE_BITS = 64
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SPLIT_SLOTS = 256  # slots of a KV split: a multiple of every BLOCK_N (block_config: <= 64)
+ROW_CHUNK = 128  # rows a launch takes at most: bounds the split workspace for long prefills
 
 
 def block_config(group_pad: int, block_d: int) -> tuple[int, int]:
@@ -164,53 +178,101 @@ def _highest_bit(x):
 
 
 @triton.jit
-def _attention_kernel(q_ptr, cache_ptr, out_ptr, row_request, row_limit, row_tree,
-                      kv_indptr, kv_indices, scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                      stride_page, stride_kv, stride_slot, stride_head,
-                      PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    t = tl.program_id(0)
-    kvh = tl.program_id(1)
+def _row_end(row_limit, row_tree, t):
+    """(limit, tree, end) of row t: end = its last visible slot + 1, a function of the visible
+    set alone (0 for a padding row)."""
     limit = tl.load(row_limit + t)
     tree = tl.load(row_tree + t)
-    # last visible slot + 1: the loop bound, a function of the visible set alone
-    end = tl.maximum(limit, limit + _highest_bit(tree) + 1)
+    return limit, tree, tl.maximum(limit, limit + _highest_bit(tree) + 1)
+
+
+@triton.jit
+def _attention_kernel(q_ptr, cache_ptr, ws_acc, ws_m, ws_l, row_request, row_limit, row_tree,
+                      kv_indptr, kv_indices, scale, split_slots, num_splits, stride_qt,
+                      stride_qh, stride_page, stride_kv, stride_slot, stride_head,
+                      PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One (row, KV head, split): the online softmax over the split's visible slots, left
+    unnormalised as (m, l, acc) in the workspace [rows, H, num_splits(, D)]."""
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    limit, tree, end = _row_end(row_limit, row_tree, t)
+    lo = sp * split_slots
+    hi = tl.minimum(end, lo + split_slots)
+    if lo < end:  # a split past the row's last slot: nothing to do, never merged
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, BLOCK_D)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        q = q * scale  # once here rather than on every score: cheaper, and the same in every call
+        # a padding row (end 0) loads nothing through row_request, which may then be anything
+        first_page = tl.load(kv_indptr + tl.load(row_request + t, mask=end > 0, other=0),
+                             mask=end > 0, other=0)
+        m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+        l = tl.zeros((GROUP_PAD,), tl.float32)  # noqa: E741
+        acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
+        lane = tl.arange(0, BLOCK_N)
+        head_off = kvh.to(tl.int64) * stride_head + d[None, :]
+        for start in range(lo, hi, BLOCK_N):
+            s = start + lane
+            rel = s - limit
+            in_tree = (rel >= 0) & (rel < 64)
+            bit = (tree >> tl.where(in_tree, rel, 0).to(tl.int64)) & 1
+            visible = (s < limit) | (in_tree & (bit != 0))
+            page = tl.load(kv_indices + first_page + s // PAGE_SIZE, mask=visible, other=0)
+            base = page.to(tl.int64) * stride_page + (s % PAGE_SIZE).to(tl.int64) * stride_slot
+            kv_mask = visible[:, None] & d_ok[None, :]
+            k = tl.load(cache_ptr + base[:, None] + head_off, mask=kv_mask, other=0.0)
+            v = tl.load(cache_ptr + stride_kv + base[:, None] + head_off, mask=kv_mask, other=0.0)
+            scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, N]
+            scores = tl.where(visible[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            # before the first visible slot m_new is -inf: subtract 0 instead (exp(-inf) = 0, no NaN)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_use)
+            p = tl.exp(scores - m_use[:, None])
+            l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+            m = m_new
+        cell = (t.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + sp  # [G]
+        tl.store(ws_m + cell, m, mask=g_ok)
+        tl.store(ws_l + cell, l, mask=g_ok)
+        tl.store(ws_acc + cell[:, None] * HEAD_DIM + d[None, :], acc,
+                 mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_kernel(ws_acc, ws_m, ws_l, out_ptr, row_limit, row_tree, split_slots, num_splits,
+                  stride_ot, stride_oh, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One (row, KV head): the row's splits merged in split order, normalised, stored."""
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    _, _, end = _row_end(row_limit, row_tree, t)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kvh * GROUP + g
-    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    q = q * scale  # once here rather than on every score: cheaper, and the same in every call
-    # a padding row (end 0) loads nothing through row_request, which may then be anything
-    first_page = tl.load(kv_indptr + tl.load(row_request + t, mask=end > 0, other=0),
-                         mask=end > 0, other=0)
+    row = (t.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits  # [G]
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((GROUP_PAD,), tl.float32)  # noqa: E741
     acc = tl.zeros((GROUP_PAD, BLOCK_D), tl.float32)
-    lane = tl.arange(0, BLOCK_N)
-    head_off = kvh.to(tl.int64) * stride_head + d[None, :]
-    for start in range(0, end, BLOCK_N):
-        s = start + lane
-        rel = s - limit
-        in_tree = (rel >= 0) & (rel < 64)
-        bit = (tree >> tl.where(in_tree, rel, 0).to(tl.int64)) & 1
-        visible = (s < limit) | (in_tree & (bit != 0))
-        page = tl.load(kv_indices + first_page + s // PAGE_SIZE, mask=visible, other=0)
-        base = page.to(tl.int64) * stride_page + (s % PAGE_SIZE).to(tl.int64) * stride_slot
-        kv_mask = visible[:, None] & d_ok[None, :]
-        k = tl.load(cache_ptr + base[:, None] + head_off, mask=kv_mask, other=0.0)
-        v = tl.load(cache_ptr + stride_kv + base[:, None] + head_off, mask=kv_mask, other=0.0)
-        scores = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # [G, N]
-        scores = tl.where(visible[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        # before the first visible slot m_new is -inf: subtract 0 instead (exp(-inf) = 0, no NaN)
+    for sp in range(0, tl.cdiv(end, split_slots)):
+        m_s = tl.load(ws_m + row + sp, mask=g_ok, other=float("-inf"))
+        l_s = tl.load(ws_l + row + sp, mask=g_ok, other=0.0)
+        acc_s = tl.load(ws_acc + (row + sp)[:, None] * HEAD_DIM + d[None, :],
+                        mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m, m_s)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_use)
-        p = tl.exp(scores - m_use[:, None])
-        l = l * alpha + tl.sum(p, axis=1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+        a = tl.exp(m - m_use)
+        b = tl.exp(m_s - m_use)
+        l = l * a + l_s * b  # noqa: E741
+        acc = acc * a[:, None] + acc_s * b[:, None]
         m = m_new
     # a row that sees nothing (padding) has l == 0: write zeros, not 0/0
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -220,28 +282,51 @@ def _attention_kernel(q_ptr, cache_ptr, out_ptr, row_request, row_limit, row_tre
 
 def invariant_attention(q: torch.Tensor, kv_cache: torch.Tensor, rows: RowMetadata,
                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor, scale: float,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, max_slots: int | None = None,
+                        split_slots: int = SPLIT_SLOTS) -> torch.Tensor:
     """Attention of q [T, H, D] over the paged ``kv_cache`` [P, 2, page_size, Hkv, D] -> [T, H, D]
     in q's dtype (into ``out`` when given, e.g. a CUDA graph's buffer). ``rows`` on q's device
     ([T] each; padding rows: limit 0 and tree 0, output 0); ``kv_indptr`` [B+1] and
-    ``kv_indices`` int32 as in AttentionMetadata. H must be a multiple of Hkv."""
+    ``kv_indices`` int32 as in AttentionMetadata. H must be a multiple of Hkv.
+
+    ``max_slots``: a bound on every row's last visible slot + 1 (the grid's splits: a CUDA
+    graph's is its longest context); None: the pages the cache holds. It does not change the
+    result. ``split_slots``: the KV split, fixed for every call whose rows must agree."""
     _check(q, kv_cache, rows, kv_indptr, kv_indices, out)
     t, h, d = q.shape
     hkv, page_size = kv_cache.shape[3], kv_cache.shape[2]
     if t == 0:
         return out if out is not None else q.new_empty(0, h, d)
-    emulate = q.dtype == torch.bfloat16 and interpreted(_attention_kernel)
-    result = out if out is not None and not emulate else torch.empty(
-        t, h, d, dtype=torch.float32 if emulate else q.dtype, device=q.device)
     group = h // hkv
     group_pad, block_d = triton.next_power_of_2(group), triton.next_power_of_2(d)
     block_n, num_warps = block_config(group_pad, block_d)
-    _attention_kernel[(t, hkv)](
-        q, kv_cache, result, rows.row_request, rows.row_limit, rows.row_tree,
-        kv_indptr, kv_indices, float(scale), q.stride(0), q.stride(1), result.stride(0),
-        result.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        kv_cache.stride(3), PAGE_SIZE=page_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n,
-        num_warps=num_warps)
+    if split_slots <= 0 or split_slots % block_n:
+        raise ValueError(f"split_slots must be a positive multiple of {block_n}, got "
+                         f"{split_slots}")
+    bound = kv_cache.shape[0] * page_size if max_slots is None else max_slots
+    num_splits = max(1, triton.cdiv(bound, split_slots))
+    emulate = q.dtype == torch.bfloat16 and interpreted(_attention_kernel)
+    result = out if out is not None and not emulate else torch.empty(
+        t, h, d, dtype=torch.float32 if emulate else q.dtype, device=q.device)
+    chunk = min(t, ROW_CHUNK)
+    ws_acc = torch.empty(chunk, h, num_splits, d, dtype=torch.float32, device=q.device)
+    ws_m = torch.empty(chunk, h, num_splits, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    for t0 in range(0, t, chunk):  # a row's result does not depend on its launch's other rows
+        n = min(chunk, t - t0)
+        part = RowMetadata(*(x[t0:t0 + n] for x in (rows.row_request, rows.row_limit,
+                                                     rows.row_tree)))
+        _attention_kernel[(n, hkv, num_splits)](
+            q[t0:], kv_cache, ws_acc, ws_m, ws_l, part.row_request, part.row_limit,
+            part.row_tree, kv_indptr, kv_indices, float(scale), split_slots, num_splits,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+            kv_cache.stride(2), kv_cache.stride(3), PAGE_SIZE=page_size, GROUP=group,
+            GROUP_PAD=group_pad, HEAD_DIM=d, BLOCK_D=block_d, BLOCK_N=block_n,
+            num_warps=num_warps)
+        _merge_kernel[(n, hkv)](
+            ws_acc, ws_m, ws_l, result[t0:], part.row_limit, part.row_tree, split_slots,
+            num_splits, result.stride(0), result.stride(1), GROUP=group, GROUP_PAD=group_pad,
+            HEAD_DIM=d, BLOCK_D=block_d, num_warps=num_warps)
     if emulate:  # the interpreter truncates fp32 -> bf16; torch rounds as the GPU does (RTNE)
         result = result.to(q.dtype) if out is None else out.copy_(result)
     return result

@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from specdec.kernels.invariant_attention import _attention_kernel, block_config
+from specdec.kernels.invariant_attention import _attention_kernel, _merge_kernel, block_config
 from specdec.kernels.invariant_matmul import ADD_BLOCK, BLOCK_M, _add_ranges, _linear_kernel
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -53,15 +53,20 @@ ptx = compile_(_add_ranges, {"part_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*b
 print("split-K add", "ok")
 for group in (1, 3, 4):
     pad = triton.next_power_of_2(group)
-    sig = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "out_ptr": "*bf16",
+    sig = {"q_ptr": "*bf16", "cache_ptr": "*bf16", **dict.fromkeys(("ws_acc", "ws_m", "ws_l"),
+                                                                    "*fp32"),
            **dict.fromkeys(("row_request", "row_limit", "row_tree", "kv_indptr", "kv_indices"),
-                           "*i64"), "scale": "fp32",
-           **dict.fromkeys(("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_page",
-                            "stride_kv", "stride_slot", "stride_head"), "i32")}
+                           "*i64"), "scale": "fp32", "split_slots": "i32", "num_splits": "i32",
+           **dict.fromkeys(("stride_qt", "stride_qh", "stride_page", "stride_kv", "stride_slot",
+                            "stride_head"), "i32")}
     ptx = compile_(_attention_kernel, sig, dict(
         PAGE_SIZE=16, GROUP=group, GROUP_PAD=pad, HEAD_DIM=64, BLOCK_D=64,
         BLOCK_N=block_config(pad, 64)[0]))
     assert "mma" not in ptx
+    merge = {**dict.fromkeys(("ws_acc", "ws_m", "ws_l"), "*fp32"), "out_ptr": "*bf16",
+             "row_limit": "*i64", "row_tree": "*i64", "split_slots": "i32", "num_splits": "i32",
+             "stride_ot": "i32", "stride_oh": "i32"}
+    compile_(_merge_kernel, merge, dict(GROUP=group, GROUP_PAD=pad, HEAD_DIM=64, BLOCK_D=64))
     print("attention group", group, "ok")
 '''
 

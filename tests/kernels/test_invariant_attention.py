@@ -162,6 +162,54 @@ def test_chain_rows_are_bitwise_decode_rows(dtype):
         assert torch.equal(got[0], together[i]), f"row {i}"
 
 
+def test_split_kv_rows_are_bitwise_the_same_for_1_to_64_rows(monkeypatch):
+    """KV splits of 32 slots (contexts of up to 72: 1-3 splits a row) merged in order: decode
+    rows of 64 requests match the reference, and a row is bitwise itself alone, in calls of 2
+    to 64 rows, under any split bound (the grid) and launched in chunks of 8 rows; a chain
+    row is bitwise the decode row at its position. (fp32: the dtype changes only the loads;
+    bf16 rows are checked bitwise by the tests above. Every program is interpreted here,
+    ~25 ms each: the sizes are kept small.)"""
+    from specdec.kernels import invariant_attention as kernel
+
+    dtype = torch.float32
+    gen = torch.Generator().manual_seed(11)
+    page, n = 4, 64
+    lens = torch.randint(1, 73, (n,), generator=gen).tolist()
+    table = torch.randperm(n * 18, generator=gen).tolist()
+    tables = [table[i * 18:(i + 1) * 18][:-(-k // page)] for i, k in enumerate(lens)]
+    q = torch.randn(n, 4, D, generator=gen).to(DEVICE, dtype)
+    cache = random_cache(gen, n * 18, page, 1, D, DEVICE, dtype)  # one KV head: fewer programs
+
+    def run(picks, max_slots=None):
+        md = build_metadata([tables[i] for i in picks], [lens[i] for i in picks],
+                            [1] * len(picks), page, None, DEVICE)
+        return invariant_attention(q[picks], cache, rows_of(md), md.kv_indptr, md.kv_indices,
+                                   SCALE, max_slots=max_slots, split_slots=32)
+
+    every = run(list(range(n)), max_slots=72)
+    md = build_metadata(tables, lens, [1] * n, page, None, DEVICE)
+    ref = invariant_attention_reference(q, cache, rows_of(md), md.kv_indptr, md.kv_indices,
+                                        SCALE)
+    torch.testing.assert_close(every.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    monkeypatch.setattr(kernel, "ROW_CHUNK", 8)
+    for m, bound in ((1, 72), (2, 96), (17, 128), (64, 73)):
+        picks = torch.randperm(n, generator=gen)[:m].tolist()
+        assert torch.equal(run(picks, bound), every[picks]), (m, bound)
+    # a 4-node chain after the longest context, at the slots past it: each row = a decode row
+    i = max(range(n), key=lens.__getitem__)
+    ctx, extra = lens[i] - 4, 4
+    chain = step_mask(DraftTree.chain(torch.arange(extra - 1)), ctx - 1, ctx)
+    md = build_metadata([tables[i]], [ctx + extra - 1], [extra], page, [chain], DEVICE)
+    rows = q[[i] * extra]
+    together = invariant_attention(rows, cache, rows_of(md), md.kv_indptr, md.kv_indices,
+                                   SCALE, split_slots=32)
+    for r in range(extra):
+        alone = build_metadata([tables[i]], [ctx + r], [1], page, None, DEVICE)
+        got = invariant_attention(rows[r:r + 1], cache, rows_of(alone), alone.kv_indptr,
+                                  alone.kv_indices, SCALE, split_slots=32)
+        assert torch.equal(got[0], together[r]), r
+
+
 def test_a_tree_row_is_bitwise_the_same_in_any_batch():
     """A branching tree's node rows, verified alone and behind other requests, with the
     request's pages listed at another place of kv_indices."""
