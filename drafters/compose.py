@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 from specdec.drafters.adapter import as_drafter
 from specdec.drafters.base import BaseDrafter, DraftRequest, VerifiedBatch
-from specdec.plugins import PluginError, label
+from specdec.plugin_errors import PluginError, label
 from specdec.tree import DraftTree, merge_trees
 
 

@@ -21,18 +21,11 @@ from dataclasses import dataclass
 import pluggy
 
 from specdec.hookspecs import PROJECT, SpecdecHookSpec
+from specdec.plugin_errors import PluginError, label  # noqa: F401 (re-exported)
 
 DISABLE_AUTOLOAD_ENV = "SPECDEC_DISABLE_PLUGIN_AUTOLOAD"
 
 logger = logging.getLogger("specdec.plugins")
-
-
-class PluginError(RuntimeError):
-    """A plugin failed; the message names it (``plugin``: its registered name, where known)."""
-
-    def __init__(self, message: str, plugin: str | None = None) -> None:
-        super().__init__(message)
-        self.plugin = plugin
 
 
 @dataclass(frozen=True)
@@ -204,11 +197,6 @@ def create(pm: PluginManager, hook_name: str, kind: str, name: str, /, *args, **
                           plugin) from e
     obj.plugin_name = plugin
     return obj
-
-
-def label(plugin) -> str:
-    """``'name' (plugin 'registered-by')``: how failure messages name a plugin object."""
-    return f"{plugin.name!r} (plugin {plugin.plugin_name!r})"
 
 
 # ---- what raised while the engine ran -------------------------------------------------------
