@@ -5,8 +5,8 @@ chat template), or a list of token ids; `prompts` is one prompt or a list of the
 
 Concurrency: one LLM may be used from several threads at once, and several of its streams may
 be consumed interleaved (or one paused while ``generate`` runs): every call gets only its own
-requests' outputs, complete. The calls take turns at the engine (specdec.engine.turns): each
-step runs every request in flight as one batch, whichever call stepped it.
+requests' outputs, complete. One call at a time holds the engine and steps it for all
+(specdec.engine.turns): each step runs every request in flight as one batch.
 """
 
 from __future__ import annotations
@@ -46,8 +46,7 @@ class LLM:
         and its lock, so that another engine may open it. Also ``with LLM(...) as llm:``.
         Afterwards ``generate`` / ``stream`` raise RuntimeError (make a new LLM); twice is
         fine."""
-        with self._turns.lock:  # after the step another thread may be running
-            self.engine.close()
+        self._turns.call(self.engine.close)  # after the step another thread may be running
 
     def __enter__(self) -> LLM:
         return self
@@ -67,8 +66,9 @@ class LLM:
         remaining = [s for i in ids for s in self.engine.samples_of(i)]
         bar = tqdm(total=len(remaining), desc="generate", disable=not use_tqdm)
 
-        def finished() -> list[RequestOutput] | None:  # under the turns' lock
+        def finished() -> list[RequestOutput] | None:  # with the engine held
             nonlocal remaining
+            self.engine.check_open()  # closed meanwhile (another thread): say so
             remaining = [s for s in remaining if not self.engine.requests[s].is_finished]
             bar.update(bar.total - len(remaining) - bar.n)
             if remaining:
@@ -126,7 +126,8 @@ class LLM:
                 self.engine.check_request(ids, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from e
-        return self._turns.add(token_lists, params)
+        return self._turns.call(lambda: [self.engine.add_request(ids, p)
+                                         for ids, p in zip(token_lists, params)])
 
     def _tokenize_all(self, prompts) -> list[list[int]]:
         if _is_single_prompt(prompts):
