@@ -32,8 +32,8 @@ class AttentionBackend(Protocol):
     supports_cuda_graphs: bool
 
     def stage_arrays(self, metadata: AttentionMetadata) -> list[torch.Tensor]:
-        """Host int64 arrays the plan needs on the device: the runner sends them with the
-        step's inputs in one copy and hands their device views to ``plan`` (none: [])."""
+        """Host int arrays the plan needs on the device: the runner sends them with the step's
+        inputs in one copy, as int64, and hands their device views to ``plan`` (none: [])."""
 
     def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
         """Precompute everything that is the same for every layer of this step (``staged``:

@@ -46,13 +46,13 @@ class InvariantAttentionBackend:
         self._max_slots = 0
 
     def stage_arrays(self, md: AttentionMetadata) -> list[torch.Tensor]:
-        """The step's plan as host int64 arrays for the runner's one staged copy:
-        row_request [T], row_limit [T], row_tree [T], kv_indptr [B+1], kv_indices [pages] (the
-        one of variable length last, so the others sit at fixed offsets for a graph)."""
+        """The step's plan as host int arrays for the runner's one staged copy, which widens
+        them to int64: row_request [T], row_limit [T], row_tree [T], kv_indptr [B+1],
+        kv_indices [pages] (the one of variable length last, so the others sit at fixed offsets
+        for a graph)."""
         rows = self._kernels.row_metadata(md.qo_lens(), md.kv_lens(), md.custom_masks)
         h = md.host
-        return [rows.row_request.long(), rows.row_limit.long(), rows.row_tree,
-                h.kv_indptr.long(), h.kv_indices.long()]
+        return [rows.row_request, rows.row_limit, rows.row_tree, h.kv_indptr, h.kv_indices]
 
     def add_graph_shape(self, batch_size: int, num_rows: int, max_pages: int, page_size: int,
                         masked: bool = False) -> None:
@@ -64,7 +64,7 @@ class InvariantAttentionBackend:
         """``staged``: the device views of ``stage_arrays(metadata)`` (the runner's); without
         them the arrays are copied here."""
         if staged is None:
-            staged = [a.to(self.spec.device) for a in self.stage_arrays(metadata)]
+            staged = [a.to(self.spec.device, torch.int64) for a in self.stage_arrays(metadata)]
         request, limit, tree, indptr, indices = staged
         self._md = metadata
         self._max_slots = self._graph_slots or max(metadata.kv_lens(), default=1)

@@ -9,6 +9,7 @@ p * 2 * page_size + o and its V is page_size rows later. Example, page_size 4, s
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -17,6 +18,14 @@ def kv_write_index(slots: torch.Tensor, page_size: int) -> torch.Tensor:
     page, offset = slots // page_size, slots % page_size
     k_rows = page * (2 * page_size) + offset
     return torch.cat([k_rows, k_rows + page_size])
+
+
+def host_kv_write_index(slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """``kv_write_index`` of host slots, the same values through numpy: a step's six tiny
+    torch ops cost several times its few numpy ones, on the host path of every forward."""
+    s = slots.numpy()
+    k_rows = s // page_size * (2 * page_size) + s % page_size
+    return torch.from_numpy(np.concatenate([k_rows, k_rows + page_size]))
 
 
 def write_kv(kv_cache: torch.Tensor, index: torch.Tensor, k: torch.Tensor,

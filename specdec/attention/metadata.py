@@ -19,6 +19,7 @@ import array
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from specdec.attention.kv_rows import kv_write_index
@@ -164,10 +165,19 @@ def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMeta
     """``a``'s requests, then ``b``'s (same page size), on ``a``'s device (host work only)."""
     assert a.page_size == b.page_size, (a.page_size, b.page_size)
     ha, hb = a.host, b.host
-    host = HostIndices(torch.cat([ha.qo_indptr, hb.qo_indptr[1:] + ha.qo_indptr[-1]]),
-                       torch.cat([ha.kv_indptr, hb.kv_indptr[1:] + ha.kv_indptr[-1]]),
-                       torch.cat([ha.kv_indices, hb.kv_indices]),
-                       torch.cat([ha.kv_last_page_len, hb.kv_last_page_len]))
+    host = HostIndices(_cat(ha.qo_indptr, hb.qo_indptr, True),
+                       _cat(ha.kv_indptr, hb.kv_indptr, True), _cat(ha.kv_indices, hb.kv_indices),
+                       _cat(ha.kv_last_page_len, hb.kv_last_page_len))
     return AttentionMetadata(
-        host, torch.cat([a.slots, b.slots]), a.page_size, [*a.custom_masks, *b.custom_masks],
+        host, _cat(a.slots, b.slots), a.page_size, [*a.custom_masks, *b.custom_masks],
         (a.qo_lens() + b.qo_lens(), a.kv_lens() + b.kv_lens()), a.device)
+
+
+def _cat(x: torch.Tensor, y: torch.Tensor, indptr: bool = False) -> torch.Tensor:
+    """Host arrays back to back, through numpy (a fraction of torch's per-op cost on arrays of
+    a few entries); ``indptr``: ``y`` is an offsets array continuing ``x``'s (its leading 0
+    dropped, the rest shifted by ``x``'s last)."""
+    xa, ya = x.numpy(), y.numpy()
+    if indptr:
+        ya = ya[1:] + xa[-1]
+    return torch.from_numpy(np.concatenate([xa, ya]))

@@ -27,6 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from specdec.attention.metadata import AttentionMetadata, build_metadata, concat_metadata
@@ -91,27 +92,34 @@ def dummy_rows(shape: Shape, num_requests: int, num_rows: int) -> list[int]:
     return [1] * (n - 1) + [shape.num_rows - num_rows - (n - 1)]
 
 
-def pad_metadata(md: AttentionMetadata, rows: list[int], scratch: list[int]) -> AttentionMetadata:
+def pad_metadata(md: AttentionMetadata, rows: list[int], scratch: list[int],
+                 dummies: dict | None = None) -> AttentionMetadata:
     """``md`` with dummy requests of ``rows[i]`` causal rows each over the pages ``scratch``
-    (all dummies share them: what they write is never read by a real request)."""
+    (all dummies share them: what they write is never read by a real request). ``dummies``:
+    a cache of the dummies' metadata by ``rows`` (the same every step of a shape and size)."""
     if not rows:
         return md
-    assert max(rows) <= len(scratch) * md.page_size, (rows, len(scratch), md.page_size)
-    dummies = build_metadata([scratch] * len(rows), rows, rows, md.page_size)
-    return concat_metadata(md, dummies)
+    key = tuple(rows)
+    pad = None if dummies is None else dummies.get(key)
+    if pad is None:
+        assert max(rows) <= len(scratch) * md.page_size, (rows, len(scratch), md.page_size)
+        pad = build_metadata([scratch] * len(rows), rows, rows, md.page_size)
+        if dummies is not None:
+            dummies[key] = pad
+    return concat_metadata(md, pad)
 
 
-def pad_batch(batch, shape: Shape, scratch: list[int]):
+def pad_batch(batch, shape: Shape, scratch: list[int], dummies: dict | None = None):
     """The ForwardBatch padded to ``shape`` (dummy rows: token 0, position 0, no logits):
     host work, before the inputs are staged (features, on the device, padded with zeros). A
     dummy's rows attend causally by its metadata, not by position; position 0 keeps every row
-    inside the RoPE table whatever ``max_model_len`` (a dummy may get up to max_rows rows)."""
+    inside the RoPE table whatever ``max_model_len`` (a dummy may get up to max_rows rows).
+    ``dummies``: the runner's cache of dummy metadata (``pad_metadata``)."""
     b, t = batch.metadata.batch_size, batch.num_rows
     rows = dummy_rows(shape, b, t)
     extra = shape.num_rows - t
     if not rows:
         return batch
-    pos = torch.cat([batch.positions, batch.positions.new_zeros(extra)])
     features = batch.features
     if features is not None:
         features = torch.cat([features, features.new_zeros(extra, features.shape[1])])
@@ -119,9 +127,18 @@ def pad_batch(batch, shape: Shape, scratch: list[int]):
     if context is not None:
         context = torch.cat([context, context.new_zeros(extra)])
     return replace(
-        batch, input_ids=torch.cat([batch.input_ids, batch.input_ids.new_zeros(extra)]),
-        positions=pos, metadata=pad_metadata(batch.metadata, rows, scratch), features=features,
+        batch, input_ids=_zero_padded(batch.input_ids, extra),
+        positions=_zero_padded(batch.positions, extra),
+        metadata=pad_metadata(batch.metadata, rows, scratch, dummies), features=features,
         context_rows=context)
+
+
+def _zero_padded(host: torch.Tensor, extra: int) -> torch.Tensor:
+    """A host array with ``extra`` zeros after it, through numpy (a fraction of the cost of
+    torch's cat and zeros on arrays of a few entries, which every padded step pays)."""
+    out = np.zeros(host.numel() + extra, dtype=host.numpy().dtype)
+    out[:host.numel()] = host.numpy()
+    return torch.from_numpy(out)
 
 
 @dataclass
@@ -173,6 +190,7 @@ class CudaGraphRunner:
         self.max_pages = -(-(max_kv_len + max_rows) // page) + 1
         # scratch pages for the dummies: enough for the most rows a dummy can get
         self.scratch = runner.kv.pool.allocate(scratch_pages(max_rows, page))
+        self.dummies: dict = {}  # the dummies' metadata by their rows (pad_metadata)
         self._graphs: dict[tuple, _Graph] = {}
         self._capture_fn = capture or CudaCapture()
         self.capture_seconds = 0.0

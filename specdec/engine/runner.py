@@ -29,7 +29,7 @@ import torch
 
 from specdec.attention import create_backend
 from specdec.attention.backend import AttentionSpec
-from specdec.attention.kv_rows import kv_write_index
+from specdec.attention.kv_rows import host_kv_write_index
 from specdec.attention.metadata import AttentionMetadata, build_metadata, host_tensor
 from specdec.engine.cuda_graphs import CudaGraphRunner, pad_batch
 from specdec.engine.staging import ALIGN, Staging
@@ -162,10 +162,11 @@ class ModelRunner:
         timer = _Timer(self.device)
         with torch.inference_mode():
             shape = None if self.graphs is None else self.graphs.shape_for(batch)
-            run = batch if shape is None else pad_batch(batch, shape, self.graphs.scratch)
+            run = batch if shape is None else pad_batch(batch, shape, self.graphs.scratch,
+                                                              self.graphs.dummies)
             md = run.metadata
             ids, pos, md.write_index, *planned, rows = self.staging.stage([
-                run.input_ids, run.positions, kv_write_index(md.slots, md.page_size),
+                run.input_ids, run.positions, host_kv_write_index(md.slots, md.page_size),
                 *self.backend.stage_arrays(md), batch.logits_indices])
             if shape is None:
                 if self.graphs is not None and not self.graphs.eager_said:
@@ -200,7 +201,7 @@ class ModelRunner:
                 run = pad_batch(empty, shape, self.graphs.scratch)
                 md = run.metadata
                 ids, pos, md.write_index, *planned = self.staging.stage([
-                    run.input_ids, run.positions, kv_write_index(md.slots, md.page_size),
+                    run.input_ids, run.positions, host_kv_write_index(md.slots, md.page_size),
                     *self.backend.stage_arrays(md)])
                 self.graphs.replay(shape, run, ids, pos, planned, capture_layers, 0)
         return self.graphs.num_graphs
