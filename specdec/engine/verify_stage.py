@@ -59,7 +59,7 @@ class VerifyStage:
         logits = logits[:sum(1 + r.num_nodes for r in frontier)]  # prompt rows come after
         raw = self._process(frontier, logits)
         batch = self.batch(frontier, logits)
-        for rec, result in zip(frontier, self._run(batch)):
+        for rec, result in zip(frontier, self._run(batch, failures)):
             if isinstance(result, str):
                 failures.fail(rec.seq, f"verifier {self.name} {result}")
                 continue
@@ -102,9 +102,11 @@ class VerifyStage:
         return VerifyBatch(trees, cu, logits, probs, greedy, [r.seq.seed for r in frontier],
                            [r.seq.num_tokens for r in frontier], self.to_host)
 
-    def _run(self, batch: VerifyBatch) -> list[VerifyResult | str]:
+    def _run(self, batch: VerifyBatch, failures: Failures) -> list[VerifyResult | str]:
         """Results (or error strings) for the requests of ``batch``; a failing call is retried
-        request by request to find the failing ones."""
+        request by request to find the failing ones. Every exception is kept in ``failures``
+        (``caught``), and a batched call that raised though each request alone verified is
+        reported: the outputs are right, the verifier's batched path has a bug."""
         try:
             out = self.verifier.verify(batch)
             if not isinstance(out, VerifyOutput):
@@ -114,9 +116,17 @@ class VerifyStage:
                 raise ValueError(f"{len(results)} results for {batch.batch_size} requests")
             checked = [self._check(t, r) for t, r in zip(batch.trees, results)]
         except Exception as e:
+            failures.caught(getattr(self.verifier, "plugin_name", "?"),
+                            f"verifier {self.verifier.name!r} verify", e)
             if batch.batch_size == 1:
                 return [f"failed: {e!r}"]
-            return [self._run(batch.select([i]))[0] for i in range(batch.batch_size)]
+            alone = [self._run(batch.select([i]), failures)[0] for i in range(batch.batch_size)]
+            if not any(isinstance(r, str) for r in alone):
+                failures.report(f"verifier {self.name} raised for {batch.batch_size} requests "
+                                f"at once ({e!r}) but not for any of them alone: verified "
+                                "request by request, the outputs are right; its batched call "
+                                "has a bug")
+            return alone
         return checked
 
     def _check(self, tree: DraftTree, r: VerifyResult) -> VerifyResult | str:

@@ -77,6 +77,17 @@ class WrongType(RejectionVerifier):
         return super().verify(batch).to_results()
 
 
+class BatchBug(RejectionVerifier):
+    """Raises only for several requests at once: verified one by one, every output is right."""
+
+    name = "batch_bug"
+
+    def verify(self, batch):
+        if batch.batch_size > 1:
+            raise IndexError("batched path bug")
+        return super().verify(batch)
+
+
 class Plugin:
     @hookimpl
     def specdec_drafters(self):
@@ -84,7 +95,7 @@ class Plugin:
 
     @hookimpl
     def specdec_verifiers(self):
-        return {c.name: c for c in (Raising, OffPath, OutOfVocab, WrongType)}
+        return {c.name: c for c in (Raising, OffPath, OutOfVocab, WrongType, BatchBug)}
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +174,15 @@ def test_a_request_whose_verification_failed_is_not_fed_back_to_the_drafter(tiny
     assert [o.finish_reason for o in outs] == ["length", "error", "length"]
     # the marked request: its prefill only (its first verification failed)
     assert [n for rid, n in Hearing.heard if rid == outs[1].request_id] == [len(PROMPTS[1])]
+
+
+def test_a_verifier_saved_by_the_retry_is_still_reported(tiny_llama, plain):
+    """Outputs right (each request verified alone), and the bug seen: a warning, the engine's
+    plugin_errors, its fault counts by plugin (what /metrics exports)."""
+    llm = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="marking",
+              verifier="batch_bug", plugins=(Plugin(),), controller_args={"budget": 2})
+    with pytest.warns(RuntimeWarning, match="verifier 'batch_bug'.*at once.*batched path bug"):
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert any("batched path bug" in e for e in llm.engine.plugin_errors)
+    assert llm.engine.faults.counts.get("Plugin", 0) > 0
