@@ -19,7 +19,6 @@ import array
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import numpy as np
 import torch
 
 from specdec.attention.kv_rows import kv_write_index
@@ -29,14 +28,16 @@ from specdec.attention.kv_rows import kv_write_index
 class AttentionMetadata:
     """A step's attention metadata, built on the host (``build_metadata``).
 
-    The index arrays live on the host (``host``); each one's device copy is made on first use
-    (the reference backends gather with them). The GPU path never asks for those: flashinfer
-    plans from the host arrays, and the runner stages the K/V write index with the step's
-    other inputs in one copy (``write_index``, ``specdec.engine.staging``).
+    The index arrays are kept as the Python lists they were built from (``lists``); their host
+    tensors are made on first use (``host``, ``slots``), so that a batch padded to a CUDA graph's
+    shape (``concat_metadata``) makes them once, for the padded batch, by joining lists. Each
+    one's device copy is made on first use too (the reference backends gather with them). The
+    GPU path never asks for those: flashinfer plans from the host arrays, and the runner stages
+    the K/V write index with the step's other inputs in one copy (``write_index``,
+    ``specdec.engine.staging``).
     """
 
-    host: HostIndices  # the four int32 index arrays (qo_indptr, kv_indptr, ...) on the host
-    slots: torch.Tensor  # [T] int64 on the host: slot (page * page_size + offset) of row t
+    lists: HostLists  # the index arrays as Python lists (qo_indptr, kv_indptr, ..., slots)
     page_size: int
     # Per request: None for causal attention, else [qo_len, kv_len] bool, True = may attend.
     custom_masks: list[torch.Tensor | None]
@@ -47,6 +48,24 @@ class AttentionMetadata:
     # [2T] int64 K then V cache rows of the new rows (kv_rows.kv_write_index) on the device,
     # when the runner staged it; else made from ``slot_mapping`` on first use
     write_index: torch.Tensor | None = None
+    # the host tensors, once made (a plain attribute test: functools.cached_property takes a
+    # lock on every first read in Python 3.11, a microsecond a step on this path)
+    _host: HostIndices | None = field(default=None, repr=False)
+    _slots: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def host(self) -> HostIndices:  # the four int32 index arrays as host tensors
+        if self._host is None:
+            h = self.lists
+            self._host = HostIndices(*(host_tensor(x, torch.int32) for x in (
+                h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len)))
+        return self._host
+
+    @property
+    def slots(self) -> torch.Tensor:  # [T] int64 on the host: slot (page * page_size + offset)
+        if self._slots is None:
+            self._slots = host_tensor(self.lists.slots)
+        return self._slots
 
     @property
     def batch_size(self) -> int:
@@ -101,6 +120,17 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass
+class HostLists:
+    """AttentionMetadata's index arrays as the Python lists ``build_metadata`` makes."""
+
+    qo_indptr: list[int]  # [B+1]
+    kv_indptr: list[int]  # [B+1]
+    kv_indices: list[int]  # [sum pages]
+    kv_last_page_len: list[int]  # [B]
+    slots: list[int]  # [T]
+
+
+@dataclass
 class HostIndices:
     """AttentionMetadata's index arrays on the host (CPU int32 tensors)."""
 
@@ -132,10 +162,8 @@ def build_metadata(
         kv_indptr.append(len(pages))
         last_page_len.append(kv_len - (n_pages - 1) * page_size)
         _add_slots(slots, table, kv_len - qo_len, kv_len, page_size)
-    host = HostIndices(*(host_tensor(x, torch.int32)
-                         for x in (qo_indptr, kv_indptr, pages, last_page_len)))
     return AttentionMetadata(
-        host, host_tensor(slots), page_size,
+        HostLists(qo_indptr, kv_indptr, pages, last_page_len, slots), page_size,
         list(custom_masks) if custom_masks is not None else [None] * len(qo_lens),
         (list(qo_lens), list(kv_lens)), torch.device(device))
 
@@ -162,22 +190,15 @@ def host_tensor(values: list[int], dtype: torch.dtype = torch.int64) -> torch.Te
 
 
 def concat_metadata(a: AttentionMetadata, b: AttentionMetadata) -> AttentionMetadata:
-    """``a``'s requests, then ``b``'s (same page size), on ``a``'s device (host work only)."""
+    """``a``'s requests, then ``b``'s (same page size), on ``a``'s device (host work only: the
+    lists joined; the tensors are made when the result's are first asked for)."""
     assert a.page_size == b.page_size, (a.page_size, b.page_size)
-    ha, hb = a.host, b.host
-    host = HostIndices(_cat(ha.qo_indptr, hb.qo_indptr, True),
-                       _cat(ha.kv_indptr, hb.kv_indptr, True), _cat(ha.kv_indices, hb.kv_indices),
-                       _cat(ha.kv_last_page_len, hb.kv_last_page_len))
+    la, lb = a.lists, b.lists
+    q, k = la.qo_indptr[-1], la.kv_indptr[-1]  # (b's offsets continue a's)
+    lists = HostLists(la.qo_indptr + [x + q for x in lb.qo_indptr[1:]],
+                      la.kv_indptr + [x + k for x in lb.kv_indptr[1:]],
+                      la.kv_indices + lb.kv_indices, la.kv_last_page_len + lb.kv_last_page_len,
+                      la.slots + lb.slots)
     return AttentionMetadata(
-        host, _cat(a.slots, b.slots), a.page_size, [*a.custom_masks, *b.custom_masks],
+        lists, a.page_size, [*a.custom_masks, *b.custom_masks],
         (a.qo_lens() + b.qo_lens(), a.kv_lens() + b.kv_lens()), a.device)
-
-
-def _cat(x: torch.Tensor, y: torch.Tensor, indptr: bool = False) -> torch.Tensor:
-    """Host arrays back to back, through numpy (a fraction of torch's per-op cost on arrays of
-    a few entries); ``indptr``: ``y`` is an offsets array continuing ``x``'s (its leading 0
-    dropped, the rest shifted by ``x``'s last)."""
-    xa, ya = x.numpy(), y.numpy()
-    if indptr:
-        ya = ya[1:] + xa[-1]
-    return torch.from_numpy(np.concatenate([xa, ya]))
