@@ -177,8 +177,10 @@ class DrafterStage:
         """Tell the drafter what the step committed. ``hidden``: layer -> [T, H] of the whole
         batch."""
         failures = Failures()
+        if self.drafter is None or not _hears_verified(self.drafter):
+            return failures
         live = [r for r in records if r.seq.drafting.ready and r.seq.finish_reason is None]
-        if self.drafter is None or not live:
+        if not live:
             return failures
         raised: list = []
         outcomes = isolate(self.drafter.on_verified, _verified_batch(live, hidden),
@@ -233,6 +235,13 @@ class DrafterStage:
             else:
                 failures.report(message)
         return failures
+
+
+def _hears_verified(drafter: BaseDrafter) -> bool:
+    """Whether the drafter's ``on_verified`` does anything: BaseDrafter's default (nothing, and
+    it cannot fail a request) is not called, and its batch (hidden rows gathered, a record per
+    request) not built, every step. Looked up per step: an instance may get its own."""
+    return getattr(drafter.on_verified, "__func__", None) is not BaseDrafter.on_verified
 
 
 def _request(rec: StepRequest) -> DraftRequest:
