@@ -15,7 +15,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass, field
 
-from specdec.controllers.base import NO_DRAFT, DraftBudget
+from specdec.controllers.base import NO_DRAFT, DraftBudget, RequestView
 from specdec.engine.sequence import Sequence
 from specdec.plugins import Raised
 from specdec.tree import DraftTree
@@ -31,6 +31,7 @@ class StepRequest:
     # draft asked), and the controller's own answer (None: not asked; RequestOutcome.asked)
     asked: DraftBudget | None = None
     controller_asked: DraftBudget | None = None
+    view: RequestView | None = None  # the controller's view of it this step (budgets)
     tree: DraftTree | None = None  # the tree verified: the drafter's proposal, maybe pruned
     # pruned by the controller: the proposal's node index of each node of ``tree`` (None: the
     # whole proposal is verified), and the proposal's size

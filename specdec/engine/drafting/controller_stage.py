@@ -70,7 +70,9 @@ class ControllerStage:
             r.seq.params.max_tokens - r.seq.num_output_tokens - 1)) for r in records]
 
     def _answer(self, asking: list[StepRequest], batch: BatchComposition) -> list[DraftBudget]:
-        answer = self.controller.budgets([_view(r.seq) for r in asking], batch)
+        for rec in asking:  # (the step's one view of each: prune shows the same)
+            rec.view = _view(rec.seq)
+        answer = self.controller.budgets([r.view for r in asking], batch)
         if not isinstance(answer, (list, tuple)) or len(answer) != len(asking) \
                 or not all(isinstance(b, DraftBudget) for b in answer):
             raise self._error(
@@ -134,8 +136,9 @@ class ControllerStage:
         records = [r for r in records if r.num_nodes]
         if not records or batch is None:
             return
-        kept = self.controller.prune([_view(r.seq) for r in records], [r.tree for r in records],
-                                     batch)
+        # (what a view shows changes only once the step's tokens are out: budgets' views hold)
+        views = [_view(r.seq) if r.view is None else r.view for r in records]
+        kept = self.controller.prune(views, [r.tree for r in records], batch)
         if not isinstance(kept, (list, tuple)) or len(kept) != len(records):
             raise self._error(f"controller {self.name}: prune must return one entry "
                               f"per tree ({len(records)}), got {kept!r}")
