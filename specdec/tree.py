@@ -17,6 +17,7 @@ on first use, so treat a tree as immutable once built.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -50,15 +51,23 @@ class DraftTree:
     @classmethod
     def chain(cls, tokens, draft_probs: torch.Tensor | None = None) -> DraftTree:
         """A linear draft: ``chain([5, 9])`` has tokens [5, 9] and parents [-1, 0]."""
-        toks = torch.as_tensor(tokens, dtype=torch.int64)
-        n = toks.numel()
-        tree = cls(toks, torch.arange(-1, n - 1, dtype=torch.int64, device=toks.device),
-                   draft_probs)
+        if isinstance(tokens, list) and tokens:
+            # host ints (what most drafters have): the tensors made through buffers, a third
+            # of as_tensor's and arange's cost, which every drafted request pays every step
+            token_list = [int(t) for t in tokens]
+            n = len(token_list)
+            tree = cls(_int64(token_list), _int64(range(-1, n - 1)), draft_probs)
+            tree.__dict__["token_list"] = token_list
+        else:
+            toks = torch.as_tensor(tokens, dtype=torch.int64)
+            n = toks.numel()
+            tree = cls(toks, torch.arange(-1, n - 1, dtype=torch.int64, device=toks.device),
+                       draft_probs)
+            if isinstance(tokens, list):
+                tree.__dict__["token_list"] = []
         # what the host walks read, known without reading the tensors back
         tree.__dict__.update(_parent_list=list(range(-1, n - 1)), is_chain=True,
                              _depth_list=list(range(n)), num_nodes=n)
-        if isinstance(tokens, list):
-            tree.__dict__["token_list"] = [int(t) for t in tokens]
         return tree
 
     @classmethod
@@ -330,6 +339,11 @@ def from_paths(paths: Sequence[Sequence[int]], max_nodes: int | None = None) -> 
                      torch.tensor(parents, dtype=torch.int64))
     _check_tokens(tokens, None)
     return tree
+
+
+def _int64(values) -> torch.Tensor:
+    """A 1-d CPU int64 tensor of (a non-empty sequence of) host ints, through a buffer."""
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def _check_index_tensor(name: str, t: object) -> None:
