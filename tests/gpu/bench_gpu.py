@@ -7,7 +7,11 @@ Per model shape (SmolLM2-135M, Llama-3.2-1B; bf16):
 - flashinfer's decode kernel against its prefill kernel with one row (attention alone);
 - the step cost table T(rows per request, batch): what a forward of the target costs;
 - speculation at a controlled acceptance (the oracle drafter: the target's own continuation with
-  a set error rate), so the speedup over plain decoding can be read off at any tau.
+  a set error rate), so the speedup over plain decoding can be read off at any tau;
+- the learned drafters with random weights (EAGLE-3 head, MTP heads, block diffusion) at batch 1:
+  tokens/s against plain, tau, the token match (must be 1), their steps (graphed / eager,
+  stage ms, the engine's copies and reads) and, off CUDA (the dry run), every host <-> device
+  transfer a step makes as tests/transfer_audit.py counts them (the drafters' own included).
 
 Every section runs on its own: one that fails is recorded (its error) and the others go on.
 Usage: python tests/gpu/bench_gpu.py --out DIR [--shapes smollm2-135m,llama-1b] [--quick]
@@ -77,6 +81,7 @@ def bench_shape(shape: str, folder: Path, args, out: Path, results: dict) -> dic
         ("decode_kernels", lambda: decode_kernels(shape) if DEVICE == "cuda" else {}),
         ("step_costs", lambda: step_costs(folder, [1, 8] if args.quick else [1, 8, 32, 64])),
         ("speculation", lambda: speculation(folder, args.tokens, args.quick)),
+        ("learned", lambda: learned(folder, args.tokens)),
     ]
     if args.profile:
         sections.append(("profile", lambda: profile(folder)))
@@ -99,7 +104,7 @@ def _llm(folder, **kw):
     from specdec.engine.llm import LLM
 
     # the engine's default max_num_seqs (32) unless a batch needs more
-    dtype = "bfloat16" if DEVICE == "cuda" else "float32"
+    dtype = kw.pop("dtype", "bfloat16" if DEVICE == "cuda" else "float32")
     return LLM(model=str(folder), device=DEVICE, dtype=dtype, max_model_len=1024, **kw)
 
 
@@ -351,6 +356,100 @@ def _spec_run(folder, prompts, truth, rate, depth, tokens, plain_tps, t_plain, *
     return out
 
 
+LEARNED = ("eagle3", "mtp", "block_diffusion")
+
+
+def learned(folder: Path, tokens: int) -> dict:
+    """The learned drafters with random weights against plain decoding, batch 1, static budget
+    4, the default (row-invariant) mode. Random heads are rarely right (tau near 1): what is
+    read here is what a draft step costs beside a target step, whether the drafters' steps are
+    graphed, and (off CUDA) their transfers per step, not their speedup."""
+    prompts = _prompts(1, _vocab(folder), seed=7)
+    mode = {} if DEVICE == "cuda" else _cpu_stand_ins()
+    plain = _llm(folder, **mode)
+    plain_tps, outs = _timed_generate(plain, prompts, tokens)
+    want = [o.token_ids for o in outs]
+    del plain
+    _free()
+    res: dict = {"b1_plain_tok_s": round(plain_tps, 1)}
+    for name in LEARNED:
+        spec = _llm(folder, controller="static", controller_args={"budget": 4}, **mode,
+                    **_learned_drafter(name, folder))
+        steps: dict = {}
+        tps, got = _timed_generate(spec, prompts, tokens, steps)
+        run = {"tok_s": round(tps, 1), "speedup": round(tps / plain_tps, 2),
+               "measured_tau": round(got[0].metrics.tau, 2),
+               "token_match": float([o.token_ids for o in got] == want), "steps": steps}
+        if DEVICE != "cuda":
+            run["audit"] = _audited(spec, prompts)
+        res[name] = run
+        del spec
+        _free()
+    return res
+
+
+def _cpu_stand_ins() -> dict:
+    """Engine options for the dry run's learned drafters, as tests/test_transfer_audit.py runs
+    them: flashinfer's API model (tests/attention/flashinfer_api_model.py) in bf16 and plain
+    matmuls, so that the audit sees the GPU path's torch calls (not the compiled CPU kernels,
+    which take no tensor the audit marks as the device's, nor the torch backend's KV gathers,
+    which a GPU does not make)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from attention import flashinfer_api_model
+
+    from specdec.attention import flashinfer_backend
+
+    sys.modules["flashinfer"] = flashinfer_api_model.module()
+    flashinfer_backend.check_supported = lambda spec: None
+    return dict(dtype="bfloat16", attention_backend="flashinfer", linear_kernels="plain")
+
+
+def _learned_drafter(name: str, folder: Path) -> dict:
+    """drafter / drafter_args of ``name`` with random weights for the target in ``folder``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafters"))
+    from drafter_helpers import random_block_diffusion, random_head
+
+    from specdec.models.loader import load_model
+
+    dtype = torch.bfloat16
+    model, cfg, hf = load_model(folder, dtype, DEVICE, 1024)
+    last = cfg.num_layers - 1
+    if name == "eagle3":
+        return {"drafter": "eagle3", "drafter_args": {
+            "head": random_head(model, cfg, hf, aux_layer_ids=(1, last // 2, last)),
+            "depth": 3, "topk": 2}}
+    if name == "mtp":
+        from specdec.models.heads.mtp import MTPConfig, MTPHeads
+
+        torch.manual_seed(0)
+        heads = MTPHeads(MTPConfig.for_target(cfg, 64, 3), dtype).to(DEVICE)
+        heads.init_from_target(model.head_weight,
+                               torch.randperm(cfg.vocab_size)[:64].sort().values.to(DEVICE))
+        return {"drafter": "mtp", "drafter_args": {"heads": heads}}
+    return {"drafter": "block_diffusion",
+            "drafter_args": {"model": random_block_diffusion(model, cfg, hf)}}
+
+
+def _audited(llm, prompts) -> dict:
+    """Every host <-> device transfer of a short run, per step of each kind (the mean), with
+    the call sites of the speculative steps' (tests/transfer_audit.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from transfer_audit import audit_engine
+
+    with audit_engine(llm.engine) as audit:
+        llm.generate(prompts, _params(8))
+    out: dict = {}
+    for kind in ("plain", "speculative"):
+        steps = [s for s in audit.steps if s.kind == kind]
+        if steps:
+            out[f"{kind}_h2d_per_step"] = round(sum(s.h2d for s in steps) / len(steps), 2)
+            out[f"{kind}_d2h_per_step"] = round(sum(s.d2h for s in steps) / len(steps), 2)
+    spec = [s for s in audit.steps if s.kind == "speculative"]
+    if spec:
+        out["sites"] = sorted({f"{e.kind} {e.site}" for e in spec[0].events})
+    return out
+
+
 def _first_mismatch(plain, prompts, truth, outputs) -> dict | None:
     """The first position where the speculative output left the plain one, and the plain
     run's gap between its top two log-probabilities there (the logits' top-2 gap)."""
@@ -478,7 +577,19 @@ def _markdown(results: dict) -> str:
         if fast:
             lines.append(f"- fast mode, tau 3, b1: {fast['speedup']}x, token match "
                          f"{fast['token_match']}, first mismatch {fast.get('first_mismatch')}")
-        for name in ("plain", "hf_b1", "decode_kernels", "step_costs", "speculation", "profile"):
+        for name in LEARNED:
+            run = res.get("learned", {}).get(name)
+            if run:
+                step = run["steps"].get("speculative", {})
+                audit = run.get("audit", {})
+                lines.append(
+                    f"- {name} (random weights) b1: {run['speedup']}x plain, tau "
+                    f"{run['measured_tau']}, token match {run['token_match']}, eager steps "
+                    f"{step.get('eager_steps')}, transfers per spec step (audit) h2d "
+                    f"{audit.get('speculative_h2d_per_step', 'n/a')} d2h "
+                    f"{audit.get('speculative_d2h_per_step', 'n/a')} (target <= 2 / <= 1)")
+        for name in ("plain", "hf_b1", "decode_kernels", "step_costs", "speculation", "learned",
+                     "profile"):
             lines += ["", f"### {name}", "", "```", json.dumps(res.get(name), indent=1)[:4000],
                       "```"]
         lines.append("")

@@ -22,7 +22,7 @@ def test_bench_gpu_dry_run_on_the_cpu(tmp_path):
         capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())["tiny-gpu"]
-    for section in ("plain", "hf_b1", "step_costs", "speculation"):
+    for section in ("plain", "hf_b1", "step_costs", "speculation", "learned"):
         assert "error" not in report[section], report[section]
     assert report["plain"]["graphs_b1_tok_s"] > 0 and report["hf_b1"]["tok_s"] > 0
     assert report["step_costs"]["graphs_b8_r16_ms"] > 0
@@ -35,3 +35,12 @@ def test_bench_gpu_dry_run_on_the_cpu(tmp_path):
     assert steps["d2h_reads_per_step"] == 1.0 and steps["h2d_copies_per_step"] <= 2
     assert "fast_b1_tau3.0" in spec and "invariant_over_fast_b1" in report["plain"]
     assert "speculation at tau 3" in (out / "bench.md").read_text()
+    # the learned drafters (random weights) run exact, and the audit counts each one's
+    # transfers per speculative step (the drafters' own included: tests/transfer_audit.py)
+    for name in ("eagle3", "mtp", "block_diffusion"):
+        run = report["learned"][name]
+        assert run["token_match"] == 1.0, name
+        audit = run["audit"]
+        assert audit["speculative_d2h_per_step"] >= 1 and audit["speculative_h2d_per_step"] >= 1
+        assert any("d2h" in site for site in audit["sites"]), audit
+    assert "eagle3 (random weights) b1" in (out / "bench.md").read_text()
