@@ -14,12 +14,17 @@ position j's row decides token j + 1, for j + 1 < the prompt's length (``prompt_
 from __future__ import annotations
 
 from specdec.attention.metadata import build_metadata, host_tensor
+from specdec.engine.cuda_graphs import CudaGraphRunner
 from specdec.engine.runner import ForwardBatch
 from specdec.engine.step import StepRequest
 from specdec.tree import step_mask
 
 
-def build_forward_batch(records: list[StepRequest], page_size: int, device) -> ForwardBatch:
+def build_forward_batch(records: list[StepRequest], page_size: int, device,
+                        graphs: CudaGraphRunner | None = None) -> ForwardBatch:
+    """``graphs``: the target runner's CUDA graphs, if on: a batch that fits a graph shape is
+    padded to it here, on the lists (``CudaGraphRunner.padding``), rather than by the runner
+    joining arrays (``pad_batch``): the same arrays, made once."""
     ids, pos, logit_rows = [], [], []
     tables, kv_lens, qo_lens, masks, prompt_rows = [], [], [], [], []
     offset = 0
@@ -49,6 +54,17 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device) -> F
     for rec, row, first, n in prompt_rows:
         rec.prompt_rows = (len(logit_rows), first, n)
         logit_rows.extend(range(row, row + n))
+    padded = None if graphs is None else graphs.padding(qo_lens, masks, offset)
+    if padded is not None:  # dummy requests (token 0, position 0) over the scratch pages
+        shape, rows = padded
+        tables += [graphs.scratch] * len(rows)
+        kv_lens += rows
+        qo_lens += rows
+        masks += [None] * len(rows)
+        ids += [0] * (shape.num_rows - offset)
+        pos += [0] * (shape.num_rows - offset)
     metadata = build_metadata(tables, kv_lens, qo_lens, page_size, masks, device)
     ids, pos, logit_rows = (host_tensor(v) for v in (ids, pos, logit_rows))
-    return ForwardBatch(ids, pos, metadata, logit_rows)  # host arrays: the runner stages them
+    # host arrays: the runner stages them
+    return ForwardBatch(ids, pos, metadata, logit_rows,
+                        graph_shape=None if padded is None else padded[0], num_real_rows=offset)

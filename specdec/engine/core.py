@@ -266,7 +266,8 @@ class LLMEngine:
         out = None
         if records:
             out = self.parts.runner.forward(
-                build_forward_batch(records, self.config.page_size, self.parts.device),
+                build_forward_batch(records, self.config.page_size, self.parts.device,
+                                    self.parts.runner.graphs),
                 self.drafting.hidden_layers_for(records))
             times.forwarded = time.perf_counter()
             failures.add(self.verifying.verify(records, out.logits))

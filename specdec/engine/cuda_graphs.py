@@ -206,6 +206,14 @@ class CudaGraphRunner:
         decode = all(n == 1 for n in qo) and all(m is None for m in md.custom_masks)
         return choose_shape(len(qo), batch.num_rows, decode, self.shapes)
 
+    def padding(self, qo_lens: list[int], masks: list, num_rows: int
+                ) -> tuple[Shape, list[int]] | None:
+        """The shape a batch of these requests' rows (``qo_lens``, ``num_rows`` in all) and
+        masks replays, and its dummies' rows (``dummy_rows``); None: it runs eagerly."""
+        decode = all(n == 1 for n in qo_lens) and all(m is None for m in masks)
+        shape = choose_shape(len(qo_lens), num_rows, decode, self.shapes)
+        return None if shape is None else (shape, dummy_rows(shape, len(qo_lens), num_rows))
+
     def replay(self, shape: Shape, padded, ids: torch.Tensor, pos: torch.Tensor,
                planned: list[torch.Tensor], capture_layers: tuple[int, ...], num_rows: int):
         """(final_hidden [t, H], {layer: [t, H]}) of the first ``num_rows`` (the real) rows of

@@ -31,7 +31,7 @@ from specdec.attention import create_backend
 from specdec.attention.backend import AttentionSpec
 from specdec.attention.kv_rows import host_kv_write_index
 from specdec.attention.metadata import AttentionMetadata, build_metadata, host_tensor
-from specdec.engine.cuda_graphs import CudaGraphRunner, pad_batch
+from specdec.engine.cuda_graphs import CudaGraphRunner, Shape, pad_batch
 from specdec.engine.staging import ALIGN, Staging
 from specdec.kv.block_table import BlockTable
 from specdec.kv.manager import KVManager
@@ -51,9 +51,16 @@ class ForwardBatch:
     features: torch.Tensor | None = None  # [T, hidden] per-row input features (EAGLE heads)
     # [T] bool: rows whose features are context (block-diffusion drafters); None: no such rows
     context_rows: torch.Tensor | None = None
+    # already padded to this CUDA graph shape (build_forward_batch): the arrays above hold the
+    # dummies after the first ``num_real_rows`` rows; None: not padded (the runner pads it)
+    graph_shape: Shape | None = None
+    num_real_rows: int | None = None
 
     @property
     def num_rows(self) -> int:
+        """Rows of the batch (a padded one's real rows: its dummies are not counted)."""
+        if self.graph_shape is not None:
+            return self.num_real_rows
         return int(self.input_ids.numel())
 
 
@@ -161,9 +168,12 @@ class ModelRunner:
         assert self.kv is not None, f"runner {self.name!r}: allocate() before forward()"
         timer = _Timer(self.device)
         with torch.inference_mode():
-            shape = None if self.graphs is None else self.graphs.shape_for(batch)
-            run = batch if shape is None else pad_batch(batch, shape, self.graphs.scratch,
-                                                              self.graphs.dummies)
+            shape, run = batch.graph_shape, batch
+            if shape is None and self.graphs is not None:
+                shape = self.graphs.shape_for(batch)
+                if shape is not None:
+                    run = pad_batch(batch, shape, self.graphs.scratch, self.graphs.dummies)
+            assert shape is None or self.graphs is not None, "a batch padded for no graphs"
             md = run.metadata
             ids, pos, md.write_index, *planned, rows = self.staging.stage([
                 run.input_ids, run.positions, host_kv_write_index(md.slots, md.page_size),
