@@ -57,7 +57,8 @@ class DraftTree:
             token_list = [int(t) for t in tokens]
             n = len(token_list)
             tree = cls(_int64(token_list), _int64(range(-1, n - 1)), draft_probs)
-            tree.__dict__["token_list"] = token_list
+            # (validate knows these two well formed while they are the tree's: _made_here)
+            tree.__dict__.update(token_list=token_list, _made=(tree.tokens, tree.parents))
         else:
             toks = torch.as_tensor(tokens, dtype=torch.int64)
             n = toks.numel()
@@ -85,8 +86,9 @@ class DraftTree:
         levels, or outside the vocab. ``check_probs`` also checks the values of ``draft_probs``
         (finite, >= 0, every row with mass, mass at the node's own token): a sampled request's
         verifier divides by them."""
-        _check_index_tensor("tokens", self.tokens)
-        _check_index_tensor("parents", self.parents)
+        if not self._made_here():
+            _check_index_tensor("tokens", self.tokens)
+            _check_index_tensor("parents", self.parents)
         n = self.num_nodes
         if self.parents.numel() != n:
             raise ValueError(
@@ -94,8 +96,9 @@ class DraftTree:
                 "each node needs exactly one parent")
         if max_nodes is not None and n > max_nodes:
             raise ValueError(f"DraftTree has {n} nodes, more than the budget max_nodes={max_nodes}")
-        _check_parents(self.parents.tolist() if "_parent_list" not in self.__dict__
-                       else self._parent_list)
+        if not self._made_here():
+            _check_parents(self.parents.tolist() if "_parent_list" not in self.__dict__
+                           else self._parent_list)
         _check_tokens(self.token_list, vocab_size)
         _check_draft_probs(self.draft_probs, n, vocab_size)
         if max_depth is not None and self.max_depth + 1 > max_depth:
@@ -106,6 +109,12 @@ class DraftTree:
         if self.path_probs is not None and (not isinstance(self.path_probs, torch.Tensor)
                                             or tuple(self.path_probs.shape) != (n,)):
             raise ValueError(f"DraftTree.path_probs must be a float tensor [n={n}] or None")
+
+    def _made_here(self) -> bool:
+        """The tensors are still the ones ``chain`` made of host ints: 1-D int64, parents
+        [-1, 0, 1, ...] (checks of them are skipped: every drafted request pays them)."""
+        made = self.__dict__.get("_made")
+        return made is not None and made[0] is self.tokens and made[1] is self.parents
 
     # ---- derived structure (cached) ----------------------------------------------------------
 

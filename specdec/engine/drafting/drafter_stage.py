@@ -107,7 +107,8 @@ class DrafterStage:
         of an earlier call that raised for several at once (suspects) propose alone, the
         others together."""
         alone = [i for i, rec in enumerate(jobs) if rec.seq.drafting.suspect]
-        together = [i for i, rec in enumerate(jobs) if not rec.seq.drafting.suspect]
+        together = [i for i, rec in enumerate(jobs) if not rec.seq.drafting.suspect] \
+            if alone else list(range(len(jobs)))
         outcomes: list = [None] * len(jobs)
         for group in ([together] if together else []) + [[i] for i in alone]:
             raised: list = []
