@@ -30,6 +30,7 @@ import torch
 
 RING = 4  # pinned buffers in flight (one forward's staging each)
 ALIGN = 16  # int64 entries: every array starts 128-byte aligned
+VIEWS = 4096  # device views a Staging keeps
 
 
 class Staging:
@@ -41,6 +42,9 @@ class Staging:
         self.copies = 0  # stagings so far (one host -> device copy each on a GPU)
         self._on_gpu = self.device.type == "cuda"
         self._device_buf = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        # the device buffer's views by (start, size): a graphed shape stages its arrays at the
+        # same places every step, so each view is made once (bounded: VIEWS kept, then anew)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
         if self._on_gpu:
             self._pinned = [torch.empty(capacity, dtype=torch.int64, pin_memory=True)
                             for _ in range(RING)]
@@ -67,7 +71,7 @@ class Staging:
             return _views(buf, starts, sizes)
         if not self._on_gpu:
             _fill(self._device_np, arrays, starts)
-            return _views(self._device_buf, starts, sizes)
+            return self._device_views(starts, sizes)
         i = self._next
         self._next = (i + 1) % RING
         if self._done[i] is not None:
@@ -77,8 +81,19 @@ class Staging:
         self._device_buf[:total].copy_(host[:total], non_blocking=True)
         event = self._done[i] = self._done[i] or torch.cuda.Event()
         event.record()
-        return _views(self._device_buf, starts, sizes)
+        return self._device_views(starts, sizes)
 
+    def _device_views(self, starts: list[int], sizes: list[int]) -> list[torch.Tensor]:
+        got = self._views
+        if len(got) > VIEWS:
+            got.clear()
+        out = []
+        for key in zip(starts, sizes):
+            view = got.get(key)
+            if view is None:
+                view = got[key] = self._device_buf[key[0]:key[0] + key[1]]
+            out.append(view)
+        return out
 
 def _fill(buf: np.ndarray, arrays: list[torch.Tensor], starts: list[int]) -> None:
     """Through numpy: a slice assignment costs a fraction of torch's slice and copy_ (two ops
