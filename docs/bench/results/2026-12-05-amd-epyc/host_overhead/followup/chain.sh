@@ -1,7 +1,7 @@
 #!/bin/bash
 cd /work/main
 OUT=$1; R=${2:-3}; mkdir -p $OUT
-TREES="start 3431825 b338726 e080406 1e8a6fd 95638e9"
+TREES="start 3431825 b338726 e080406 1e8a6fd 95638e9 f6ace73 229fb61 5427f11"
 for i in $(seq 1 $R); do for t in $TREES; do
   PYTHONPATH=/tmp/tree_$t .venv/bin/python docs/bench/host_overhead.py --steps 300 --json $OUT/${t}_$i.json > /dev/null 2>&1
 done; done
