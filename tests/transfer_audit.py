@@ -68,10 +68,10 @@ class Transfer:
     site: str  # file:line (function) of the code that called it
 
 
-@dataclass
-class StepAudit:
-    kind: str  # "prefill" (the step fed prompt tokens), "speculative" (drafts), "plain"
-    events: list[Transfer] = field(default_factory=list)
+class _Counts:
+    """h2d copies and d2h reads among ``self.events``."""
+
+    events: list[Transfer]
 
     @property
     def h2d(self) -> int:
@@ -80,6 +80,13 @@ class StepAudit:
     @property
     def d2h(self) -> int:
         return sum(e.kind == "d2h" for e in self.events)
+
+
+@dataclass
+class StepAudit(_Counts):
+    kind: str  # "prefill" (the step fed prompt tokens), "speculative" (drafts), "plain"
+    events: list[Transfer] = field(default_factory=list)
+
 
 
 def _host_device(d) -> bool:
@@ -112,7 +119,7 @@ def _name(func) -> str:
     return name
 
 
-class TransferAudit(TorchFunctionMode):
+class TransferAudit(_Counts, TorchFunctionMode):
     """Counts host <-> device transfers by provenance (module docstring). ``mark`` seeds device
     tensors; ``events`` are every transfer counted while the mode was on."""
 
@@ -149,13 +156,6 @@ class TransferAudit(TorchFunctionMode):
         return Counter(f"{e.kind} {e.op} {e.site}" for e in self.events
                        if kind is None or e.kind == kind)
 
-    @property
-    def h2d(self) -> int:
-        return sum(e.kind == "h2d" for e in self.events)
-
-    @property
-    def d2h(self) -> int:
-        return sum(e.kind == "d2h" for e in self.events)
 
     # ---- the mode ----------------------------------------------------------------------------
 
