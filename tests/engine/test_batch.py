@@ -93,3 +93,36 @@ def test_frontier_rows_line_up_with_the_verifier_layout():
             assert batch.positions[rows[1:]].tolist() == depth.tolist()
         start += rec.num_rows
     assert start == batch.num_rows
+
+
+def test_a_batch_padded_on_its_lists_is_the_runner_padded_batch():
+    """build_forward_batch with the runner's graphs pads to the graph shape while it builds the
+    arrays (no pad_batch join): the same ids, positions, write slots and metadata as the
+    unpadded batch padded by pad_batch, and only the real rows counted as the batch's rows."""
+    from types import SimpleNamespace
+
+    from specdec.engine.cuda_graphs import CudaGraphRunner, graph_shapes, pad_batch
+
+    def records(kv):
+        tree = DraftTree(torch.tensor([7, 8, 9]), torch.tensor([-1, -1, 0]))
+        return [record(kv, list(range(200, 210)), 9, 1, tree),
+                record(kv, list(range(300, 308)), 7, 1, DraftTree.chain([5, 6])),
+                record(kv, list(range(400, 406)), 5, 1), record(kv, list(range(500, 504)), 3, 1)]
+
+    graphs = SimpleNamespace(shapes=graph_shapes(4, 32), scratch=[30, 31], dummies={})
+    graphs.padding = CudaGraphRunner.padding.__get__(graphs)
+    padded = build_forward_batch(records(TableAllocator(PagePool(32), PAGE)), PAGE, "cpu",
+                                 graphs)
+    plain = build_forward_batch(records(TableAllocator(PagePool(32), PAGE)), PAGE, "cpu")
+    assert padded.num_rows == plain.num_rows == 9
+    assert padded.graph_shape.num_rows > 9 and padded.graph_shape.batch_size > 4  # dummies
+    want = pad_batch(plain, padded.graph_shape, graphs.scratch)
+    assert padded.input_ids.tolist() == want.input_ids.tolist()
+    assert padded.positions.tolist() == want.positions.tolist()
+    assert padded.logits_indices.tolist() == plain.logits_indices.tolist()
+    a, b = padded.metadata, want.metadata
+    assert (a.qo_lens(), a.kv_lens()) == (b.qo_lens(), b.kv_lens())
+    assert a.slots.tolist() == b.slots.tolist()
+    assert [m is None for m in a.custom_masks] == [m is None for m in b.custom_masks]
+    for x, y in zip(a.custom_masks, b.custom_masks):
+        assert x is None or torch.equal(x, y)
