@@ -23,7 +23,12 @@ import torch
 
 from specdec.attention.block_masks import block_mask
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
-from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
+from specdec.drafters.rank_tree import (
+    candidates_to_host,
+    default_rates,
+    rank_paths,
+    tree_from_ranks,
+)
 from specdec.kv.block_table import BlockTable
 from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from specdec.tree import DraftTree
@@ -100,7 +105,7 @@ class BlockDiffusionDrafter(BaseDrafter):
         if not live:
             return trees
         tokens, probs = self._forward([requests[j] for j in live])
-        tokens, probs = tokens.cpu(), probs.cpu()  # one copy for the batch, not one per request
+        tokens, probs = candidates_to_host(tokens, probs)  # one read for the batch and both
         for row, j in enumerate(live):
             b = requests[j].budget
             paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)

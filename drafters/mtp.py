@@ -19,7 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
-from specdec.drafters.rank_tree import default_rates, rank_paths, tree_from_ranks
+from specdec.drafters.rank_tree import (
+    candidates_to_host,
+    default_rates,
+    rank_paths,
+    tree_from_ranks,
+)
 from specdec.models.heads.mtp import MTPConfig, MTPHeads
 from specdec.tree import DraftTree
 
@@ -82,8 +87,8 @@ class MTPDrafter(BaseDrafter):
             y = self.heads(x.to(self.heads.lm_head.dtype), deepest)  # [R, heads used, H]
             probs = self.heads.compute_logits(y).softmax(-1)
             top = probs.topk(self.topk, dim=-1)  # [R, heads used, k]
-            # one device -> host copy for the batch, not one per request
-            tokens, values = self.heads.token_map[top.indices].cpu(), top.values.cpu()
+            # one device -> host read for the batch, not one per request (nor per tensor)
+            tokens, values = candidates_to_host(self.heads.token_map[top.indices], top.values)
         for row, j in enumerate(live):
             b = requests[j].budget
             paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)

@@ -108,13 +108,14 @@ PINNED = {
     # expansion level, the features' row index (eagle3.py:242 torch.tensor(device=)); then the
     # target's 3 + 1 and the feedback's row index (engine/drafting/drafter_stage.py:285)
     "eagle3": [(14, 7), (10, 5), (10, 5), (5, 3)],
-    # MTP: two .cpu() reads (drafters/mtp.py:86); the target's, with a tree's mask (3, 1; a
+    # MTP: one read of the candidates (tokens and probabilities together:
+    # drafters/rank_tree.py candidates_to_host); the target's, with a tree's mask (3, 1; a
     # chain at the end: 2, 1); the feedback's row index (drafter_stage.py:285)
-    "mtp": [(4, 3), (4, 3), (3, 3), (3, 3)],
+    "mtp": [(4, 2), (4, 2), (3, 2), (3, 2)],
     # block diffusion: the context rows (drafters/block_diffusion.py:152) and the block's row
-    # index (:162) sent, its runner's staging, plan and mask offsets, two .cpu() reads (:103);
-    # the target's; the feedback's row index (drafter_stage.py:285)
-    "block_diffusion": [(9, 3), (9, 3), (8, 3), (8, 3)],
+    # index (:162) sent, its runner's staging, plan and mask offsets, one read of the
+    # candidates (rank_tree.py candidates_to_host); the target's; the feedback's row index
+    "block_diffusion": [(9, 2), (9, 2), (8, 2), (8, 2)],
 }
 
 
