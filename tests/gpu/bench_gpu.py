@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_helpers import SHAPES, make_model  # noqa: E402
+from learned_drafters import audited, cpu_stand_ins, learned_drafter  # noqa: E402
 
 PROMPT_LEN = 128
 DEVICE = "cuda"
@@ -365,7 +366,7 @@ def learned(folder: Path, tokens: int) -> dict:
     read here is what a draft step costs beside a target step, whether the drafters' steps are
     graphed, and (off CUDA) their transfers per step, not their speedup."""
     prompts = _prompts(1, _vocab(folder), seed=7)
-    mode = {} if DEVICE == "cuda" else _cpu_stand_ins()
+    mode = {} if DEVICE == "cuda" else cpu_stand_ins()
     plain = _llm(folder, **mode)
     plain_tps, outs = _timed_generate(plain, prompts, tokens)
     want = [o.token_ids for o in outs]
@@ -374,80 +375,18 @@ def learned(folder: Path, tokens: int) -> dict:
     res: dict = {"b1_plain_tok_s": round(plain_tps, 1)}
     for name in LEARNED:
         spec = _llm(folder, controller="static", controller_args={"budget": 4}, **mode,
-                    **_learned_drafter(name, folder))
+                    **learned_drafter(name, folder, DEVICE))
         steps: dict = {}
         tps, got = _timed_generate(spec, prompts, tokens, steps)
         run = {"tok_s": round(tps, 1), "speedup": round(tps / plain_tps, 2),
                "measured_tau": round(got[0].metrics.tau, 2),
                "token_match": float([o.token_ids for o in got] == want), "steps": steps}
         if DEVICE != "cuda":
-            run["audit"] = _audited(spec, prompts)
+            run["audit"] = audited(spec, prompts, _params(8))
         res[name] = run
         del spec
         _free()
     return res
-
-
-def _cpu_stand_ins() -> dict:
-    """Engine options for the dry run's learned drafters, as tests/test_transfer_audit.py runs
-    them: flashinfer's API model (tests/attention/flashinfer_api_model.py) in bf16 and plain
-    matmuls, so that the audit sees the GPU path's torch calls (not the compiled CPU kernels,
-    which take no tensor the audit marks as the device's, nor the torch backend's KV gathers,
-    which a GPU does not make)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from attention import flashinfer_api_model
-
-    from specdec.attention import flashinfer_backend
-
-    sys.modules["flashinfer"] = flashinfer_api_model.module()
-    flashinfer_backend.check_supported = lambda spec: None
-    return dict(dtype="bfloat16", attention_backend="flashinfer", linear_kernels="plain")
-
-
-def _learned_drafter(name: str, folder: Path) -> dict:
-    """drafter / drafter_args of ``name`` with random weights for the target in ``folder``."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "drafters"))
-    from drafter_helpers import random_block_diffusion, random_head
-
-    from specdec.models.loader import load_model
-
-    dtype = torch.bfloat16
-    model, cfg, hf = load_model(folder, dtype, DEVICE, 1024)
-    last = cfg.num_layers - 1
-    if name == "eagle3":
-        return {"drafter": "eagle3", "drafter_args": {
-            "head": random_head(model, cfg, hf, aux_layer_ids=(1, last // 2, last)),
-            "depth": 3, "topk": 2}}
-    if name == "mtp":
-        from specdec.models.heads.mtp import MTPConfig, MTPHeads
-
-        torch.manual_seed(0)
-        heads = MTPHeads(MTPConfig.for_target(cfg, 64, 3), dtype).to(DEVICE)
-        heads.init_from_target(model.head_weight,
-                               torch.randperm(cfg.vocab_size)[:64].sort().values.to(DEVICE))
-        return {"drafter": "mtp", "drafter_args": {"heads": heads}}
-    return {"drafter": "block_diffusion",
-            "drafter_args": {"model": random_block_diffusion(model, cfg, hf)}}
-
-
-def _audited(llm, prompts) -> dict:
-    """Every host <-> device transfer of a short run, per step of each kind (the mean), with
-    the call sites of the speculative steps' (tests/transfer_audit.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from transfer_audit import audit_engine
-
-    with audit_engine(llm.engine) as audit:
-        llm.generate(prompts, _params(8))
-    out: dict = {}
-    for kind in ("plain", "speculative"):
-        steps = [s for s in audit.steps if s.kind == kind]
-        if steps:
-            out[f"{kind}_h2d_per_step"] = round(sum(s.h2d for s in steps) / len(steps), 2)
-            out[f"{kind}_d2h_per_step"] = round(sum(s.d2h for s in steps) / len(steps), 2)
-    spec = [s for s in audit.steps if s.kind == "speculative"]
-    if spec:
-        out["sites"] = sorted({f"{e.kind} {e.site}" for e in spec[0].events})
-    return out
 
 
 def _first_mismatch(plain, prompts, truth, outputs) -> dict | None:
