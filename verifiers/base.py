@@ -87,12 +87,13 @@ class VerifyOutput:
 
     @classmethod
     def from_results(cls, results: list[VerifyResult], depth: int) -> VerifyOutput:
-        """The output of host results (D = ``depth``, at least every result's accepted
-        length). Its padded tensors are made on first use (in one tensor op); until then
-        ``to_results`` hands back the results themselves (no tensor round trip on the host
-        path). A verifier that reads or edits the tensors after this gets them made, and
-        ``to_results`` reads them: the tensors are the output, as for any VerifyOutput."""
-        return _ResultsOutput(results, depth)
+        """The padded tensors of host results (D = ``depth``, at least every result's
+        accepted length), made in one tensor op."""
+        d = depth
+        rows = [r.accepted + [-1] * (d - len(r.accepted)) + r.tokens
+                + [-1] * (d + 1 - len(r.tokens)) + [len(r.accepted)] for r in results]
+        flat = torch.tensor(rows, dtype=torch.int64).view(len(results), 2 * d + 2)
+        return cls(flat[:, :d], flat[:, d:2 * d + 1], flat[:, -1])
 
     def to_results(self, to_host: Callable[[torch.Tensor], torch.Tensor] = None
                    ) -> list[VerifyResult]:
@@ -119,44 +120,6 @@ class VerifyOutput:
             tokens[idx, :p.tokens.shape[1]] = p.tokens
             num[idx] = p.num_accepted
         return VerifyOutput(accepted, tokens, num)
-
-
-def _made_field(i: int) -> property:
-    def get(self) -> torch.Tensor:
-        return self._made()[i]
-
-    def set_(self, value: torch.Tensor) -> None:
-        self._made()[i] = value
-
-    return property(get, set_)
-
-
-class _ResultsOutput(VerifyOutput):
-    """``VerifyOutput.from_results``: the fields are made from the results on first use."""
-
-    def __init__(self, results: list[VerifyResult], depth: int) -> None:
-        # (not the dataclass __init__: the fields are the properties below)
-        self._results, self._depth = results, depth
-        self._tensors: list[torch.Tensor] | None = None
-
-    accepted = _made_field(0)
-    tokens = _made_field(1)
-    num_accepted = _made_field(2)
-
-    def _made(self) -> list[torch.Tensor]:
-        if self._tensors is None:
-            d = self._depth
-            rows = [r.accepted + [-1] * (d - len(r.accepted)) + r.tokens
-                    + [-1] * (d + 1 - len(r.tokens)) + [len(r.accepted)] for r in self._results]
-            flat = torch.tensor(rows, dtype=torch.int64).view(len(rows), 2 * d + 2)
-            self._tensors = [flat[:, :d], flat[:, d:2 * d + 1], flat[:, -1]]
-        return self._tensors
-
-    def to_results(self, to_host: Callable[[torch.Tensor], torch.Tensor] = None
-                   ) -> list[VerifyResult]:
-        if self._tensors is None:  # nobody saw the tensors: the results are the output
-            return list(self._results)
-        return super().to_results(to_host)
 
 
 @dataclass
