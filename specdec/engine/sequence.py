@@ -42,6 +42,10 @@ class RequestDrafting:
     # several requests at once) until it ends or is preempted: no budget asked, no drafter call
     undrafted: bool = False
     idle_steps: int = 0  # decode steps in a row at budget 0 (keep_drafting asked at 1, 32, ...)
+    # the request's page keys as the tuple its DraftRequests carry, and the list it was made
+    # of (Sequence.page_keys): made again only when that list grew (or was replaced)
+    page_keys: tuple[bytes, ...] = field(default=(), repr=False)
+    keys_of: list[bytes] | None = field(default=None, repr=False)
 
 
 @dataclass(eq=False)  # identity, not field equality: sequences are looked up in queues

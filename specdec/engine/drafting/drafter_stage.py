@@ -75,9 +75,12 @@ class DrafterStage:
     def hidden_layers_for(self, records: list[StepRequest]) -> tuple[int, ...]:
         """The target layers to capture in this step's forward: none when no request of it
         has drafter state (no drafter, or every request decodes without one)."""
-        if self.drafter is None or not any(r.seq.drafting.ready for r in records):
+        if self.drafter is None:
             return ()
-        return tuple(self.drafter.hidden_layers)
+        layers = self.drafter.hidden_layers  # (most drafters capture none: no scan then)
+        if not layers or not any(r.seq.drafting.ready for r in records):
+            return ()
+        return tuple(layers)
 
     # ---- propose ---------------------------------------------------------------------------
 
@@ -85,12 +88,14 @@ class DrafterStage:
         """Fill the tree of each record with a draft budget (``tree``, ``no_kv``,
         ``num_proposed``); a failed request gets none."""
         failures = self._ensure_states([r.seq for r in records])
-        jobs = [r for r in records if r.budget.max_nodes > 0 and r.seq not in failures]
+        failed = failures.requests
+        jobs = [r for r in records if r.budget.max_nodes > 0 and r.seq not in failed]
         if not jobs:
             return failures
         requests = [_request(r) for r in jobs]
+        constrained = False
         for rec, req, outcome in zip(jobs, requests, self._proposals(jobs, requests, failures)):
-            if isinstance(outcome, Unblamed):
+            if type(outcome) is Unblamed:
                 continue  # no draft this step
             error = outcome if isinstance(outcome, str) else _tree_problem(
                 outcome, rec, self.vocab_size)
@@ -98,7 +103,9 @@ class DrafterStage:
                 failures.fail(rec.seq, f"drafter {self.name} {error}")
             else:
                 rec.tree, rec.no_kv, rec.num_proposed = outcome, req.no_kv, outcome.num_nodes
-        _constrain([r for r in jobs if r.num_nodes and r.seq.logits is not None])
+                constrained = constrained or rec.seq.logits is not None
+        if constrained:
+            _constrain([r for r in jobs if r.seq.logits is not None and r.num_nodes])
         return failures
 
     def _proposals(self, jobs: list[StepRequest], requests: list[DraftRequest],
@@ -107,25 +114,34 @@ class DrafterStage:
         of an earlier call that raised for several at once (suspects) propose alone, the
         others together."""
         alone = [i for i, rec in enumerate(jobs) if rec.seq.drafting.suspect]
-        together = [i for i, rec in enumerate(jobs) if not rec.seq.drafting.suspect] \
-            if alone else list(range(len(jobs)))
-        outcomes: list = [None] * len(jobs)
-        for group in ([together] if together else []) + [[i] for i in alone]:
-            raised: list = []
-            got = isolate(self.drafter.propose, [requests[i] for i in group], check_trees,
-                          bool(self.drafter.replay_safe), raised)
-            self._caught(failures, "propose", raised)
-            self._saved(failures, "propose", raised, got)
-            for i, outcome in zip(group, got):
-                outcomes[i] = outcome
+        if alone:
+            together = [i for i, rec in enumerate(jobs) if not rec.seq.drafting.suspect]
+            outcomes: list = [None] * len(jobs)
+            for group in ([together] if together else []) + [[i] for i in alone]:
+                for i, outcome in zip(group, self._call_propose([requests[i] for i in group],
+                                                                failures)):
+                    outcomes[i] = outcome
+        else:  # (the usual step: one call for them all)
+            outcomes = self._call_propose(requests, failures)
+        unblamed = 0
         for rec, outcome in zip(jobs, outcomes):
-            rec.seq.drafting.suspect = isinstance(outcome, Unblamed)
-        unblamed = sum(isinstance(o, Unblamed) for o in outcomes)
+            suspect = rec.seq.drafting.suspect = type(outcome) is Unblamed
+            unblamed += suspect
         if unblamed:
             failures.report(f"drafter {self.name} failed in propose for {unblamed} requests at "
                             f"once ({first_problem(outcomes)}); none of them is drafted for this "
                             "step, and each proposes alone the next time")
         return outcomes
+
+    def _call_propose(self, requests: list[DraftRequest], failures: Failures) -> list:
+        """One propose call (``calls.isolate``), what it raised into ``failures``."""
+        raised: list = []
+        got = isolate(self.drafter.propose, requests, check_trees,
+                      bool(self.drafter.replay_safe), raised)
+        if raised:
+            self._caught(failures, "propose", raised)
+            self._saved(failures, "propose", raised, got)
+        return got
 
     def _ensure_states(self, seqs: list[Sequence]) -> Failures:
         """Per-request drafter state from a request's first step on (and after preemption)."""
@@ -246,9 +262,12 @@ def _hears_verified(drafter: BaseDrafter) -> bool:
 
 
 def _request(rec: StepRequest) -> DraftRequest:
-    seq = rec.seq
+    seq, d = rec.seq, rec.seq.drafting
+    keys = seq.page_keys
+    if d.keys_of is not keys or len(d.page_keys) != len(keys):  # (keys are only appended)
+        d.page_keys, d.keys_of = tuple(keys), keys
     return DraftRequest(seq.request_id, TokenView(seq.token_ids), rec.budget, seq.params,
-                        seq.seed, seq.drafting.state, page_keys=tuple(seq.page_keys))
+                        seq.seed, d.state, page_keys=d.page_keys)
 
 
 def _tree_problem(tree, rec: StepRequest, vocab_size: int) -> str | None:
