@@ -60,6 +60,21 @@ class StopChecker:
 
         Returns how many were appended; sets seq.finish_reason when the request stops.
         """
+        params = seq.params
+        if not params.stop:  # (no text to search: the stops are per token, the length known)
+            stops = params.stop_token_ids
+            eos = () if params.ignore_eos else self.eos_token_ids
+            n = len(seq.token_ids)
+            room = min(params.max_tokens - (n - len(seq.prompt_token_ids)),
+                       self.max_model_len - n)  # tokens until "length"
+            for i, token in enumerate(tokens):
+                if token in stops or token in eos or i + 1 >= room:
+                    seq.token_ids.extend(tokens[:i + 1])
+                    seq.finish_reason = "length" if token not in stops and token not in eos \
+                        else "stop"
+                    return i + 1
+            seq.token_ids.extend(tokens)
+            return len(tokens)
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)
             reason = self._reason(seq, token)

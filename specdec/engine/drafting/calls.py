@@ -54,6 +54,8 @@ def isolate(call: Callable, items, check: Callable, replay_safe: bool,
     except Exception as e:
         problem = f"failed: {e!r}"
         raised.append((n, e))
+    if problem is None and all(r.error is None for r in reqs):  # (the usual call)
+        return list(out) if isinstance(out, list) else [None] * n
     marked = [None if r.error is None else f"failed: {r.error}" for r in reqs]
     if problem is None:
         results = out if isinstance(out, list) else [None] * n

@@ -65,20 +65,37 @@ class ControllerStage:
         if asking:
             for rec, budget in zip(asking, self._answer(asking, batch)):
                 rec.controller_asked = budget
-        return [NO_DRAFT if r.controller_asked is None else r.controller_asked.clip(min(
-            self.max_model_len - r.seq.num_tokens,
-            r.seq.params.max_tokens - r.seq.num_output_tokens - 1)) for r in records]
+        out, max_model_len = [], self.max_model_len
+        for r in records:
+            asked = r.controller_asked
+            if asked is None:
+                out.append(NO_DRAFT)
+                continue
+            seq = r.seq
+            n = len(seq.token_ids)  # (num_tokens; num_output_tokens below)
+            room = min(max_model_len - n, seq.params.max_tokens - (n - len(seq.prompt_token_ids))
+                       - 1)
+            out.append(asked if room >= asked.max_nodes else asked.clip(room))
+        return out
 
     def _answer(self, asking: list[StepRequest], batch: BatchComposition) -> list[DraftBudget]:
+        views = []
         for rec in asking:  # (the step's one view of each: prune shows the same)
-            rec.view = _view(rec.seq)
-        answer = self.controller.budgets([r.view for r in asking], batch)
-        if not isinstance(answer, (list, tuple)) or len(answer) != len(asking) \
-                or not all(isinstance(b, DraftBudget) for b in answer):
+            rec.view = view = _view(rec.seq)
+            views.append(view)
+        answer = self.controller.budgets(views, batch)
+        sourced = False
+        well_formed = isinstance(answer, (list, tuple)) and len(answer) == len(asking)
+        for b in answer if well_formed else ():
+            if not isinstance(b, DraftBudget):
+                well_formed = False
+                break
+            sourced = sourced or b.sources is not None
+        if not well_formed:
             raise self._error(
                 f"controller {self.name} must return {len(asking)} DraftBudget values (one per "
                 f"request), got {answer!r}")
-        for b in answer:
+        for b in answer if sourced else ():
             if b.sources is not None and not set(b.sources) <= set(self.sources):
                 raise self._error(
                     f"controller {self.name} asked for drafts from {list(b.sources)}; this "
@@ -132,7 +149,10 @@ class ControllerStage:
 
     def prune(self, records: list[StepRequest], batch: BatchComposition | None) -> None:
         """The controller's second phase (``prune``): verify only the nodes it keeps of each
-        drafted tree (``rec.kept``: their node indices in the proposal)."""
+        drafted tree (``rec.kept``: their node indices in the proposal). BaseController's
+        (every tree kept whole) is not called: no views, no trees listed."""
+        if getattr(self.controller.prune, "__func__", None) is BaseController.prune:
+            return
         records = [r for r in records if r.num_nodes]
         if not records or batch is None:
             return
@@ -162,8 +182,10 @@ class ControllerStage:
         accepted; its decision figures go into ``stats``. A step in which no request was asked
         and nothing was prefilled (every decode request without its drafter state) says
         nothing the controller acts on: not reported."""
+        if not self.with_drafter:
+            return
         asked = [r for r in records if r.controller_asked is not None]
-        if not self.with_drafter or not (asked or stats.num_prefill_tokens):
+        if not (asked or stats.num_prefill_tokens):
             return
         self.controller.observe(_report(asked, stats, source_seconds))
         if self.controller.decision:
@@ -184,16 +206,19 @@ class ControllerStage:
 
 def _report(asked: list[StepRequest], stats: StepStats,
             source_seconds: Mapping[str, float]) -> StepReport:
-    outcomes = tuple(RequestOutcome(r.seq.request_id, r.controller_asked,
-                                    r.num_proposed if r.tree is not None else 0,
-                                    r.num_accepted, r.no_kv, r.tree if r.num_nodes else None,
-                                    tuple(r.result.accepted) if r.result is not None else ())
-                     for r in asked)
+    outcomes = []
+    for r in asked:
+        tree, result = r.tree, r.result
+        accepted = () if result is None else tuple(result.accepted)
+        outcomes.append(RequestOutcome(
+            r.seq.request_id, r.controller_asked, 0 if tree is None else r.num_proposed,
+            len(accepted), r.no_kv, tree if tree is not None and tree.num_nodes else None,
+            accepted))
     return StepReport(
         draft_seconds=stats.draft_seconds, forward_seconds=forward_seconds(stats),
         verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,
         num_verified_rows=stats.num_verified_rows, num_decode=stats.num_decode,
-        num_prefill_tokens=stats.num_prefill_tokens, outcomes=outcomes,
+        num_prefill_tokens=stats.num_prefill_tokens, outcomes=tuple(outcomes),
         source_seconds=dict(source_seconds))
 
 
