@@ -23,12 +23,7 @@ import torch
 
 from specdec.attention.block_masks import block_mask
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
-from specdec.drafters.rank_tree import (
-    candidates_to_host,
-    default_rates,
-    rank_paths,
-    tree_from_ranks,
-)
+from specdec.drafters.rank_tree import DeviceTrees, default_rates, rank_paths
 from specdec.kv.block_table import BlockTable
 from specdec.models.heads.block_diffusion import BlockDiffusionConfig, BlockDiffusionModel
 from specdec.tree import DraftTree
@@ -73,6 +68,7 @@ class BlockDiffusionDrafter(BaseDrafter):
         self.topk = min(topk, c.draft_vocab_size)
         self.hidden_layers = tuple(c.target_layer_ids)
         self.runner = target.new_runner(self.model, name="block_diffusion")
+        self._trees = DeviceTrees()
 
     def init_state(self, request_id, prompt_token_ids) -> BlockState:
         return BlockState()
@@ -105,11 +101,12 @@ class BlockDiffusionDrafter(BaseDrafter):
         if not live:
             return trees
         tokens, probs = self._forward([requests[j] for j in live])
-        tokens, probs = candidates_to_host(tokens, probs)  # one read for the batch and both
+        # the trees' tokens stay on the device: the step's verification read brings them
         for row, j in enumerate(live):
             b = requests[j].budget
             paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)
-            trees[j] = tree_from_ranks(paths, tokens[row], probs[row])
+            if paths:
+                trees[j] = self._trees.tree(paths, tokens[row], probs[row])
         return trees
 
     def _reserve(self, r: DraftRequest) -> bool:
@@ -140,7 +137,7 @@ class BlockDiffusionDrafter(BaseDrafter):
         with torch.inference_mode():  # every request's new context rows, fused at once
             fused = (self.model.fuse(torch.cat(pending).to(self.model.embed.dtype)).split(
                 [r.state.num_pending for r in reqs]) if pending else [None] * len(reqs))
-        feeds, starts, positions, masks, feats, ctx = [], [], [], [], [], []
+        feeds, starts, positions, masks, feats, ctx, pick = [], [], [], [], [], [], []
         for r, rows in zip(reqs, fused):
             s: BlockState = r.state
             n = len(r.token_ids)
@@ -154,18 +151,15 @@ class BlockDiffusionDrafter(BaseDrafter):
             masks.append(block_mask(s.num_cached, m, b))
             feats.append(s.last.expand(b, -1))
             ctx += [True] * m + [False] * b
-        rows = torch.tensor(ctx, device=self.runner.device)
-        batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="none",
+            end = (pick[-1] + 1 if pick else 0) + len(feeds[-1])
+            pick += range(end - (b - 1), end)  # its block rows 1 .. B-1: the last B - 1
+        # the context flags and the block rows' indices go in the forward's one staging copy
+        batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits=pick,
                                  positions=positions, masks=masks, features=torch.cat(feats),
-                                 context_rows=rows)
+                                 context_rows=torch.tensor(ctx))
         out = self.runner.forward(batch)
-        # block rows 1 .. B-1 of each request (the last B - 1 rows of its feed)
-        ends = torch.tensor([len(f) for f in feeds]).cumsum(0)
-        pick = (ends[:, None] - (b - 1) + torch.arange(b - 1)[None]).reshape(-1)
         with torch.inference_mode():
-            logits = self.model.compute_logits(out.final_hidden.index_select(
-                0, pick.to(out.final_hidden.device)))
-            top = logits.softmax(-1).topk(self.topk, dim=-1)
+            top = out.logits.softmax(-1).topk(self.topk, dim=-1)
             tokens = self.model.token_map[top.indices].view(len(reqs), b - 1, -1)
         for r in reqs:
             s = r.state

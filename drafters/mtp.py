@@ -19,12 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
-from specdec.drafters.rank_tree import (
-    candidates_to_host,
-    default_rates,
-    rank_paths,
-    tree_from_ranks,
-)
+from specdec.drafters.rank_tree import DeviceTrees, default_rates, rank_paths
 from specdec.models.heads.mtp import MTPConfig, MTPHeads
 from specdec.tree import DraftTree
 
@@ -60,6 +55,7 @@ class MTPDrafter(BaseDrafter):
         self.rates = tuple(tuple(row[:topk]) for row in rates)
         self.topk = min(topk, self.heads.config.draft_vocab_size)
         self.hidden_layers = (target.model_config.num_layers - 1,)
+        self._trees = DeviceTrees()
 
     def init_state(self, request_id, prompt_token_ids) -> MTPState:
         return MTPState()
@@ -87,12 +83,13 @@ class MTPDrafter(BaseDrafter):
             y = self.heads(x.to(self.heads.lm_head.dtype), deepest)  # [R, heads used, H]
             probs = self.heads.compute_logits(y).softmax(-1)
             top = probs.topk(self.topk, dim=-1)  # [R, heads used, k]
-            # one device -> host read for the batch, not one per request (nor per tensor)
-            tokens, values = candidates_to_host(self.heads.token_map[top.indices], top.values)
-        for row, j in enumerate(live):
-            b = requests[j].budget
-            paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)
-            trees[j] = tree_from_ranks(paths, tokens[row], values[row])
+            tokens = self.heads.token_map[top.indices]
+            # the trees' tokens stay on the device: the step's verification read brings them
+            for row, j in enumerate(live):
+                b = requests[j].budget
+                paths = rank_paths(self.rates, b.max_nodes, b.depth_limit)
+                if paths:
+                    trees[j] = self._trees.tree(paths, tokens[row], top.values[row])
         return trees
 
 

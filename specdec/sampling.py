@@ -121,7 +121,7 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     On the CPU numpy's argmax runs it (its SIMD loop: ~4 us a 49k-token row against torch's
     ~65 us, and torch's several-row CPU argmax is slower still, ~0.1-0.3 ms for a 5-row
     verification): a step of a small model pays it for every row it verifies."""
-    if (logits.device.type == "cpu" and logits.dim() >= 1 and logits.shape[-1] > 0
+    if (logits.is_cpu and logits.dim() >= 1 and logits.shape[-1] > 0
             and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad):
         return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1))).to(torch.int64)
     return logits.argmax(dim=-1)

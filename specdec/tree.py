@@ -81,11 +81,14 @@ class DraftTree:
         return int(self.tokens.numel())
 
     def validate(self, max_nodes: int | None = None, vocab_size: int | None = None,
-                 max_depth: int | None = None, check_probs: bool = False) -> None:
+                 max_depth: int | None = None, check_probs: bool = False,
+                 read_tokens: bool = True) -> None:
         """Raise ValueError if the tree is malformed, over ``max_nodes`` nodes or ``max_depth``
         levels, or outside the vocab. ``check_probs`` also checks the values of ``draft_probs``
         (finite, >= 0, every row with mass, mass at the node's own token): a sampled request's
-        verifier divides by them."""
+        verifier divides by them. ``read_tokens=False`` leaves the token values of a tree
+        whose tokens are not on the host unchecked (the engine checks them once the step's
+        read brought them: ``check_tokens``)."""
         if not self._made_here():
             _check_index_tensor("tokens", self.tokens)
             _check_index_tensor("parents", self.parents)
@@ -99,7 +102,8 @@ class DraftTree:
         if not self._made_here():
             _check_parents(self.parents.tolist() if "_parent_list" not in self.__dict__
                            else self._parent_list)
-        _check_tokens(self.token_list, vocab_size)
+        if read_tokens or self.tokens_on_host:
+            _check_tokens(self.token_list, vocab_size)
         _check_draft_probs(self.draft_probs, n, vocab_size)
         if max_depth is not None and self.max_depth + 1 > max_depth:
             raise ValueError(f"DraftTree is {self.max_depth + 1} levels deep, more than the "
@@ -109,6 +113,10 @@ class DraftTree:
         if self.path_probs is not None and (not isinstance(self.path_probs, torch.Tensor)
                                             or tuple(self.path_probs.shape) != (n,)):
             raise ValueError(f"DraftTree.path_probs must be a float tensor [n={n}] or None")
+
+    def check_tokens(self, vocab_size: int | None) -> None:
+        """Raise ValueError if a token is not an int in [0, vocab_size)."""
+        _check_tokens(self.token_list, vocab_size)
 
     def _made_here(self) -> bool:
         """The tensors are still the ones ``chain`` made of host ints: 1-D int64, parents
@@ -126,6 +134,33 @@ class DraftTree:
     def token_list(self) -> list[int]:
         """``tokens`` as host ints (read once)."""
         return self.tokens.tolist()
+
+    @classmethod
+    def on_device(cls, tokens: torch.Tensor, parents: torch.Tensor,
+                  path_probs: torch.Tensor | None = None) -> DraftTree:
+        """A tree whose ``tokens`` (and ``path_probs``) are the engine device's, a drafter's
+        model output the host has not read (``parents``: a host tensor). The engine reads them
+        only in the step's one read; on a CPU too, so that the CPU takes the GPU's path."""
+        tree = cls(tokens, parents, None, path_probs)
+        tree.__dict__["_device"] = True
+        return tree
+
+    @property
+    def tokens_on_host(self) -> bool:
+        """``token_list`` is known without a device -> host read: the tokens are host ints
+        (``chain``), a CPU tensor not made ``on_device``, or were read already. Otherwise the
+        engine leaves them where they are until the step's one read: the target's forward takes
+        them there, and the verification's read brings them along
+        (``specdec.engine.verify_stage``)."""
+        d = self.__dict__
+        return "token_list" in d or (self.tokens.is_cpu and not d.get("_device"))
+
+    def set_host(self, token_list: list[int], path_probs: torch.Tensor | None) -> None:
+        """The host copies of ``tokens`` (and of ``path_probs``, replacing the device tensor)
+        that the step's read brought: later uses read nothing."""
+        self.__dict__["token_list"] = token_list
+        if path_probs is not None:
+            self.path_probs = path_probs
 
     @cached_property
     def parent_list(self) -> list[int]:

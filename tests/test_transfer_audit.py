@@ -94,28 +94,26 @@ def test_is_cpu_answers_as_on_a_gpu():
 
 # (h2d copies, d2h reads) of each speculative (decode) step in order, batch 1, static budget 4,
 # 6 new tokens (the last steps' budgets shrink with the tokens left); file:line at the commit
-# that pinned them. Every step has the target's part: its staged inputs (engine/runner.py:168
-# Staging.stage), flashinfer's plan (attention/flashinfer_backend.py:177 / :182), for a tree's
-# custom mask its offsets (:189), and the verify read (sampling.py:126 on the CPU;
-# VerifyBatch.to_host on CUDA). The issue's target: <= 2 h2d and <= 1 d2h a step.
+# that pinned them. Every step has the target's part: its staged inputs (engine/runner.py
+# ModelRunner.forward: Staging.stage, a tree mask's byte offsets included), flashinfer's plan
+# (attention/flashinfer_backend.py _plan_kernel), and the verify read (VerifyStage.to_host:
+# verifiers/base.py host_copy), which brings along the drafts still on the device
+# (DraftTree.on_device). The issue's target: <= 2 h2d and <= 1 d2h a step.
 PINNED = {
-    # host drafters (chains: no mask copy): the staging, the plan, the verify read
+    # host drafters (chains): the staging, the plan, the verify read
     "ngram": [(2, 1)],
     "oracle": [(2, 1)],
     "suffix": [(2, 1)],
-    # EAGLE-3 (depth 3, topk 2), per level its runner's staging and plan (+ mask offsets for
-    # an expansion level), two tolist() reads (drafters/eagle3.py:296 _host_topk) and, per
-    # expansion level, the features' row index (eagle3.py:242 torch.tensor(device=)); then the
-    # target's 3 + 1 and the feedback's row index (engine/drafting/drafter_stage.py:285)
-    "eagle3": [(14, 7), (10, 5), (10, 5), (5, 3)],
-    # MTP: one read of the candidates (tokens and probabilities together:
-    # drafters/rank_tree.py candidates_to_host); the target's, with a tree's mask (3, 1; a
-    # chain at the end: 2, 1); the feedback's row index (drafter_stage.py:285)
-    "mtp": [(4, 2), (4, 2), (3, 2), (3, 2)],
-    # block diffusion: the context rows (drafters/block_diffusion.py:152) and the block's row
-    # index (:162) sent, its runner's staging, plan and mask offsets, one read of the
-    # candidates (rank_tree.py candidates_to_host); the target's; the feedback's row index
-    "block_diffusion": [(9, 2), (9, 2), (8, 2), (8, 2)],
+    # EAGLE-3 (depth 3, topk 2), per level its runner's staging and plan, two tolist() reads
+    # (drafters/eagle3.py _host_topk) and, per expansion level, the features' row index
+    # (eagle3.py _forward_level torch.tensor(device=)); then the target's
+    "eagle3": [(10, 7), (7, 5), (7, 5), (4, 3)],
+    # MTP: its trees' tokens stay on the device (drafters/rank_tree.py DeviceTrees): only the
+    # target's; the first step also sends the gather index of its tree shape (made once a shape)
+    "mtp": [(3, 1), (2, 1), (2, 1), (2, 1)],
+    # block diffusion: its runner's staging (context flags and block rows included) and plan,
+    # its trees' tokens on the device as MTP's (the first step: the shape's index); the target's
+    "block_diffusion": [(5, 1), (4, 1), (4, 1), (4, 1)],
 }
 
 

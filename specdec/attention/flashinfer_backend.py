@@ -67,6 +67,7 @@ class FlashInferAttentionBackend:
         Hopper; masked steps always get FA2, the one with custom masks). FA2 by default until
         FA3 is measured here: one family is one JIT compile on a fresh machine, not two."""
         check_supported(spec)
+        self._packed = None  # this step's packed tree masks and their offsets (stage_arrays)
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {', '.join(DECODE_PATHS)}, "
                              f"got {decode_path!r}")
@@ -134,8 +135,14 @@ class FlashInferAttentionBackend:
     # ---- the protocol -----------------------------------------------------------------------
 
     def stage_arrays(self, md: AttentionMetadata) -> list[torch.Tensor]:
-        """Nothing for the runner to stage: it plans from the host arrays."""
-        return []
+        """A step with a tree mask: its packed mask's byte offsets, which flashinfer 0.6 would
+        take in bits (plan() then puts the staged ones in place: no copy of their own). Else
+        nothing: it plans from the host arrays."""
+        if all(m is None for m in md.custom_masks):
+            self._packed = None
+            return []
+        self._packed = packed_masks(md.custom_masks, md.qo_lens(), md.kv_lens())
+        return [self._packed[1]]
 
     def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
         md = metadata
@@ -147,7 +154,7 @@ class FlashInferAttentionBackend:
         shape = self._graph_shapes.get((b, t, masked))
         if shape is not None:
             shape.write_index.copy_(index)
-            self._plan_kernel(shape.wrapper, shape.kind, md, qo_lens)
+            self._plan_kernel(shape.wrapper, shape.kind, md, qo_lens, staged)
             self._step = _Step(shape.wrapper, shape.write_index)
             return
         if decode and self.decode_path == "decode":
@@ -156,7 +163,7 @@ class FlashInferAttentionBackend:
             kind, wrapper = "masked", self._masked
         else:
             kind, wrapper = "causal", self._causal
-        self._plan_kernel(wrapper, kind, md, qo_lens)
+        self._plan_kernel(wrapper, kind, md, qo_lens, staged)
         self._step = _Step(wrapper, index)
 
     def run(self, q, k, v, kv_cache, scale: float) -> torch.Tensor:
@@ -166,7 +173,8 @@ class FlashInferAttentionBackend:
         write_kv(kv_cache, step.write_index, k, v)
         return step.wrapper.run(q, kv_cache)
 
-    def _plan_kernel(self, wrapper, kind: str, md: AttentionMetadata, qo_lens: list[int]) -> None:
+    def _plan_kernel(self, wrapper, kind: str, md: AttentionMetadata, qo_lens: list[int],
+                     staged: list[torch.Tensor] | None = None) -> None:
         s, h = self.spec, md.on_host()
         common = dict(q_data_type=s.dtype, kv_data_type=s.dtype, sm_scale=s.scale)
         if kind == "decode":
@@ -178,15 +186,19 @@ class FlashInferAttentionBackend:
                          s.num_heads, s.num_kv_heads, s.head_dim, md.page_size, causal=True,
                          **common)
             return
-        packed, indptr = packed_masks(md.custom_masks, qo_lens, md.kv_lens())
+        if staged:  # stage_arrays packed them for this step and staged the offsets
+            (packed, _), indptr = self._packed, staged[0]
+        else:
+            packed, indptr = packed_masks(md.custom_masks, qo_lens, md.kv_lens())
         wrapper.plan(h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len,
                      s.num_heads, s.num_kv_heads, s.head_dim, md.page_size,
                      packed_custom_mask=packed, causal=False, **common)
         # (flashinfer 0.6 keeps the offsets of a packed mask in bits; its kernel reads bytes)
+        # (staged: on the device already, a device copy; else a copy from the host)
         if wrapper.is_cuda_graph_enabled:
             wrapper._mask_indptr_buf.copy_(indptr, non_blocking=True)
         else:
-            wrapper._mask_indptr_buf = indptr.to(s.device, non_blocking=True)
+            wrapper._mask_indptr_buf = indptr.to(s.device, torch.int32, non_blocking=True)
 
 
 def check_supported(spec: AttentionSpec) -> None:

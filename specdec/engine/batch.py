@@ -26,7 +26,7 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
     padded to it here, on the lists (``CudaGraphRunner.padding``), rather than by the runner
     joining arrays (``pad_batch``): the same arrays, made once."""
     ids, pos, logit_rows = [], [], []
-    tables, kv_lens, qo_lens, masks, prompt_rows = [], [], [], [], []
+    tables, kv_lens, qo_lens, masks, prompt_rows, device_ids = [], [], [], [], [], []
     offset = 0
     for rec in records:
         seq, c = rec.seq, rec.computed_before
@@ -34,8 +34,13 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
         ids.extend(seq.token_ids[c:end])
         pos.extend(range(c, end))
         if rec.num_nodes:
-            ids.extend(rec.tree.token_list)
-            pos.extend(rec.tree.position_list(end))
+            tree = rec.tree
+            if tree.tokens_on_host:
+                ids.extend(tree.token_list)
+            else:  # drafts still on the device: written there over placeholders (no read)
+                device_ids.append((len(ids), tree.tokens))
+                ids.extend([0] * rec.num_nodes)
+            pos.extend(tree.position_list(end))
         rec.row_start = offset
         if rec.at_frontier:
             rec.logits_start = len(logit_rows)
@@ -67,4 +72,5 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
     ids, pos, logit_rows = (host_tensor(v) for v in (ids, pos, logit_rows))
     # host arrays: the runner stages them
     return ForwardBatch(ids, pos, metadata, logit_rows,
-                        graph_shape=None if padded is None else padded[0], num_real_rows=offset)
+                        graph_shape=None if padded is None else padded[0], num_real_rows=offset,
+                        device_ids=tuple(device_ids))

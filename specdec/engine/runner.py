@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,6 +55,11 @@ class ForwardBatch:
     # dummies after the first ``num_real_rows`` rows; None: not padded (the runner pads it)
     graph_shape: Shape | None = None
     num_real_rows: int | None = None
+    # (row, ids): rows row .. row + len(ids) - 1 take their token ids from ``ids``, a device
+    # int64 tensor (drafts the host has not read: ``DraftTree.tokens_on_host``), written over
+    # the staged placeholders on the device; ids outside the vocabulary are clamped into it
+    # there (the verifier then rejects the node: its token is not the one the forward saw)
+    device_ids: tuple[tuple[int, torch.Tensor], ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -175,9 +180,19 @@ class ModelRunner:
                     run = pad_batch(batch, shape, self.graphs.scratch, self.graphs.dummies)
             assert shape is None or self.graphs is not None, "a batch padded for no graphs"
             md = run.metadata
-            ids, pos, md.write_index, *planned, rows = self.staging.stage([
+            # context rows the host marked (block diffusion) go in the same copy
+            context = run.context_rows is not None and run.context_rows.is_cpu
+            staged = self.staging.stage([
                 run.input_ids, run.positions, host_kv_write_index(md.slots, md.page_size),
-                *self.backend.stage_arrays(md), batch.logits_indices])
+                *self.backend.stage_arrays(md),
+                *([run.context_rows.to(torch.int64)] if context else []), batch.logits_indices])
+            ids, pos, md.write_index, *planned, rows = staged
+            if context:
+                run = replace(run, context_rows=planned.pop() != 0)
+            if batch.device_ids:
+                vocab = self.model.embed.shape[0]
+                for row, tokens in batch.device_ids:
+                    torch.clamp(tokens, 0, vocab - 1, out=ids[row:row + tokens.numel()])
             if shape is None:
                 if self.graphs is not None and not self.graphs.eager_said:
                     self.graphs.eager_said = True  # (counted per step: StepStats.graphed)
@@ -232,11 +247,12 @@ class ModelRunner:
 
         Positions default to the slots (``starts[b] + i``); give ``positions`` (and a custom
         ``masks[b]`` of shape [len(feeds[b]), starts[b] + len(feeds[b])]) for tree rows.
-        ``logits``: "last" (each request's last row), "all" or "none". ``features``: [T, hidden]
-        per-row inputs for models that take them (EAGLE heads); ``context_rows`` [T] bool marks
-        the rows whose features are context (block-diffusion drafters).
+        ``logits``: "last" (each request's last row), "all", "none" or a list of rows (of the
+        batch). ``features``: [T, hidden] per-row inputs for models that take them (EAGLE
+        heads); ``context_rows`` [T] bool marks the rows whose features are context
+        (block-diffusion drafters; a host tensor is staged with the batch's other arrays).
         """
-        assert logits in ("last", "all", "none"), logits
+        assert isinstance(logits, list) or logits in ("last", "all", "none"), logits
         lens = [len(f) for f in feeds]
         ends = [s + n for s, n in zip(starts, lens)]
         md = build_metadata([t.pages for t in tables], ends, lens, self.page_size, masks,
@@ -245,7 +261,9 @@ class ModelRunner:
             pos = [p for s, e in zip(starts, ends) for p in range(s, e)]
         else:
             pos = [p for ps in positions for p in ps]
-        if logits == "last":
+        if isinstance(logits, list):
+            rows = logits
+        elif logits == "last":
             rows = list(itertools.accumulate(lens, initial=-1))[1:]
         else:
             rows = list(range(sum(lens))) if logits == "all" else []

@@ -30,10 +30,17 @@ class VerifyStage:
         # device -> host reads of verification so far (VerifyBatch.to_host; counted on a CPU
         # too, where they copy nothing: the CPU rehearsal counts what a GPU would read)
         self.reads = 0
+        self._along: list[DraftTree] = []  # trees whose tokens the next read brings along
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the host, in the step's one read: the first int64 tensor a verifier reads
+        brings along the drafts still on the device (``DraftTree.tokens_on_host``: their
+        tokens and path probabilities), so that they cost no read of their own."""
         self.reads += 1
-        return host_copy(t)
+        along, self._along = self._along, []
+        if not along or t.dtype != torch.int64 or t.device != along[0].tokens.device:
+            return host_copy(t)
+        return read_along(t, along)
 
     @classmethod
     def create(cls, pm, name: str, vocab_size: int) -> VerifyStage:
@@ -59,7 +66,15 @@ class VerifyStage:
         logits = logits[:sum(1 + r.num_nodes for r in frontier)]  # prompt rows come after
         raw = self._process(frontier, logits)
         batch = self.batch(frontier, logits)
-        for rec, result in zip(frontier, self._run(batch, failures)):
+        unread = [r for r in frontier if r.num_nodes and not r.tree.tokens_on_host]
+        self._along = [r.tree for r in unread]
+        results = self._run(batch, failures)
+        self._along = []
+        bad = {id(r): _token_problem(r.tree, self.vocab_size) for r in unread}
+        for rec, result in zip(frontier, results):
+            if bad.get(id(rec)):  # a drafted token outside the vocab (the forward saw it
+                failures.fail(rec.seq, bad[id(rec)])  # clamped): the draft is malformed
+                continue
             if isinstance(result, str):
                 failures.fail(rec.seq, f"verifier {self.name} {result}")
                 continue
@@ -82,8 +97,8 @@ class VerifyStage:
                     raw[rec] = logits[start:start + n].clone()
                 if rec.seq.logits is not None:
                     tree = rec.tree if rec.tree is not None else _EMPTY
-                    rec.seq.logits.process(logits[start:start + n], tree.tokens.tolist(),
-                                           tree.parents.tolist())
+                    rec.seq.logits.process(logits[start:start + n], tree.token_list,
+                                           tree.parent_list)
                 start += n
         return raw
 
@@ -141,6 +156,35 @@ class VerifyStage:
         if not 0 <= r.tokens[-1] < self.vocab_size:
             return f"emitted token {r.tokens[-1]} outside the vocab [0, {self.vocab_size})"
         return r
+
+
+def read_along(t: torch.Tensor, trees: list[DraftTree]) -> torch.Tensor:
+    """``t`` (int64) on the host in one device -> host copy with the trees' tokens and path
+    probabilities (these as their float32 bits: exact), which are set on each tree."""
+    parts = [t.reshape(-1)]
+    for tree in trees:
+        parts.append(tree.tokens)
+        if tree.path_probs is not None:
+            parts.append(tree.path_probs.float().view(torch.int32).to(torch.int64))
+    flat = host_copy(torch.cat(parts))
+    out, at = flat[:t.numel()].view(t.shape), t.numel()
+    for tree in trees:
+        n = tree.num_nodes
+        tokens, at = flat[at:at + n].tolist(), at + n
+        probs = None
+        if tree.path_probs is not None:
+            probs = flat[at:at + n].to(torch.int32).view(torch.float32).to(tree.path_probs.dtype)
+            at += n
+        tree.set_host(tokens, probs)
+    return out
+
+
+def _token_problem(tree: DraftTree, vocab_size: int) -> str | None:
+    try:
+        tree.check_tokens(vocab_size)
+    except ValueError as e:
+        return f"drafter returned a malformed tree: {e}"
+    return None
 
 
 def _prompt_logprobs(records: list[StepRequest], logits: torch.Tensor) -> None:

@@ -71,3 +71,26 @@ def test_candidates_come_back_bitwise_in_one_read(dtype):
     got_tokens, got_probs = candidates_to_host(tokens, probs)
     assert got_tokens.dtype == torch.int64 and torch.equal(got_tokens, tokens)
     assert got_probs.dtype == dtype and torch.equal(got_probs, probs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_device_trees_are_tree_from_ranks_without_a_read(dtype):
+    """DeviceTrees gathers the same tokens, parents and path probabilities (bitwise, the
+    products taken as tree_from_ranks takes them), for shapes made anew and for shapes that
+    are the first rows of one made before; the tree is marked as the device's."""
+    from specdec.drafters.rank_tree import DeviceTrees
+
+    gen = torch.Generator().manual_seed(1)
+    rates = default_rates(4, 3)
+    trees = DeviceTrees()
+    for max_nodes, depth in [(9, 4), (4, 4), (1, 4), (6, 2), (12, 4), (9, 4)]:
+        tokens = torch.randint(0, 50_000, (4, 3), generator=gen)
+        probs = torch.rand(4, 3, generator=gen).to(dtype)
+        paths = rank_paths(rates, max_nodes, depth)
+        want = tree_from_ranks(paths, tokens, probs)
+        got = trees.tree(paths, tokens, probs)
+        assert not got.tokens_on_host and got.num_nodes == len(paths)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+        assert got.parent_list == want.parents.tolist()
+        assert torch.equal(got.path_probs, want.path_probs)
+    assert len(trees._shapes[3]) == 3  # (9, 4) and (12, 4) made anew, (6, 2); the rest reused

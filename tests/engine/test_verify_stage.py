@@ -186,3 +186,56 @@ def test_a_verifier_saved_by_the_retry_is_still_reported(tiny_llama, plain):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert any("batched path bug" in e for e in llm.engine.plugin_errors)
     assert llm.engine.faults.counts.get("Plugin", 0) > 0
+
+
+# ---- drafts left on the device (DraftTree.on_device): read with the verification -------------
+
+
+class OnDevice(BaseDrafter):
+    """Trees whose tokens the engine must not read before verifying: the previous token twice
+    as a tree (two children of the root, then one grandchild), MARK requests a token past the
+    vocab in the grandchild."""
+
+    name = "on_device"
+
+    def __init__(self, target, **kwargs):
+        pass
+
+    def propose(self, requests):
+        trees = []
+        for r in requests:
+            last = r.token_ids[-1]
+            deep = 1000 if r.token_ids[0] == MARK else last
+            tokens, parents = [last, (last + 1) % 96, deep], [-1, -1, 0]
+            n = min(3, r.budget.max_nodes)
+            trees.append(DraftTree.on_device(torch.tensor(tokens[:n]),
+                                             torch.tensor(parents[:n]),
+                                             torch.tensor([0.5, 0.25, 0.125][:n])))
+        return trees
+
+
+class DevicePlugin:
+    @hookimpl
+    def specdec_drafters(self):
+        return {"on_device": OnDevice}
+
+
+def test_drafts_on_the_device_come_with_the_one_read_and_a_bad_one_fails_its_request(
+        tiny_llama, plain):
+    llm = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="on_device",
+              plugins=(DevicePlugin(),), controller_args={"budget": 3})
+    made = []
+    drafter = llm.engine.drafting.drafter
+    propose = drafter.propose
+    drafter.propose = lambda requests: [made.append((t, t.path_probs)) or t
+                                        for t in propose(requests)]
+    outs = llm.generate(PROMPTS, GREEDY)
+    # each tree's tokens and path probabilities came with the verification's read
+    assert made and all("token_list" in t.__dict__ and t.path_probs is not given
+                        and torch.equal(t.path_probs, given) for t, given in made)
+    assert [o.finish_reason for o in outs] == ["length", "error", "length"]
+    assert "DraftTree.tokens[2] = 1000 is outside the vocab" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == [plain[0].token_ids, plain[2].token_ids]
+    assert outs[0].metrics.draft_tokens_proposed > 0
+    pool = llm.engine.kv.pool
+    assert pool.num_free == pool.num_pages and not llm.engine.has_unfinished()

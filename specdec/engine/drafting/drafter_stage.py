@@ -275,8 +275,11 @@ def _tree_problem(tree, rec: StepRequest, vocab_size: int) -> str | None:
     if not isinstance(tree, DraftTree):
         return f"returned {type(tree).__name__}, not a DraftTree"
     try:
+        # tokens still on the device are checked once the step's read brought them
+        # (verify_stage): checking them here would read them
         tree.validate(max_nodes=rec.budget.max_nodes, vocab_size=vocab_size,
-                      max_depth=rec.budget.max_depth, check_probs=not rec.seq.params.greedy)
+                      max_depth=rec.budget.max_depth, check_probs=not rec.seq.params.greedy,
+                      read_tokens=False)
     except ValueError as e:
         return f"returned a malformed tree: {e}"
     return None
@@ -288,7 +291,7 @@ def _constrain(records: list[StepRequest]) -> None:
     siblings too (each was drawn given the earlier ones were rejected)."""
     for rec in records:
         tree = rec.tree
-        keep = rec.seq.logits.prune(tree.tokens.tolist(), tree.parents.tolist(),
+        keep = rec.seq.logits.prune(tree.token_list, tree.parent_list,
                                     tree.draft_probs is not None)
         if keep is not None and len(keep) < tree.num_nodes:
             rec.tree, rec.kept = tree.select(keep), keep
@@ -311,5 +314,18 @@ def _verified_batch(records: list[StepRequest], hidden: dict[int, torch.Tensor]
         rows.extend([*fed, *(rec.row_start + rec.num_new_tokens + a for a in accepted)])
     if not hidden:
         return VerifiedBatch(reqs)
-    index = torch.tensor(rows, dtype=torch.int64, device=next(iter(hidden.values())).device)
-    return VerifiedBatch(reqs, {layer: h.index_select(0, index) for layer, h in hidden.items()})
+    return VerifiedBatch(reqs, {layer: gather_rows(h, rows) for layer, h in hidden.items()})
+
+
+def gather_rows(h: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``h[rows]`` without sending ``rows`` to the device: slices of its runs of consecutive
+    rows (one for a step whose every request kept a chain), joined by one cat; a copy, like
+    the index it replaces (a CUDA graph writes ``h`` again in the next step)."""
+    runs, start = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1:
+            runs.append(h[rows[start]:rows[i - 1] + 1])
+            start = i
+    if len(runs) == 1:
+        return runs[0].clone()
+    return torch.cat(runs) if runs else h[:0].clone()
