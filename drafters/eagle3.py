@@ -7,26 +7,35 @@ true features (``num_cached``) and the target features of committed tokens it ha
 1. catch-up: rows num_cached .. N-2 (N tokens; the last token has no target features yet), row
    i = (fc(target features of token i), embedding of token i+1) at position i. The last row's
    distribution ranks the first draft level (candidates for token N).
-2. expansion, for each further level: the ``topk`` candidates of the previous level with the
-   highest cumulative draft probability get a row each (feature: their parent's row output,
-   position N-1+level, attending to the prefix and their own ancestors' rows),
-   and each contributes its top-k children as candidates of the next level. A level runs only
-   for the candidates whose children some request's budget could still take (``_useful``).
+2. expansion, for each further level (as deep as the request's tree may go): the ``topk``
+   candidates of the previous level with the highest cumulative draft probability (the
+   frontier, chosen on the device) each contribute their top-k children as candidates of the
+   next level. A frontier candidate d levels deep goes in as the chain of its path: d rows (its
+   ancestors from the first level down, then itself; row i at position N-1+i, feature: the
+   previous row's output, the first row's the catch-up row's), attending the prefix and its
+   chain's rows up to itself, in scratch slots N-1 onwards, rewritten by every level. A row
+   recomputed with the same inputs gives the same KV, so each row sees what it saw before;
+   and the mask depends on the level alone, so the host builds it without reading what the
+   device chose (the chains' token ids and features are gathered on the device).
 3. the tree: the ``budget`` candidates with the highest cumulative probability (ancestor-closed,
-   since probabilities only shrink along a path), in that order, mapped to target ids by d2t.
+   since probabilities only shrink along a path; ties to the shallower node, then the lower
+   index), in that order, mapped to target ids by d2t, chosen on the device.
 
-Drafts are deterministic (top-k) for greedy and sampled requests alike: the verifier accepts them
-losslessly with the q = 1 rule. Expansion rows are scratch: the head's KV is cut back to
-``num_cached`` after every step, and the next catch-up recomputes the accepted positions from the
-target's true features.
+The host reads nothing until the end: the trees' tokens, parents and probabilities come back in
+one device -> host read for the whole batch. Drafts are deterministic (top-k) for greedy and
+sampled requests alike: the verifier accepts them losslessly with the q = 1 rule. Expansion rows
+are scratch: the head's KV is cut back to ``num_cached`` after every step, and the next catch-up
+recomputes the accepted positions from the target's true features.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
+from specdec.attention.metadata import host_tensor
 from specdec.drafters.base import BaseDrafter, DraftRequest, TargetInfo, VerifiedBatch
 from specdec.kv.block_table import BlockTable
 from specdec.kv.prefix import next_token_key
@@ -46,15 +55,6 @@ class Eagle3State:
     @property
     def num_pending(self) -> int:
         return sum(int(p.shape[0]) for p in self.pending)
-
-
-@dataclass
-class _Level:
-    """Candidates of one tree level for one request."""
-
-    parent: list[int]  # index into the previous level's expanded rows (-1: the catch-up row)
-    token: list[int]  # draft-vocabulary ids
-    logp: list[float]  # cumulative log-probability
 
 
 class Eagle3Drafter(BaseDrafter):
@@ -81,8 +81,6 @@ class Eagle3Drafter(BaseDrafter):
             self.head = load_head(path, target, variant)
         self.hidden_layers = self.head.config.capture_layers
         self.runner = target.new_runner(self.head, name="eagle3")
-        # draft id -> target id offsets on the host: read per node, never from the device
-        self._d2t: list[int] = self.head.d2t.tolist()
 
     def init_state(self, request_id, prompt_token_ids) -> Eagle3State:
         return Eagle3State()
@@ -116,15 +114,24 @@ class Eagle3Drafter(BaseDrafter):
 
     def propose(self, requests: list[DraftRequest]) -> list[DraftTree]:
         trees = [DraftTree.empty() for _ in requests]
-        live = [r for r in requests if self._reserve(r)]
+        live = [(i, r) for i, r in enumerate(requests) if self._reserve(r)]
         if not live:
             return trees
-        y, logp = self._catch_up(live)
-        levels, rows = self._expand(live, y, logp)
-        index = {id(r): i for i, r in enumerate(requests)}
-        for j, r in enumerate(live):
-            trees[index[id(r)]] = self._select(levels[j], rows[j], r.budget.max_nodes)
+        # deepest first (stable): the requests that a level expands are a leading run of the
+        # batch, so every level's device tensors are slices of the level before's
+        live.sort(key=lambda ir: -self._levels(ir[1]))
+        reqs = [r for _, r in live]
+        levels = [self._levels(r) for r in reqs]
+        y, logp = self._catch_up(reqs)
+        tok, lp, par = self._expand(reqs, levels, y, logp)
+        for (i, _), tree in zip(live, self._select(tok, lp, par, levels,
+                                                   [r.budget.max_nodes for r in reqs])):
+            trees[i] = tree
         return trees
+
+    def _levels(self, r: DraftRequest) -> int:
+        """Candidate levels the request may use (its tree's depth limit)."""
+        return min(self.depth, r.budget.depth_limit)
 
     def _reserve(self, r: DraftRequest) -> bool:
         """Head KV for the catch-up rows and the expansion rows; none: no draft this step."""
@@ -135,8 +142,8 @@ class Eagle3Drafter(BaseDrafter):
                                                                state.num_pending, n)
         if not state.num_pending:
             return False  # a one-token prompt's first step: no target features yet
-        # expansion runs as deep as the deepest request of the step: reserve for the maximum
-        need = n - 1 + self.topk * (self.depth - 1)
+        # the largest expansion level: topk chains of levels - 1 rows after the prefix
+        need = n - 1 + self.topk * max(self._levels(r) - 1, 0)
         if not self.runner.kv.try_reserve(state.table, need):
             r.mark_no_kv()
             return False
@@ -164,122 +171,122 @@ class Eagle3Drafter(BaseDrafter):
                                  r.state.num_cached)
         return out.logits_hidden, out.logits.log_softmax(-1)
 
-    def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor):
-        """Levels of candidates per request, and per request the expanded rows as
-        (level, candidate index) in row order. Of each level's ``topk`` most probable
-        candidates only those whose children could still be among the request's ``budget``
-        best get a row (``_useful``); a request without one sits the level out, and the
-        expansion stops when no request has one. The trees are those of the full expansion,
-        without the rows whose candidates the budgets would all drop."""
-        k = self.topk
-        top_i, top_v = _host_topk(logp, k)
-        levels = [[_Level([-1] * k, top_i[b], top_v[b])] for b in range(len(reqs))]
-        rows: list[list[tuple[int, int]]] = [[] for _ in reqs]
-        # per request, per expanded row: its mask over the rows so far (ancestors and itself)
-        seen: list[list[list[bool]]] = [[] for _ in reqs]
-        depths = [min(self.depth, r.budget.depth_limit) for r in reqs]
-        parent_y = y  # the last forward's outputs; request b's catch-up row is row b of y
-        out_row = [{-1: b} for b in range(len(reqs))]  # per request: rows[b] index -> row
-        for level in range(1, max(depths)):
-            picks = [_useful(levels[b], k, r.budget.max_nodes) if level < depths[b] else []
-                     for b, r in enumerate(reqs)]
-            if not any(picks):
-                break
-            out, out_row = self._forward_level(reqs, levels, rows, seen, picks, parent_y,
-                                               out_row, level)
-            parent_y = out.final_hidden
-            top_i, top_v = _host_topk(out.logits.log_softmax(-1), k)
-            for b, pick in enumerate(picks):
-                if not pick:
-                    continue
-                cand = levels[b][-1]
-                first = len(rows[b]) - len(pick)
-                parent, token, lp = [], [], []
-                for j, c in enumerate(pick):
-                    row = out_row[b][first + j]
-                    parent += [first + j] * k
-                    token += top_i[row]
-                    lp += [cand.logp[c] + v for v in top_v[row]]
-                levels[b].append(_Level(parent, token, lp))
-        return levels, rows
+    def _expand(self, reqs, levels: list[int], y: torch.Tensor, logp: torch.Tensor):
+        """Every candidate level, on the device: per level c, (draft ids, cumulative log-probs
+        (float64), parents: index in level c - 1, None for level 0), each [m_c, n_c] for the
+        m_c leading requests that use the level; n_0 = topk, n_c = topk ** 2 after (candidate
+        j * topk + t: frontier slot j's child of rank t).
 
-    def _forward_level(self, reqs, levels, rows, seen, picks, parent_y, out_row, level: int):
-        """One row per pick of every request that has picks, batched; extends ``rows`` and
-        ``seen`` (each row's ancestors-or-self among the expanded rows, as host lists: no tree
-        object or tensor op per row). Returns the forward's output and, per request, its new
-        rows' rows[b] index -> row of that output (each row's feature is its parent's output
-        row in ``out_row``)."""
-        feeds, starts, positions, masks, tables, feat_rows = [], [], [], [], [], []
-        new_row: list[dict[int, int]] = [{} for _ in reqs]
-        d2t = self._d2t
-        for b, r in enumerate(reqs):
-            pick = picks[b]
-            if not pick:
-                continue
+        Level s's candidates are the children of level s - 1's frontier: its ``topk`` best
+        candidates (best first, ties to the lower index), chosen on the device, each fed as the
+        chain of its path (its ancestors from level 0 down, then itself: s rows), so that the
+        forward's mask depends on s alone, never on what the device chose. The requests are
+        the leading ones whose trees may be s + 1 deep."""
+        k = self.topk
+        top = logp.topk(k, dim=-1)
+        # cumulative log-probs in float64: what the host lists summed (python floats)
+        tok, lp, par = [top.indices], [top.values.double()], [None]
+        chain_tok = chain_y = None  # the previous level's chains: draft ids, row outputs
+        for s in range(1, max(levels)):
+            m = sum(lv > s for lv in levels)
+            front = lp[-1][:m].sort(dim=-1, descending=True, stable=True).indices[:, :k]
+            own = tok[-1][:m].gather(1, front)[:, :, None]
+            first = y[:m, None, None, :].expand(m, k, 1, y.shape[-1])  # the catch-up row's y
+            if s == 1:
+                ctok, feats = own, first
+            else:
+                # a frontier node's ancestors are its parent's chain: that chain's tokens, and
+                # its rows' outputs as the features of the rows after them
+                up = (front // k)[:, :, None]
+                ctok = torch.cat([chain_tok[:m].gather(1, up.expand(m, k, s - 1)), own], 2)
+                above = chain_y[:m].gather(1, up[..., None].expand(m, k, s - 1, y.shape[-1]))
+                feats = torch.cat([first, above], 2)
+            out = self._forward_chains(reqs[:m], ctok, feats.reshape(m * k * s, -1), s)
+            chain_tok, chain_y = ctok, out.final_hidden[:m * k * s].view(m, k, s, -1)
+            child = out.logits.log_softmax(-1).topk(k, dim=-1)  # [m * k, k]: chain ends
+            flp = lp[-1][:m].gather(1, front)
+            tok.append(child.indices.view(m, k * k))
+            lp.append((flp[:, :, None] + child.values.double().view(m, k, k)).view(m, k * k))
+            par.append(front[:, :, None].expand(m, k, k).reshape(m, k * k))
+        return tok, lp, par
+
+    def _forward_chains(self, reqs, ctok: torch.Tensor, features: torch.Tensor, s: int):
+        """One forward of ``topk`` chains of ``s`` rows per request (``ctok`` [m, topk, s]
+        draft ids, on the device), into the scratch slots after each request's prefix: chain
+        row i at position n - 1 + i, attending the prefix and its chain's rows up to itself.
+        Logits of each chain's last row."""
+        k = self.topk
+        rows = k * s
+        tail = _chain_mask(k, s)
+        feeds, starts, positions, masks, tables = [], [], [], [], []
+        for r in reqs:
             n = len(r.token_ids)
-            cand = levels[b][-1]
-            prev_rows = len(rows[b])
-            total = prev_rows + len(pick)
-            mask_rows = []
-            for j, c in enumerate(pick):
-                rows[b].append((level - 1, c))
-                new_row[b][prev_rows + j] = len(feat_rows)
-                feat_rows.append(out_row[b][cand.parent[c]])
-                parent = cand.parent[c]  # its parent's expanded row (-1: the catch-up row)
-                above = seen[b][parent] if parent >= 0 else []
-                own = above + [False] * (total - len(above))
-                own[prev_rows + j] = True
-                seen[b].append(own)
-                mask_rows.append(own)
-            tail = torch.tensor(mask_rows, dtype=torch.bool).reshape(len(pick), total)
-            mask = torch.ones(len(pick), n - 1 + total, dtype=torch.bool)
+            mask = torch.ones(rows, n - 1 + rows, dtype=torch.bool)
             mask[:, n - 1:] = tail
-            feeds.append([cand.token[c] + d2t[cand.token[c]] for c in pick])  # target ids
-            starts.append(n - 1 + prev_rows)
-            positions.append([n - 1 + level - 1] * len(pick))
+            feeds.append([0] * rows)  # placeholders: the ids are the device's (device_ids)
+            starts.append(n - 1)
+            positions.append(list(range(n - 1, n - 1 + s)) * k)
             masks.append(mask)
             tables.append(r.state.table)
-        features = parent_y.index_select(0, torch.tensor(feat_rows, device=parent_y.device))
-        batch = self.runner.pack(feeds, starts, tables, logits="all", positions=positions,
+        batch = self.runner.pack(feeds, starts, tables, logits="none", positions=positions,
                                  masks=masks, features=features)
-        return self.runner.forward(batch), new_row
+        batch.logits_indices = host_tensor(list(range(s - 1, len(reqs) * rows, s)))
+        ids = ctok.reshape(-1)
+        batch.device_ids = ((0, ids + self.head.d2t.index_select(0, ids)),)  # target ids
+        return self.runner.forward(batch)
 
-    def _select(self, levels: list[_Level], rows: list[tuple[int, int]],
-                budget: int) -> DraftTree:
-        """The ``budget`` most probable candidates of the levels (as deep as the request's
-        depth: ``_expand`` stops there), as a tree."""
-        flat = [(lv, c) for lv in range(len(levels)) for c in range(len(levels[lv].token))]
+    def _select(self, tok, lp, par, levels: list[int], budgets: list[int]) -> list[DraftTree]:
+        """Per request, the ``budget`` most probable candidates of its levels, as a tree: chosen
+        on the device, read in one device -> host copy."""
+        k = self.topk
+        counts = [min(b, k + (lv - 1) * k * k) if lv else 0 for b, lv in zip(budgets, levels)]
+        n = max(counts)
+        if not n:
+            return [DraftTree.empty() for _ in counts]
+        # every candidate of a request in (level, index) order; levels it does not use: -inf,
+        # after all of its own
+        sizes = [int(t.shape[1]) for t in tok]
+        total, dev = sum(sizes), lp[0].device
+        all_lp = torch.full((len(levels), total), float("-inf"), dtype=torch.float64, device=dev)
+        all_tok = torch.zeros(len(levels), total, dtype=torch.int64, device=dev)
+        all_par = torch.full((len(levels), total), -1, dtype=torch.int64, device=dev)
+        off = 0
+        for c, size in enumerate(sizes):
+            m = int(tok[c].shape[0])
+            all_lp[:m, off:off + size] = lp[c]
+            all_tok[:m, off:off + size] = tok[c]
+            if c:
+                all_par[:m, off:off + size] = par[c] + (off - sizes[c - 1])
+            off += size
         # best first; a child's log-prob is its parent's plus a log-prob <= 0, and ties go to
-        # the shallower node, so the first `budget` are ancestor-closed and topological
-        flat.sort(key=lambda lc: (-levels[lc[0]].logp[lc[1]], lc[0], lc[1]))
-        chosen = flat[:budget]
-        node = {lc: i for i, lc in enumerate(chosen)}
-        tokens, parents, probs = [], [], []
-        d2t = self._d2t
-        for lv, c in chosen:
-            p = _parent_of(levels, rows, (lv, c))
-            parents.append(-1 if p is None else node[p])
-            t = levels[lv].token[c]
-            tokens.append(t + d2t[t])
-            probs.append(levels[lv].logp[c])
-        return DraftTree(torch.tensor(tokens, dtype=torch.int64),
-                         torch.tensor(parents, dtype=torch.int64), None,
-                         torch.tensor(probs, dtype=torch.float32).exp())
+        # the shallower node (then the lower index): the stable sort over (level, index) order.
+        # So the first `budget` are ancestor-closed and topological
+        order = all_lp.sort(dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(
+            1, order, torch.arange(total, device=dev).expand(len(levels), total))
+        chosen = order[:, :n]
+        ids = all_tok.gather(1, chosen)
+        ids = ids + self.head.d2t.index_select(0, ids.reshape(-1)).view(ids.shape)
+        parent = all_par.gather(1, chosen)
+        node = rank.gather(1, parent.clamp(min=0)).masked_fill(parent < 0, -1)
+        # one read: token ids (< 2**53) and node indices are exact in float64
+        host = torch.stack([ids.double(), node.double(), all_lp.gather(1, chosen)], 1).cpu()
+        trees = []
+        for b, count in enumerate(counts):
+            if not count:
+                trees.append(DraftTree.empty())
+                continue
+            t, p, logp = host[b, :, :count]
+            trees.append(DraftTree(t.to(torch.int64), p.to(torch.int64), None,
+                                   logp.to(torch.float32).exp()))
+        return trees
 
 
-def _useful(levels: list[_Level], k: int, budget: int) -> list[int]:
-    """The last level's ``k`` most probable candidates (EAGLE-2's frontier), best first, cut to
-    those a child of which could be among the tree's ``budget`` best candidates. A child's
-    cumulative log-prob is at most its parent's, and on a tie the shallower candidate ranks
-    first, so every candidate at least as probable as a pick ranks ahead of all its
-    descendants: when ``budget`` of them exist, none of its descendants can enter."""
-    last = levels[-1].logp
-    frontier = sorted(range(len(last)), key=lambda i: -last[i])[:k]
-    every = sorted((v for level in levels for v in level.logp), reverse=True)
-    if len(every) < budget:
-        return frontier
-    cut = every[budget - 1]  # the budget-th best log-prob: a pick at most this probable is out
-    return [c for c in frontier if last[c] > cut]
+@lru_cache(maxsize=64)
+def _chain_mask(k: int, s: int) -> torch.Tensor:
+    """[k * s, k * s] bool: ``k`` chains of ``s`` rows, each row attending its chain's rows up
+    to itself."""
+    return torch.block_diag(*[torch.ones(s, s).tril()] * k).bool()
 
 
 def _head_keys(page_keys, token_ids, page_size: int, start: int = 0) -> list:
@@ -288,19 +295,6 @@ def _head_keys(page_keys, token_ids, page_size: int, start: int = 0) -> list:
     n = min(len(page_keys), (len(token_ids) - 1) // page_size)
     return [None] * start + [next_token_key(page_keys[p], token_ids[(p + 1) * page_size])
                              for p in range(start, n)]
-
-
-def _host_topk(logp: torch.Tensor, k: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Top-k ids and log-probs of every row, as host lists (one device -> host copy each)."""
-    top = logp.topk(k, dim=-1)
-    return top.indices.tolist(), top.values.tolist()
-
-
-def _parent_of(levels: list[_Level], rows: list[tuple[int, int]], lc: tuple[int, int]):
-    """(level, candidate) of a candidate's parent, None for the first level."""
-    lv, c = lc
-    p = levels[lv].parent[c]
-    return None if p < 0 else rows[p]
 
 
 def load_head(path: str | None, target: TargetInfo, variant: str = "all") -> Eagle3Head:

@@ -83,22 +83,20 @@ def _num_candidates(depth: int, k: int) -> int:
     return k + (depth - 1) * k * k
 
 
-@pytest.mark.parametrize("depth, topk, budget, skips", [(3, 2, 7, False), (4, 2, 3, True),
-                                                       (5, 3, 4, True), (6, 4, 2, False)])
-def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch, depth, topk, budget, skips):
-    """The oracle expands every level's top-k; the drafter gives rows only to the candidates
-    whose children a budget could take (small budgets: few of them, and no level at all once
-    none is left), and must still give exactly the oracle's trees."""
+@pytest.mark.parametrize("depth, topk, budget", [(3, 2, 7), (4, 2, 3), (5, 3, 4), (6, 4, 2)])
+def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch, depth, topk, budget):
+    """The oracle expands every level's top-k, each path from scratch; the drafter feeds each
+    level's frontier as chains of their paths (``_forward_chains``: topk chains of s rows per
+    request whose tree may go s + 1 deep), and must give exactly the oracle's trees."""
     folder, model, cfg, hf = target4
     head = random_head(model, cfg, hf, seed=1)
     seen = record_proposals(monkeypatch, Eagle3Drafter)
-    full, levels, rows = [], [], []  # per step: (levels, rows) of the full expansion
-    expand, forward_level = Eagle3Drafter._expand, Eagle3Drafter._forward_level
-    monkeypatch.setattr(Eagle3Drafter, "_expand", lambda self, reqs, *a: full.append(
-        (max(min(depth, r.budget.depth_limit) for r in reqs) - 1, len(reqs) * topk))
-        or expand(self, reqs, *a))
-    monkeypatch.setattr(Eagle3Drafter, "_forward_level", lambda self, *a: levels.append(a[-1])
-                        or rows.append(sum(map(len, a[3]))) or forward_level(self, *a))
+    forwards = []  # (requests, chain tokens' shape, s, the requests' depth limits)
+    forward_chains = Eagle3Drafter._forward_chains
+    monkeypatch.setattr(Eagle3Drafter, "_forward_chains", lambda self, reqs, ctok, f, s: (
+        forwards.append((len(reqs), tuple(ctok.shape), s,
+                         [min(depth, r.budget.depth_limit) for r in reqs]))
+        or forward_chains(self, reqs, ctok, f, s)))
     greedy(folder, PROMPTS[:5], drafter="eagle3",
             drafter_args={"head": head, "depth": depth, "topk": topk},
             controller_args={"budget": budget})
@@ -110,9 +108,10 @@ def test_paged_batched_head_equals_dense_oracle(target4, monkeypatch, depth, top
         assert tree.tokens.tolist() == ref[0] and tree.parents.tolist() == ref[1]
         torch.testing.assert_close(tree.path_probs.double(), torch.tensor(ref[2]).double(),
                                    rtol=1e-5, atol=0)
-    # rows of the full expansion: topk per request and level; fewer wherever budget < its tree
-    assert sum(rows) < sum(n * r for n, r in full)
-    assert (len(levels) < sum(n for n, _ in full)) == skips
+    assert forwards
+    for m, shape, s, limits in forwards:
+        assert shape == (m, topk, s) and all(lv > s for lv in limits)
+    assert max(s for *_, s, _ in forwards) == min(depth, budget) - 1
 
 
 def _oracle_tree(model, head, tokens, depth, k, budget):
