@@ -116,13 +116,3 @@ class DeviceTrees:
 def default_rates(depth: int, ranks: int) -> tuple[tuple[float, ...], ...]:
     """Rates for an uncalibrated drafter: falling with depth and rank."""
     return tuple(tuple(0.6 * 0.8**d / (1 + 2 * r) for r in range(ranks)) for d in range(depth))
-
-
-def candidates_to_host(tokens: torch.Tensor, probs: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``tokens`` and ``probs`` (a batch's candidates, [R, D, k] each) on the host in one
-    device -> host read, not two: both go as one float64 tensor (token ids below 2**53 and
-    float32 / 16-bit values are exact in float64, so each comes back bitwise, in its dtype)."""
-    k = tokens.shape[-1]
-    both = torch.cat([tokens.double(), probs.double()], dim=-1).cpu()
-    return both[..., :k].to(tokens.dtype), both[..., k:].to(probs.dtype)

@@ -104,10 +104,10 @@ PINNED = {
     "ngram": [(2, 1)],
     "oracle": [(2, 1)],
     "suffix": [(2, 1)],
-    # EAGLE-3 (depth 3, topk 2), per level its runner's staging and plan, two tolist() reads
-    # (drafters/eagle3.py _host_topk) and, per expansion level, the features' row index
-    # (eagle3.py _forward_level torch.tensor(device=)); then the target's
-    "eagle3": [(10, 7), (7, 5), (7, 5), (4, 3)],
+    # EAGLE-3 (depth 3, topk 2): per forward of its head (the catch-up, then one a level, as
+    # deep as the request's depth limit: 2, 2, 1, 0 levels here) its runner's staging and plan;
+    # one read of the selected trees (drafters/eagle3.py _select); then the target's
+    "eagle3": [(8, 2), (8, 2), (6, 2), (4, 2)],
     # MTP: its trees' tokens stay on the device (drafters/rank_tree.py DeviceTrees): only the
     # target's; the first step also sends the gather index of its tree shape (made once a shape)
     "mtp": [(3, 1), (2, 1), (2, 1), (2, 1)],

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from specdec.drafters.rank_tree import (
-    candidates_to_host,
     default_rates,
     rank_paths,
     tree_from_ranks,
@@ -59,18 +58,6 @@ def test_confident_top1_gives_a_chain_and_zero_budget_nothing():
     # the uncalibrated default: falls with depth and rank
     d = default_rates(3, 2)
     assert d[0][0] > d[1][0] > d[2][0] and d[0][0] > d[0][1]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_candidates_come_back_bitwise_in_one_read(dtype):
-    """Token ids (up to a 2**40 vocabulary) and probabilities in their dtype, through the one
-    float64 tensor candidates_to_host reads."""
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 2**40, (3, 4, 5), generator=gen)
-    probs = torch.rand(3, 4, 5, generator=gen).to(dtype)
-    got_tokens, got_probs = candidates_to_host(tokens, probs)
-    assert got_tokens.dtype == torch.int64 and torch.equal(got_tokens, tokens)
-    assert got_probs.dtype == dtype and torch.equal(got_probs, probs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
