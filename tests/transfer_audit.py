@@ -338,6 +338,8 @@ def device_tensors(engine) -> list[torch.Tensor]:
         found[id(runner.kv.cache.tensor)] = runner.kv.cache.tensor
         buf = runner.staging._device_buf
         found[id(buf)] = buf
+        for view in runner.staging._views.values():  # views made before the audit began
+            found[id(view)] = view
         _collect(runner.backend, found, depth=1)
     _collect(parts.drafter, found, modules_only=True)
     return list(found.values())
