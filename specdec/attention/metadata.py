@@ -39,8 +39,9 @@ class AttentionMetadata:
 
     lists: HostLists  # the index arrays as Python lists (qo_indptr, kv_indptr, ..., slots)
     page_size: int
-    # Per request: None for causal attention, else [qo_len, kv_len] bool, True = may attend.
-    custom_masks: list[torch.Tensor | None]
+    # Per request: None for causal attention, else [qo_len, kv_len] bool, True = may attend
+    # (a host tensor), or a TreeRowsMask (a draft tree's rows, their tree part on the device)
+    custom_masks: list[torch.Tensor | TreeRowsMask | None]
     # (qo_lens, kv_lens) as the arrays above were built from (build_metadata), or None: derived
     # from the arrays. Planning reads them instead of taking the arrays apart every step
     lens: tuple[list[int], list[int]] | None = None
@@ -113,6 +114,62 @@ class AttentionMetadata:
         h = self.host
         num_pages = (h.kv_indptr[1:] - h.kv_indptr[:-1]).long()
         return ((num_pages - 1) * self.page_size + h.kv_last_page_len.long()).tolist()
+
+
+@dataclass(eq=False)
+class TreeRowsMask:
+    """A request's custom mask whose tree part the host has not read (a draft tree shaped on
+    the device: ``DraftTree.on_device`` with device parents). Its ``q`` fed rows are causal
+    (the last is the draft tree's root, the last committed token), then ``n`` tree rows, each
+    seeing the ``prefix`` slots before the tree (every committed token) and its ancestors-or-self
+    among the ``n`` tree slots after them: ``ancestors`` [n, n] bool on the device. kv_len is
+    ``prefix + n``. Example, q 2, prefix 4, parents [-1, -1, 0]::
+
+        row  kv: 0 1 2 3 | 4 5 6
+        fed   0: 1 1 1 0 | 0 0 0     (causal: limit 3)
+        root  1: 1 1 1 1 | 0 0 0     (limit 4)
+        node  0: 1 1 1 1 | 1 0 0     (limit 4, tree bits 0b001)
+        node  1: 1 1 1 1 | 0 1 0     (limit 4, tree bits 0b010)
+        node  2: 1 1 1 1 | 1 0 1     (limit 4, tree bits 0b101)
+
+    A backend takes it without a device -> host read: the whole mask made on the device
+    (``dense``), or the rows' host-known limits (``limits``: the leading visible run, causal rows
+    then ``prefix``) and the tree rows' bits on the device (``tree_bits``)."""
+
+    q: int
+    prefix: int
+    ancestors: torch.Tensor  # [n, n] bool, on the device
+
+    @property
+    def n(self) -> int:
+        return int(self.ancestors.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:  # (qo_len, kv_len), as a dense mask's
+        return (self.q + self.n, self.prefix + self.n)
+
+    def limits(self) -> list[int]:
+        """Per row, host ints: how many leading slots it sees at least (all of them for a
+        causal row; the prefix for a tree row, which sees tree slots past it by its bits)."""
+        first = self.prefix - self.q + 1
+        return [*range(first, first + self.q), *[self.prefix] * self.n]
+
+    def tree_bits(self) -> torch.Tensor:
+        """[n] int64 on the device: bit j of row i set iff tree slot j (``prefix + j``) is an
+        ancestor-or-self of node i (n <= 63)."""
+        n = self.n
+        assert n <= 63, n
+        weights = torch.ones(n, dtype=torch.int64, device=self.ancestors.device).cumsum(0) - 1
+        return (self.ancestors.to(torch.int64) << weights).sum(-1)
+
+    def dense(self) -> torch.Tensor:
+        """[q + n, prefix + n] bool on the ancestors' device (factories and ops there: no copy)."""
+        q, p, n = self.q, self.prefix, self.n
+        dev = self.ancestors.device
+        cols = torch.arange(p + n, device=dev)
+        causal = cols[None, :] <= torch.arange(p - q, p, device=dev)[:, None]
+        tree = torch.cat([torch.ones(n, p, dtype=torch.bool, device=dev), self.ancestors], 1)
+        return torch.cat([causal, tree])
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
