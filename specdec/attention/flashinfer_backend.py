@@ -13,11 +13,15 @@ and calls it. Which kernel:
   0..L-q+i);
 - any custom mask (draft trees that are not chains: a chain's mask is the causal one, and
   its rows come here unmasked): batch prefill with every request's mask, causal ones written
-  out, packed on the host (``packed_masks``: each request's bits little-endian from a byte
-  boundary, as flashinfer packs them). flashinfer 0.6's ``plan()`` handed a packed mask keeps
-  bit offsets where its kernel reads byte offsets (flashinfer PR #2201), so after the plan the
-  wrapper's mask offsets are set to the byte offsets. Every plan is made from host arrays: no
-  device -> host read.
+  out, each request's bits little-endian from a byte boundary, as flashinfer packs them. Host
+  masks only: packed on the host (``packed_masks``), and plan() sends them. A batch with a
+  ``TreeRowsMask`` (a draft tree whose tree part is on the device): the whole batch packed on
+  the device by torch ops (``device_packed_masks``: its trees made there, causal rows made
+  there, host masks copied there, the only copy) and handed to plan() as a device tensor.
+  Either way the byte offsets follow from the shapes alone, on the host. flashinfer 0.6's
+  ``plan()`` handed a packed mask keeps bit offsets where its kernel reads byte offsets
+  (flashinfer PR #2201), so after the plan the wrapper's mask offsets are set to the byte
+  offsets. Every plan is made from host arrays and device masks: no device -> host read.
 
 CUDA graphs: ``add_graph_shape(B, T, max_pages, page_size, masked)`` creates wrappers in
 flashinfer's CUDA-graph mode (fixed index buffers) for batches of exactly B requests and T
@@ -35,7 +39,7 @@ import torch
 
 from specdec.attention.backend import AttentionSpec
 from specdec.attention.kv_rows import write_kv
-from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.metadata import AttentionMetadata, TreeRowsMask, host_tensor
 from specdec.tree import packed_masks
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k workspace, shared by all wrappers
@@ -137,11 +141,12 @@ class FlashInferAttentionBackend:
     def stage_arrays(self, md: AttentionMetadata) -> list[torch.Tensor]:
         """A step with a tree mask: its packed mask's byte offsets, which flashinfer 0.6 would
         take in bits (plan() then puts the staged ones in place: no copy of their own). Else
-        nothing: it plans from the host arrays."""
+        nothing: it plans from the host arrays. Host masks are packed here, on the host; a
+        batch with a TreeRowsMask is packed on the device by plan() (None here)."""
         if all(m is None for m in md.custom_masks):
             self._packed = None
             return []
-        self._packed = packed_masks(md.custom_masks, md.qo_lens(), md.kv_lens())
+        self._packed = _packed(md)
         return [self._packed[1]]
 
     def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
@@ -189,7 +194,9 @@ class FlashInferAttentionBackend:
         if staged:  # stage_arrays packed them for this step and staged the offsets
             (packed, _), indptr = self._packed, staged[0]
         else:
-            packed, indptr = packed_masks(md.custom_masks, qo_lens, md.kv_lens())
+            packed, indptr = _packed(md)
+        if packed is None:  # a TreeRowsMask among them: packed on the device
+            packed = device_packed_masks(md.custom_masks, qo_lens, md.kv_lens(), s.device)
         wrapper.plan(h.qo_indptr, h.kv_indptr, h.kv_indices, h.kv_last_page_len,
                      s.num_heads, s.num_kv_heads, s.head_dim, md.page_size,
                      packed_custom_mask=packed, causal=False, **common)
@@ -199,6 +206,55 @@ class FlashInferAttentionBackend:
             wrapper._mask_indptr_buf.copy_(indptr, non_blocking=True)
         else:
             wrapper._mask_indptr_buf = indptr.to(s.device, torch.int32, non_blocking=True)
+
+
+def _packed(md: AttentionMetadata) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the packed masks, their byte offsets [B + 1] int32) on the host; the packed masks None
+    when a TreeRowsMask is among them (``device_packed_masks`` packs them on the device)."""
+    if not any(isinstance(m, TreeRowsMask) for m in md.custom_masks):
+        return packed_masks(md.custom_masks, md.qo_lens(), md.kv_lens())
+    offsets = [0]
+    for qo, kv in zip(md.qo_lens(), md.kv_lens()):
+        offsets.append(offsets[-1] + (qo * kv + 7) // 8)
+    return None, host_tensor(offsets, torch.int32)
+
+
+def device_packed_masks(masks: list[torch.Tensor | TreeRowsMask | None], qo_lens: list[int],
+                        kv_lens: list[int], device: torch.device) -> torch.Tensor:
+    """``packed_masks``' packed bytes (every request's [qo, kv] mask, causal where None,
+    row-major, little-endian from a byte boundary), made on ``device`` by torch ops: a
+    TreeRowsMask's dense form and the causal masks are made there (nothing read, nothing
+    sent); a host mask is copied there (the only copy). Example, a TreeRowsMask with q 1,
+    prefix 1 and one node (dense [[1, 0], [1, 1]]) then one causal row over 2 slots::
+
+        bits 1011 0000 | 11 000000  ->  [0b1101, 0b11] (uint8, on the device)
+    """
+    dev = torch.device(device)
+    causal = [(qo, kv) for m, qo, kv in zip(masks, qo_lens, kv_lens) if m is None]
+    # the causal masks' parts, cut from two tensors: [qo, kv - qo] all seen, then [qo, qo]
+    # lower-triangular (a decode row: one run of ones, a view)
+    ones = torch.ones(max((q for q, _ in causal), default=0), max((k for _, k in causal),
+                      default=0), dtype=torch.bool, device=dev)
+    q_max = max((q for q, _ in causal if q > 1), default=0)
+    tril = torch.ones(q_max, q_max, dtype=torch.bool, device=dev).tril() if q_max else None
+    pad = torch.zeros(7, dtype=torch.bool, device=dev)
+    parts = []
+    for mask, qo, kv in zip(masks, qo_lens, kv_lens):
+        if mask is None:
+            bits = ones[0, :kv] if qo == 1 else torch.cat(
+                [ones[:qo, :kv - qo], tril[:qo, :qo]], 1).reshape(-1)
+        else:
+            assert tuple(mask.shape) == (qo, kv), (tuple(mask.shape), qo, kv)
+            dense = mask.dense() if isinstance(mask, TreeRowsMask) else mask.to(dev)
+            bits = dense.reshape(-1)
+        parts.append(bits)
+        if (qo * kv) % 8:
+            parts.append(pad[:8 - (qo * kv) % 8])
+    if not parts:
+        return torch.zeros(0, dtype=torch.uint8, device=dev)
+    bits = torch.cat(parts).view(-1, 8).to(torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=dev)
+    return (bits << shifts).sum(-1, dtype=torch.uint8)
 
 
 def check_supported(spec: AttentionSpec) -> None:

@@ -16,8 +16,10 @@ decode row over 2 slots (pages [1]); T = 3, S = 5:
                       1 1 1 | 0 0           row 1: request 0, position 2
                       0 0 0 | 1 1           row 2: request 1, position 1
 
-Custom masks [qo_len, kv_len] are stored flattened back to back in one bool tensor; row q reads
-its request's block at a per-row offset.
+Custom masks [qo_len, kv_len] are stored flattened back to back in one bool tensor on the
+device; row q reads its request's block at a per-row offset. A host mask is copied there; a
+``TreeRowsMask`` (a draft tree whose tree part is on the device) is made there (``dense()``):
+nothing is read back.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from specdec.attention.kv_rows import kv_write_index, write_kv
-from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.metadata import AttentionMetadata, TreeRowsMask
 
 # Sparse block size (query rows x KV slots) of the BlockMask: flex_attention's default, the one
 # its GPU kernels are tuned for. The eager path ignores blocks and evaluates mask_mod everywhere.
@@ -123,6 +125,10 @@ class _Plan:
             assert tuple(mask.shape) == (q, n), (
                 f"custom mask has shape {tuple(mask.shape)}, expected [qo_len, kv_len] = "
                 f"{[q, n]}")
+            if isinstance(mask, TreeRowsMask):  # made on the device: no copy, no read
+                flat.append(mask.dense().reshape(-1))
+                offset += q * n
+                continue
             assert mask.dtype == torch.bool, f"custom mask must be bool, got {mask.dtype}"
             flat.append(mask.to(device).reshape(-1))
             offset += q * n

@@ -14,6 +14,10 @@ device with the step's other inputs in one copy (``stage_arrays``), at addresses
 for a CUDA graph of the step's shape. Example, two decode rows and a 2-node chain::
 
     row_request [0, 1, 1, 1]   row_limit [9, 5, 6, 7]   row_tree [0, 0, 0, 0]
+
+A draft tree whose tree part is on the device comes as a ``TreeRowsMask``: its rows' limits
+are host-known (``limits()``) and staged with the rest, its tree rows' bits staged as 0; plan()
+writes ``tree_bits()`` over them on the device (a device copy: nothing read, nothing sent).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 
 from specdec.attention.backend import AttentionSpec
 from specdec.attention.kv_rows import write_kv
-from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.metadata import AttentionMetadata, TreeRowsMask
 
 HALF_OR_FLOAT = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -49,7 +53,7 @@ class InvariantAttentionBackend:
         """The step's plan as host int arrays for the runner's one staged copy, which widens
         them to int64: row_request [T], row_limit [T], row_tree [T], kv_indptr [B+1],
         kv_indices [pages] (the one of variable length last, so the others sit at fixed offsets
-        for a graph)."""
+        for a graph). A TreeRowsMask's tree rows have row_tree 0 here: plan() fills them in."""
         rows = self._kernels.row_metadata(md.qo_lens(), md.kv_lens(), md.custom_masks)
         h = md.host
         return [rows.row_request, rows.row_limit, rows.row_tree, h.kv_indptr, h.kv_indices]
@@ -66,6 +70,8 @@ class InvariantAttentionBackend:
         if staged is None:
             staged = [a.to(self.spec.device, torch.int64) for a in self.stage_arrays(metadata)]
         request, limit, tree, indptr, indices = staged
+        if any(isinstance(m, TreeRowsMask) for m in metadata.custom_masks):
+            _write_tree_bits(tree, metadata)
         self._md = metadata
         self._max_slots = self._graph_slots or max(metadata.kv_lens(), default=1)
         self._rows = self._kernels.RowMetadata(request, limit, tree)
@@ -76,6 +82,16 @@ class InvariantAttentionBackend:
         write_kv(kv_cache, self._md.kv_write_index(), k, v)
         return self._kernels.invariant_attention(q, kv_cache, self._rows, *self._pages, scale,
                                                  max_slots=self._max_slots)
+
+
+def _write_tree_bits(row_tree: torch.Tensor, md: AttentionMetadata) -> None:
+    """Each TreeRowsMask's tree bits over its tree rows' placeholders in the staged row_tree
+    (on the device: its q fed rows first, then its n tree rows)."""
+    starts = md.lists.qo_indptr
+    for b, m in enumerate(md.custom_masks):
+        if isinstance(m, TreeRowsMask) and m.n:
+            first = starts[b] + m.q
+            row_tree[first:first + m.n].copy_(m.tree_bits())
 
 
 def check_supported(spec: AttentionSpec) -> None:

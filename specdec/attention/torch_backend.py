@@ -16,6 +16,10 @@ may see (causal or its tree mask) in position order, and the kernel reduces over
 in that order. A decode row, the same position as a tree row, or as a row of a prefill chunk,
 sees the same keys in the same order and gets bitwise the same output, whatever else is in the
 step; SDPA's paths (decode vs masked, batch padding) do not promise that.
+
+A draft tree's mask may come as a ``TreeRowsMask`` (its tree part on the device): the SDPA
+path writes its ``dense()`` form, made on the device, into the group's mask (no read); the
+compiled kernels take it only when it is on the host (a CPU step), as its dense form.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.nn.functional as F
 
 from specdec import native
 from specdec.attention.kv_rows import kv_write_index, write_kv
-from specdec.attention.metadata import AttentionMetadata
+from specdec.attention.metadata import AttentionMetadata, TreeRowsMask
 
 # Per-call cost of one extra SDPA call, in padded (query row x KV slot) cells: measured on CPU,
 # a call costs about as much as 500 cells of work.
@@ -46,7 +50,8 @@ class TorchAttentionBackend:
         return []
 
     def plan(self, metadata: AttentionMetadata, staged: list[torch.Tensor] | None = None) -> None:
-        if self.kernels is not None and metadata.slot_mapping.is_cpu:
+        if self.kernels is not None and metadata.slot_mapping.is_cpu and all(
+                m.ancestors.is_cpu for m in metadata.custom_masks if isinstance(m, TreeRowsMask)):
             self._plan = _KeyLists(metadata, self.kernels)
         else:
             self._plan = _Plan(metadata)
@@ -133,7 +138,7 @@ class _KeyLists:
         host = md.on_host()
         self.indptr, self.index, self.max_keys = kernels.key_lists_max(
             md.qo_lens(), md.kv_lens(), host.kv_indptr, host.kv_indices, md.page_size,
-            md.custom_masks)
+            [m.dense() if isinstance(m, TreeRowsMask) else m for m in md.custom_masks])
 
 
 class _Plan:
@@ -207,7 +212,8 @@ def _ranges(starts: list[int], lens: list[int], device) -> torch.Tensor:
 
 
 def _mask(md, members, qo_lens, kv_lens, qmax, lmax) -> torch.Tensor | None:
-    """[n, 1, qmax, lmax] bool, or None when every row may see every (unpadded) slot."""
+    """[n, 1, qmax, lmax] bool, or None when every row may see every (unpadded) slot. A
+    TreeRowsMask goes in as its dense form, made on the device (nothing read)."""
     customs = [md.custom_masks[b] for b in members]
     all_decode = qmax == 1 and all(n == lmax for n in kv_lens)
     if all_decode and all(m is None for m in customs):
@@ -224,6 +230,6 @@ def _mask(md, members, qo_lens, kv_lens, qmax, lmax) -> torch.Tensor | None:
         mask = torch.where(r < qo, c <= kv - qo + r, c == 0)
     for i, (q, k, custom) in enumerate(zip(qo_lens, kv_lens, customs)):
         if custom is not None:
-            assert custom.shape == (q, k), (custom.shape, q, k)
-            mask[i, :q, :k] = custom
+            assert tuple(custom.shape) == (q, k), (custom.shape, q, k)
+            mask[i, :q, :k] = custom.dense() if isinstance(custom, TreeRowsMask) else custom
     return mask.unsqueeze(1)

@@ -92,7 +92,12 @@ def row_metadata(qo_lens: Sequence[int], kv_lens: Sequence[int],
                  custom_masks: Sequence[torch.Tensor | None] | None = None) -> RowMetadata:
     """Per-row metadata (host int tensors) of requests whose ``qo_len`` new rows occupy the last
     ``qo_len`` of their ``kv_len`` slots; ``custom_masks[b]`` None = causal, else [qo, kv] bool,
-    True = may attend (a draft tree's mask, e.g. ``specdec.tree.step_mask``).
+    True = may attend (a draft tree's mask, e.g. ``specdec.tree.step_mask``), or a mask whose
+    tree part is on the device (``specdec.attention.metadata.TreeRowsMask``: ``shape``, host
+    ``limits()``, device ``tree_bits()``): its rows get its limits and tree 0, a placeholder
+    the caller overwrites on the device with its ``tree_bits()`` (nothing read here). Its tree
+    rows' limit is the prefix even where a row also sees the slot after it (its node 0): the
+    same visible set as the leading run, so the same walk and the same result.
 
     Example: request 0 a 2-row prefill chunk after 3 cached slots; request 1 the tree of the
     module docstring behind its last committed token (slot 2, the decode row)::
@@ -116,6 +121,12 @@ def row_metadata(qo_lens: Sequence[int], kv_lens: Sequence[int],
         requests += [b] * qo
         if mask is None:
             limits += range(kv - qo + 1, kv + 1)
+            trees += [0] * qo
+        elif not isinstance(mask, torch.Tensor):  # a TreeRowsMask: its tree bits to come
+            if tuple(mask.shape) != (qo, kv):
+                raise ValueError(f"request {b}: custom mask must be [{qo}, {kv}], got "
+                                 f"{tuple(mask.shape)}")
+            limits += mask.limits()
             trees += [0] * qo
         else:
             limit, tree = _mask_rows(b, mask, qo, kv)

@@ -74,6 +74,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
         bits = [a * b for a, b in zip(qo, kv)]
         self.packed = None
         if packed_custom_mask is not None:  # offsets kept in bits (the 0.6 bug, see above)
+            # (a host tensor, or one on the device: plan() copies it into its buffer either way)
+            assert packed_custom_mask.dtype == torch.uint8 and packed_custom_mask.dim() == 1
+            assert packed_custom_mask.numel() == sum((n + 7) // 8 for n in bits), \
+                "packed_custom_mask is not every request's bits, each from a byte boundary"
             self.packed = packed_custom_mask.cpu()
             self._mask_indptr_buf = torch.tensor([0, *bits]).cumsum(0)
             self.mask = True
