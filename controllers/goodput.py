@@ -319,14 +319,13 @@ class GoodputController(BaseController):
 
     def _node_estimates(self, request_id: str, tree) -> list[float]:
         """P(node on the accepted path), non-increasing along every path."""
-        parents = tree.parents.tolist()
-        depths = tree.depths.tolist()
+        parents = tree.parent_list  # (host ints: the engine read drafts left on the device)
         probs = tree.path_probs.tolist() if tree.path_probs is not None else None
-        est, rank, seen = [], [], {}
+        est, rank, seen, depths = [], [], {}, []
         for i, p in enumerate(parents):
             rank.append(seen.get(p, 0))
             seen[p] = rank[-1] + 1
-            depth = depths[i]
+            depths.append(depth := depths[p] + 1 if p >= 0 else 0)
             if probs is not None:
                 e = self.confidence.probability(probs[i])
             else:  # no confidences: depth-based, later siblings discounted

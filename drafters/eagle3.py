@@ -21,8 +21,9 @@ true features (``num_cached``) and the target features of committed tokens it ha
    since probabilities only shrink along a path; ties to the shallower node, then the lower
    index), in that order, mapped to target ids by d2t, chosen on the device.
 
-The host reads nothing until the end: the trees' tokens, parents and probabilities come back in
-one device -> host read for the whole batch. Drafts are deterministic (top-k) for greedy and
+The host reads nothing: the trees' tokens, parents and probabilities stay on the device
+(``DraftTree.on_device``), where the target's forward takes them (positions and tree mask made
+there), and come back with the step's one read, the verification's. Drafts are deterministic (top-k) for greedy and
 sampled requests alike: the verifier accepts them losslessly with the q = 1 rule. Expansion rows
 are scratch: the head's KV is cut back to ``num_cached`` after every step, and the next catch-up
 recomputes the accepted positions from the target's true features.
@@ -237,7 +238,7 @@ class Eagle3Drafter(BaseDrafter):
 
     def _select(self, tok, lp, par, levels: list[int], budgets: list[int]) -> list[DraftTree]:
         """Per request, the ``budget`` most probable candidates of its levels, as a tree: chosen
-        on the device, read in one device -> host copy."""
+        on the device, left there (no read)."""
         k = self.topk
         counts = [min(b, k + (lv - 1) * k * k) if lv else 0 for b, lv in zip(budgets, levels)]
         n = max(counts)
@@ -269,17 +270,11 @@ class Eagle3Drafter(BaseDrafter):
         ids = ids + self.head.d2t.index_select(0, ids.reshape(-1)).view(ids.shape)
         parent = all_par.gather(1, chosen)
         node = rank.gather(1, parent.clamp(min=0)).masked_fill(parent < 0, -1)
-        # one read: token ids (< 2**53) and node indices are exact in float64
-        host = torch.stack([ids.double(), node.double(), all_lp.gather(1, chosen)], 1).cpu()
-        trees = []
-        for b, count in enumerate(counts):
-            if not count:
-                trees.append(DraftTree.empty())
-                continue
-            t, p, logp = host[b, :, :count]
-            trees.append(DraftTree(t.to(torch.int64), p.to(torch.int64), None,
-                                   logp.to(torch.float32).exp()))
-        return trees
+        # the trees stay on the device, their shape too: the target's forward takes them
+        # there and the step's verification read brings them along (DraftTree.on_device)
+        probs = all_lp.gather(1, chosen).float().exp()
+        return [DraftTree.on_device(ids[b, :count], node[b, :count], probs[b, :count])
+                if count else DraftTree.empty() for b, count in enumerate(counts)]
 
 
 @lru_cache(maxsize=64)

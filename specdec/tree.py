@@ -86,9 +86,9 @@ class DraftTree:
         """Raise ValueError if the tree is malformed, over ``max_nodes`` nodes or ``max_depth``
         levels, or outside the vocab. ``check_probs`` also checks the values of ``draft_probs``
         (finite, >= 0, every row with mass, mass at the node's own token): a sampled request's
-        verifier divides by them. ``read_tokens=False`` leaves the token values of a tree
-        whose tokens are not on the host unchecked (the engine checks them once the step's
-        read brought them: ``check_tokens``)."""
+        verifier divides by them. ``read_tokens=False`` leaves unchecked what is not on the host
+        (``tokens_on_host``, ``shape_on_host``): the engine checks it once the step's read
+        brought it."""
         if not self._made_here():
             _check_index_tensor("tokens", self.tokens)
             _check_index_tensor("parents", self.parents)
@@ -99,13 +99,14 @@ class DraftTree:
                 "each node needs exactly one parent")
         if max_nodes is not None and n > max_nodes:
             raise ValueError(f"DraftTree has {n} nodes, more than the budget max_nodes={max_nodes}")
-        if not self._made_here():
+        shape = read_tokens or self.shape_on_host
+        if not self._made_here() and shape:
             _check_parents(self.parents.tolist() if "_parent_list" not in self.__dict__
                            else self._parent_list)
         if read_tokens or self.tokens_on_host:
             _check_tokens(self.token_list, vocab_size)
         _check_draft_probs(self.draft_probs, n, vocab_size)
-        if max_depth is not None and self.max_depth + 1 > max_depth:
+        if max_depth is not None and shape and self.max_depth + 1 > max_depth:
             raise ValueError(f"DraftTree is {self.max_depth + 1} levels deep, more than the "
                              f"budget max_depth={max_depth}")
         if check_probs and self.draft_probs is not None and n:
@@ -139,11 +140,22 @@ class DraftTree:
     def on_device(cls, tokens: torch.Tensor, parents: torch.Tensor,
                   path_probs: torch.Tensor | None = None) -> DraftTree:
         """A tree whose ``tokens`` (and ``path_probs``) are the engine device's, a drafter's
-        model output the host has not read (``parents``: a host tensor). The engine reads them
-        only in the step's one read; on a CPU too, so that the CPU takes the GPU's path."""
+        model output the host has not read; its ``parents`` too unless they are a host tensor
+        whose ints the drafter set (``_parent_list``: a shape the host knows). The engine reads
+        them only in the step's one read (the target's forward takes them where they are:
+        ``shape_on_host``); on a CPU too, so that the CPU takes the GPU's path."""
         tree = cls(tokens, parents, None, path_probs)
         tree.__dict__["_device"] = True
         return tree
+
+    @property
+    def shape_on_host(self) -> bool:
+        """``parent_list`` is known without a device -> host read (as ``tokens_on_host``): the
+        positions and the tree mask can be made on the host. Otherwise the target's forward
+        gets them made on the device (``depths``, ``ancestor_mask``) and the step's read brings
+        the parents along."""
+        d = self.__dict__
+        return "_parent_list" in d or (self.parents.is_cpu and not d.get("_device"))
 
     @property
     def tokens_on_host(self) -> bool:
@@ -155,10 +167,13 @@ class DraftTree:
         d = self.__dict__
         return "token_list" in d or (self.tokens.is_cpu and not d.get("_device"))
 
-    def set_host(self, token_list: list[int], path_probs: torch.Tensor | None) -> None:
-        """The host copies of ``tokens`` (and of ``path_probs``, replacing the device tensor)
-        that the step's read brought: later uses read nothing."""
+    def set_host(self, token_list: list[int], path_probs: torch.Tensor | None,
+                 parent_list: list[int] | None = None) -> None:
+        """The host copies of ``tokens`` (and of ``path_probs``, replacing the device tensor,
+        and of ``parents``) that the step's read brought: later uses read nothing."""
         self.__dict__["token_list"] = token_list
+        if parent_list is not None:
+            self.__dict__["_parent_list"] = parent_list
         if path_probs is not None:
             self.path_probs = path_probs
 
@@ -192,7 +207,10 @@ class DraftTree:
 
     @cached_property
     def depths(self) -> torch.Tensor:
-        """[n] int64: 0 for children of the last committed token, parent depth + 1 otherwise."""
+        """[n] int64: 0 for children of the last committed token, parent depth + 1 otherwise
+        (a tree shaped on the device: computed there, from ``ancestor_mask``)."""
+        if not self.shape_on_host:
+            return self.ancestor_mask.sum(-1) - 1
         return torch.tensor(self._depth_list, dtype=torch.int64, device=self.parents.device)
 
     @cached_property
@@ -219,6 +237,8 @@ class DraftTree:
             1 0 1
         """
         n = self.num_nodes
+        if not self.shape_on_host:
+            return _device_ancestors(self.parents)
         rows: list[list[bool]] = []  # host lists, one tensor at the end (no op per node)
         for i, p in enumerate(self._parent_list):
             assert -1 <= p < i, f"parents[{i}] = {p} is not topological; call validate()"
@@ -249,14 +269,36 @@ class DraftTree:
             raise ValueError(f"keep must list distinct node indices in ascending order, got {keep}")
         if any(parents[i] >= 0 and parents[i] not in new for i in keep):
             raise ValueError(f"keep {keep} drops a parent of a kept node")
-        index = torch.tensor(keep, dtype=torch.int64, device=self.tokens.device)
-        return DraftTree(
+        new_parents = [new[parents[i]] if parents[i] >= 0 else -1 for i in keep]
+        host = torch.tensor(keep, dtype=torch.int64)
+        if "token_list" in self.__dict__:  # known on the host: the subtree's made there
+            token_list = [self.token_list[i] for i in keep]
+            tree = DraftTree(
+                torch.tensor(token_list, dtype=torch.int64),
+                torch.tensor(new_parents, dtype=torch.int64),
+                None if self.draft_probs is None else self.draft_probs.index_select(
+                    0, host.to(self.draft_probs.device)),
+                None if self.path_probs is None else self.path_probs.index_select(
+                    0, host.to(self.path_probs.device)))
+            tree.__dict__.update(token_list=token_list, _parent_list=new_parents,
+                                 _device=self.__dict__.get("_device", False))
+            return tree
+        index = host.to(self.tokens.device)
+        tree = DraftTree(
             self.tokens.index_select(0, index),
-            torch.tensor([new[parents[i]] if parents[i] >= 0 else -1 for i in keep],
-                         dtype=torch.int64, device=self.parents.device),
+            torch.tensor(new_parents, dtype=torch.int64, device=self.parents.device),
             None if self.draft_probs is None else self.draft_probs.index_select(0, index),
             None if self.path_probs is None else self.path_probs.index_select(
                 0, index.to(self.path_probs.device)))
+        tree.__dict__["_device"] = self.__dict__.get("_device", False)
+        return tree
+
+    @property
+    def checked_late(self) -> bool:
+        """Made ``on_device`` (or selected from such a tree): its values are checked only once
+        the step's read brought them, so the engine clamps its tokens into the vocabulary for
+        the forward (an unchecked id never indexes past the embedding) and checks them then."""
+        return bool(self.__dict__.get("_device"))
 
     def paths(self) -> list[list[int]]:
         """Root-to-leaf node-index lists, one per leaf, in depth-first (index) order."""
@@ -269,6 +311,60 @@ class DraftTree:
                 out.append(path)
             stack.extend(path + [c] for c in reversed(kids))
         return out
+
+
+def read_to_host(trees: Sequence[DraftTree], t: torch.Tensor | None = None,
+                 copy=None) -> torch.Tensor | None:
+    """What the trees have not read (their tokens; their parents where the shape is the
+    device's; their path probabilities, as float32 bits: exact) in one device -> host copy
+    (``copy``; ``.cpu()`` by default), set on each tree, with ``t`` (int64: e.g. the step's
+    target tokens), which is returned on the host. Parents that are not topological are kept
+    out of the tree (every node then hangs below the root, so that walking it is safe) and
+    kept in ``tree.unread_problem`` for the engine to fail the request."""
+    trees = [tr for tr in trees if not (tr.tokens_on_host and tr.shape_on_host)]
+    if not trees:
+        return t if t is None else (copy or _to_cpu)(t)
+    parts = [] if t is None else [t.reshape(-1)]
+    for tree in trees:
+        parts.append(tree.tokens)
+        if not tree.shape_on_host:
+            parts.append(tree.parents)
+        if tree.path_probs is not None:
+            parts.append(tree.path_probs.float().view(torch.int32).to(torch.int64))
+    flat = (copy or _to_cpu)(torch.cat(parts))
+    at = 0 if t is None else t.numel()
+    for tree in trees:
+        n = tree.num_nodes
+        tokens, at = flat[at:at + n].tolist(), at + n
+        parents = None
+        if not tree.shape_on_host:
+            parents, at = flat[at:at + n].tolist(), at + n
+            if not all(-1 <= p < i for i, p in enumerate(parents)):
+                tree.__dict__["unread_problem"] = (
+                    f"DraftTree.parents {parents} are not topological (parents[i] < i)")
+                parents = [-1] * n
+        probs = None
+        if tree.path_probs is not None:
+            probs = flat[at:at + n].to(torch.int32).view(torch.float32).to(tree.path_probs.dtype)
+            at += n
+        tree.set_host(tokens, probs, parents)
+    return None if t is None else flat[:t.numel()].view(t.shape)
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_cpu else t.cpu()
+
+
+def _device_ancestors(parents: torch.Tensor) -> torch.Tensor:
+    """[n, n] bool ancestors-or-self of topological ``parents``, on their device with no read:
+    the parent relation closed by squaring (a path of length 2^i after i steps)."""
+    n = parents.numel()
+    ids = torch.arange(n, device=parents.device)
+    reach = (ids[:, None] == ids[None, :]) | (parents[:, None] == ids[None, :])
+    for _ in range(max(n - 1, 1).bit_length()):
+        r = reach.float()
+        reach = (r @ r) > 0
+    return reach
 
 
 def causal_mask(q_len: int, kv_len: int, device=None) -> torch.Tensor:

@@ -107,7 +107,7 @@ PINNED = {
     # EAGLE-3 (depth 3, topk 2): per forward of its head (the catch-up, then one a level, as
     # deep as the request's depth limit: 2, 2, 1, 0 levels here) its runner's staging and plan;
     # one read of the selected trees (drafters/eagle3.py _select); then the target's
-    "eagle3": [(8, 2), (8, 2), (6, 2), (4, 2)],
+    "eagle3": [(8, 1), (8, 1), (6, 1), (4, 1)],
     # MTP: its trees' tokens stay on the device (drafters/rank_tree.py DeviceTrees): only the
     # target's; the first step also sends the gather index of its tree shape (made once a shape)
     "mtp": [(3, 1), (2, 1), (2, 1), (2, 1)],

@@ -13,7 +13,7 @@ position j's row decides token j + 1, for j + 1 < the prompt's length (``prompt_
 
 from __future__ import annotations
 
-from specdec.attention.metadata import build_metadata, host_tensor
+from specdec.attention.metadata import TreeRowsMask, build_metadata, host_tensor
 from specdec.engine.cuda_graphs import CudaGraphRunner
 from specdec.engine.runner import ForwardBatch
 from specdec.engine.step import StepRequest
@@ -26,7 +26,9 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
     padded to it here, on the lists (``CudaGraphRunner.padding``), rather than by the runner
     joining arrays (``pad_batch``): the same arrays, made once."""
     ids, pos, logit_rows = [], [], []
-    tables, kv_lens, qo_lens, masks, prompt_rows, device_ids = [], [], [], [], [], []
+    tables, kv_lens, qo_lens, masks, prompt_rows = [], [], [], [], []
+    device_ids, device_positions = [], []  # (row, device tensor): written there after staging
+    clamp = False  # host ids of drafts not checked yet (DraftTree.checked_late)
     offset = 0
     for rec in records:
         seq, c = rec.seq, rec.computed_before
@@ -37,10 +39,15 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
             tree = rec.tree
             if tree.tokens_on_host:
                 ids.extend(tree.token_list)
+                clamp = clamp or tree.checked_late
             else:  # drafts still on the device: written there over placeholders (no read)
                 device_ids.append((len(ids), tree.tokens))
                 ids.extend([0] * rec.num_nodes)
-            pos.extend(tree.position_list(end))
+            if tree.shape_on_host:
+                pos.extend(tree.position_list(end))
+            else:  # a shape on the device: its depths computed there
+                device_positions.append((len(pos), tree.depths + end))
+                pos.extend([0] * rec.num_nodes)
         rec.row_start = offset
         if rec.at_frontier:
             rec.logits_start = len(logit_rows)
@@ -48,9 +55,7 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
         tables.append(seq.block_table.pages)
         kv_lens.append(end + rec.num_nodes)
         qo_lens.append(rec.num_rows)
-        # a chain's tree mask is the causal one: its rows attend as causal rows (no mask)
-        masks.append(None if not rec.num_nodes or rec.tree.is_chain
-                     else step_mask(rec.tree, c, end))
+        masks.append(_mask(rec.tree, c, end) if rec.num_nodes else None)
         if seq.needs_prompt_rows:
             last = min(end, seq.num_prompt_tokens - 1)  # rows c .. last - 1
             if last > c:
@@ -73,4 +78,14 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
     # host arrays: the runner stages them
     return ForwardBatch(ids, pos, metadata, logit_rows,
                         graph_shape=None if padded is None else padded[0], num_real_rows=offset,
-                        device_ids=tuple(device_ids))
+                        device_ids=tuple(device_ids), device_positions=tuple(device_positions),
+                        clamp_ids=clamp)
+
+
+def _mask(tree, c: int, end: int):
+    """The attention mask of a request fed tokens c .. end - 1 and a draft tree: None for a
+    chain (its rows attend as causal rows do), a host mask for a shape the host knows, else
+    the tree's rows with their tree part on the device (``TreeRowsMask``: nothing read)."""
+    if not tree.shape_on_host:
+        return TreeRowsMask(end - c, end, tree.ancestor_mask)
+    return None if tree.is_chain else step_mask(tree, c, end)

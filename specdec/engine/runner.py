@@ -60,6 +60,10 @@ class ForwardBatch:
     # the staged placeholders on the device; ids outside the vocabulary are clamped into it
     # there (the verifier then rejects the node: its token is not the one the forward saw)
     device_ids: tuple[tuple[int, torch.Tensor], ...] = ()
+    # (row, positions) likewise: the positions of a draft tree shaped on the device
+    device_positions: tuple[tuple[int, torch.Tensor], ...] = ()
+    # the staged ids hold drafts not checked yet: clamped into the vocabulary on the device
+    clamp_ids: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -189,10 +193,14 @@ class ModelRunner:
             ids, pos, md.write_index, *planned, rows = staged
             if context:
                 run = replace(run, context_rows=planned.pop() != 0)
+            if batch.clamp_ids:
+                ids.clamp_(0, self.model.embed.shape[0] - 1)
             if batch.device_ids:
                 vocab = self.model.embed.shape[0]
                 for row, tokens in batch.device_ids:
                     torch.clamp(tokens, 0, vocab - 1, out=ids[row:row + tokens.numel()])
+            for row, positions in batch.device_positions:
+                pos[row:row + positions.numel()].copy_(positions)
             if shape is None:
                 if self.graphs is not None and not self.graphs.eager_said:
                     self.graphs.eager_said = True  # (counted per step: StepStats.graphed)

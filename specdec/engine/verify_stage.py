@@ -17,7 +17,7 @@ from specdec import plugins
 from specdec.engine.step import Failures, StepRequest
 from specdec.logits.logprobs import token_logprobs
 from specdec.sampling import logits_to_probs, params_to_tensors
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, read_to_host
 from specdec.verifiers.base import VerifyBatch, VerifyOutput, VerifyResult, host_copy
 
 _EMPTY = DraftTree.empty()
@@ -34,13 +34,15 @@ class VerifyStage:
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` on the host, in the step's one read: the first int64 tensor a verifier reads
-        brings along the drafts still on the device (``DraftTree.tokens_on_host``: their
-        tokens and path probabilities), so that they cost no read of their own."""
+        brings along what the step's drafts left on the device (``DraftTree.on_device``: tokens,
+        parents, path probabilities), so that they cost no read of their own."""
         self.reads += 1
-        along, self._along = self._along, []
-        if not along or t.dtype != torch.int64 or t.device != along[0].tokens.device:
+        along = [x for x in self._along if not (x.tokens_on_host and x.shape_on_host)]
+        self._along = []
+        if not along or t.dtype != torch.int64 or any(x.tokens.device != t.device
+                                                      for x in along):
             return host_copy(t)
-        return read_along(t, along)
+        return read_to_host(along, t)
 
     @classmethod
     def create(cls, pm, name: str, vocab_size: int) -> VerifyStage:
@@ -66,14 +68,14 @@ class VerifyStage:
         logits = logits[:sum(1 + r.num_nodes for r in frontier)]  # prompt rows come after
         raw = self._process(frontier, logits)
         batch = self.batch(frontier, logits)
-        unread = [r for r in frontier if r.num_nodes and not r.tree.tokens_on_host]
-        self._along = [r.tree for r in unread]
+        late = [r for r in frontier if r.num_nodes and r.tree.checked_late]
+        self._along = [r.tree for r in late]
         results = self._run(batch, failures)
         self._along = []
-        bad = {id(r): _token_problem(r.tree, self.vocab_size) for r in unread}
+        bad = {id(r): _read_problem(r, self.vocab_size) for r in late}
         for rec, result in zip(frontier, results):
-            if bad.get(id(rec)):  # a drafted token outside the vocab (the forward saw it
-                failures.fail(rec.seq, bad[id(rec)])  # clamped): the draft is malformed
+            if bad.get(id(rec)):  # a draft checked only now is malformed (the forward saw
+                failures.fail(rec.seq, bad[id(rec)])  # its tokens clamped into the vocab)
                 continue
             if isinstance(result, str):
                 failures.fail(rec.seq, f"verifier {self.name} {result}")
@@ -158,30 +160,14 @@ class VerifyStage:
         return r
 
 
-def read_along(t: torch.Tensor, trees: list[DraftTree]) -> torch.Tensor:
-    """``t`` (int64) on the host in one device -> host copy with the trees' tokens and path
-    probabilities (these as their float32 bits: exact), which are set on each tree."""
-    parts = [t.reshape(-1)]
-    for tree in trees:
-        parts.append(tree.tokens)
-        if tree.path_probs is not None:
-            parts.append(tree.path_probs.float().view(torch.int32).to(torch.int64))
-    flat = host_copy(torch.cat(parts))
-    out, at = flat[:t.numel()].view(t.shape), t.numel()
-    for tree in trees:
-        n = tree.num_nodes
-        tokens, at = flat[at:at + n].tolist(), at + n
-        probs = None
-        if tree.path_probs is not None:
-            probs = flat[at:at + n].to(torch.int32).view(torch.float32).to(tree.path_probs.dtype)
-            at += n
-        tree.set_host(tokens, probs)
-    return out
-
-
-def _token_problem(tree: DraftTree, vocab_size: int) -> str | None:
+def _read_problem(rec: StepRequest, vocab_size: int) -> str | None:
+    """What is wrong with a tree the step's read brought (its tokens in the vocab, its parents
+    topological, its depth within the budget), which the drafter stage could not check."""
+    tree = rec.tree
     try:
-        tree.check_tokens(vocab_size)
+        if "unread_problem" in tree.__dict__:
+            raise ValueError(tree.unread_problem)
+        tree.validate(vocab_size=vocab_size, max_depth=rec.budget.max_depth)
     except ValueError as e:
         return f"drafter returned a malformed tree: {e}"
     return None

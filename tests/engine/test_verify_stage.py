@@ -201,12 +201,17 @@ class OnDevice(BaseDrafter):
     def __init__(self, target, **kwargs):
         pass
 
+    bad_parents = False  # MARK requests' trees: a parent after its child instead
+
     def propose(self, requests):
         trees = []
         for r in requests:
             last = r.token_ids[-1]
-            deep = 1000 if r.token_ids[0] == MARK else last
+            marked = r.token_ids[0] == MARK
+            deep = 1000 if marked and not self.bad_parents else last
             tokens, parents = [last, (last + 1) % 96, deep], [-1, -1, 0]
+            if marked and self.bad_parents:
+                parents = [-1, 2, 0]
             n = min(3, r.budget.max_nodes)
             trees.append(DraftTree.on_device(torch.tensor(tokens[:n]),
                                              torch.tensor(parents[:n]),
@@ -220,10 +225,18 @@ class DevicePlugin:
         return {"on_device": OnDevice}
 
 
+@pytest.mark.parametrize("controller, bad_parents", [("static", False), ("static", True),
+                                                     ("goodput", False)])
 def test_drafts_on_the_device_come_with_the_one_read_and_a_bad_one_fails_its_request(
-        tiny_llama, plain):
-    llm = LLM(model=str(tiny_llama), dtype="float64", controller="static", drafter="on_device",
-              plugins=(DevicePlugin(),), controller_args={"budget": 3})
+        tiny_llama, plain, controller, bad_parents, monkeypatch):
+    """Trees shaped on the device (parents not read: positions and mask made there) verified
+    as host trees are, read with the step's read (by the goodput controller's prune, in one
+    read for the batch, when it prunes); a token outside the vocab or parents that are not
+    topological fail only their request, once read."""
+    monkeypatch.setattr(OnDevice, "bad_parents", bad_parents)
+    args = {"budget": 3} if controller == "static" else {}
+    llm = LLM(model=str(tiny_llama), dtype="float64", controller=controller,
+              drafter="on_device", plugins=(DevicePlugin(),), controller_args=args)
     made = []
     drafter = llm.engine.drafting.drafter
     propose = drafter.propose
@@ -232,9 +245,11 @@ def test_drafts_on_the_device_come_with_the_one_read_and_a_bad_one_fails_its_req
     outs = llm.generate(PROMPTS, GREEDY)
     # each tree's tokens and path probabilities came with the verification's read
     assert made and all("token_list" in t.__dict__ and t.path_probs is not given
-                        and torch.equal(t.path_probs, given) for t, given in made)
+                        and torch.equal(t.path_probs, given) for t, given in made
+                        if t.num_nodes)
     assert [o.finish_reason for o in outs] == ["length", "error", "length"]
-    assert "DraftTree.tokens[2] = 1000 is outside the vocab" in outs[1].error
+    assert ("are not topological" if bad_parents
+            else "DraftTree.tokens[2] = 1000 is outside the vocab") in outs[1].error
     assert [outs[0].token_ids, outs[2].token_ids] == [plain[0].token_ids, plain[2].token_ids]
     assert outs[0].metrics.draft_tokens_proposed > 0
     pool = llm.engine.kv.pool

@@ -31,6 +31,7 @@ from specdec.controllers.base import (
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import Failures, StepRequest
 from specdec.metrics import StepStats, forward_seconds
+from specdec.tree import read_to_host
 
 IDLE_CHECK = 32  # decode steps at budget 0 between two keep_drafting questions (the first at 1)
 
@@ -156,6 +157,9 @@ class ControllerStage:
         records = [r for r in records if r.num_nodes]
         if not records or batch is None:
             return
+        # a controller that prunes reads the trees: drafts left on the device come to the
+        # host in one read for the batch (DraftTree.on_device), not one per tree or field
+        read_to_host([r.tree for r in records])
         # (what a view shows changes only once the step's tokens are out: budgets' views hold)
         views = [_view(r.seq) if r.view is None else r.view for r in records]
         kept = self.controller.prune(views, [r.tree for r in records], batch)
