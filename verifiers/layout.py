@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, read_to_host
 
 
 @dataclass
@@ -46,6 +46,7 @@ class TreeLayout:
         at batch 8)."""
         b = len(trees)
         n = max((t.num_nodes for t in trees), default=0)
+        read_to_host(trees)  # drafts left on the device: one read for the batch
         last = cu_rows[-1] - 1  # padded entries point at a real row; they are never used
         node_row = [min(cu_rows[i] + j, last) for i in range(b) for j in range(n + 1)]
         tokens, parents, depth = [0] * (b * n), [-1] * (b * n), [0] * (b * n)
@@ -55,7 +56,7 @@ class TreeLayout:
             m = tree.num_nodes
             if not m:
                 continue
-            toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+            toks, pars = tree.token_list, tree.parent_list
             base, seen = i * n, set()
             for j, (p, t) in enumerate(zip(pars, toks)):
                 row = (base + j) * n
