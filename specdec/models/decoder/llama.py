@@ -6,6 +6,15 @@ default; the engine installs its kernels (``specdec.models.matmul.choice``). Wit
 row-invariant kernels on a CPU it also installs ``LlamaDecoder.fused``, which runs each layer
 as one compiled call (``specdec.models.matmul.fused``) wherever the attention backend offers per-row
 key lists; this module's layers are then the reference it is tested against.
+
+Tensor parallelism (specdec.distributed.shard_model): a rank's decoder holds its share of each
+layer (its query / KV heads' rows of q|k|v, its MLP share of gate|up, the matching columns of o
+and down) and a per-rank ``cfg``; each layer's ``reduce`` (the group's exact all-reduce) sums
+the o and down projections' partial outputs before the residual add. ``reduce`` None (TP 1,
+every model not sharded) is the plain layer, bitwise. A sharded model (``tp_size > 1``) never
+runs the compiled layer call ``fused`` (it has no all-reduce between its matmuls):
+``compiled_refusal`` says so to the kernel setup, and ``forward`` skips ``fused`` at
+``tp_size > 1`` whatever is installed.
 """
 
 from __future__ import annotations
@@ -43,7 +52,14 @@ class DecoderLayer(nn.Module):
     layers (drafter heads) get gradients; the target's are frozen. ``qkv_in``: the width of the
     projections' input when it is not the hidden size (an EAGLE-3 layer reads [embedding; feature],
     2 x hidden).
+
+    ``reduce``: None, or the row-parallel all-reduce of tensor parallelism (a rank's partial
+    sums [T, hidden] -> their sum over the ranks; specdec.distributed.shard_model installs
+    it): the o and down projections' outputs go through it before the residual add.
     """
+
+    # tensor parallelism's all-reduce of the o / down outputs (None: not sharded, no call)
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, cfg: ModelConfig, trainable: bool = False, qkv_in: int | None = None) -> None:
         super().__init__()
@@ -99,12 +115,18 @@ class DecoderLayer(nn.Module):
             k = rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attn = backend.run(q, k, v, kv_layer, cfg.head_dim**-0.5)
-        return x + mm(attn.reshape(-1, cfg.q_size), self.o_weight, None)
+        out = mm(attn.reshape(-1, cfg.q_size), self.o_weight, None)
+        if self.reduce is not None:  # tensor parallel: this rank's heads' partial sums
+            out = self.reduce(out)
+        return x + out
 
     def mlp(self, x: torch.Tensor, mm: Matmul = F.linear) -> torch.Tensor:
         h = rms_norm(x, self.post_attn_norm, self.cfg.rms_norm_eps)
         gate, up = mm(h, self.gate_up_weight, None).chunk(2, dim=-1)
-        return x + mm(F.silu(gate) * up, self.down_weight, None)
+        out = mm(F.silu(gate) * up, self.down_weight, None)
+        if self.reduce is not None:  # tensor parallel: this rank's MLP share's partial sums
+            out = self.reduce(out)
+        return x + out
 
 
 class LlamaDecoder(nn.Module):
@@ -114,6 +136,11 @@ class LlamaDecoder(nn.Module):
     engine, through a ``ModelRunner``), and ``forward_dense`` over a padded [B, S] batch with no
     cache (training: target features without grad, drafter layers with grad). Neither enters
     ``inference_mode`` itself; the runner does.
+
+    Tensor parallel (specdec.distributed.shard_model.shard_decoder): ``tp_size`` ranks,
+    ``tp_rank`` this one, ``cfg`` the rank's shape (its heads, KV heads, MLP share: what the
+    runner sizes attention and the KV cache from), ``full_cfg`` the model's. At ``tp_size > 1``
+    the compiled layer call (``fused``) never runs: ``compiled_refusal`` refuses it.
     """
 
     def __init__(self, cfg: ModelConfig, hf_config, max_positions: int, dtype, device) -> None:
@@ -135,7 +162,18 @@ class LlamaDecoder(nn.Module):
         # turns it on for CUDA runners), else as the torch ops below
         self.layer_ops = False
         self.source_folder = None  # the folder it was loaded from (specdec.models.loader)
+        # tensor parallelism (specdec.distributed.shard_model): 1 / 0 / cfg unless sharded
+        self.tp_size, self.tp_rank, self.full_cfg = 1, 0, cfg
         self.to(dtype=dtype, device=device)
+
+    def compiled_refusal(self) -> str | None:
+        """Why the compiled layer call (``fused``) cannot run this model, or None: a sharded
+        model (``tp_size > 1``) needs an all-reduce after o and down that sd_layer does not
+        make (its matmuls still run through the installed kernels, layer by layer)."""
+        if self.tp_size > 1:
+            return (f"a tensor-parallel shard (rank {self.tp_rank} of {self.tp_size}: its "
+                    f"layers all-reduce the o and down outputs)")
+        return None
 
     def forward(
         self,
@@ -150,7 +188,7 @@ class LlamaDecoder(nn.Module):
         cos, sin = self.rope.lookup(positions)
         key_lists = getattr(backend, "key_lists", None)
         plan = (key_lists() if self.fused is not None and key_lists and kv_cache is not None
-                else None)
+                and self.tp_size == 1 else None)
         if plan is not None and x.shape[0] > 0:
             x, captured = self.fused.run(x, cos, sin, plan, kv_cache, num_layers, capture_layers)
             return ForwardOutput(self.norm(x), captured)
@@ -186,9 +224,13 @@ class LlamaDecoder(nn.Module):
             layer_ops.rope_(q, k, positions, rope.cos, rope.sin, rope.cos_sin_cache)
             attn = backend.run(q, k, v, kv_cache.layer(i), cfg.head_dim**-0.5)
             h = mm(attn.reshape(-1, cfg.q_size), layer.o_weight, None)
+            if layer.reduce is not None:  # tensor parallel: the ranks' partial sums
+                h = layer.reduce(h)
             layer_ops.add_rms_norm_(h, residual, layer.post_attn_norm, eps)
             h = mm(layer_ops.silu_and_mul(mm(h, layer.gate_up_weight, None)),
                    layer.down_weight, None)
+            if layer.reduce is not None:
+                h = layer.reduce(h)
             if i in capture_layers:  # the layer's output (the stream is added to in place)
                 captured[i] = residual + h
         layer_ops.add_rms_norm_(h, residual, self.final_norm, eps)
