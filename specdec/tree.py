@@ -66,9 +66,11 @@ class DraftTree:
                        draft_probs)
             if isinstance(tokens, list):
                 tree.__dict__["token_list"] = []
-        # what the host walks read, known without reading the tensors back
-        tree.__dict__.update(_parent_list=list(range(-1, n - 1)), is_chain=True,
-                             _depth_list=list(range(n)), num_nodes=n)
+        # what the host walks read, known without reading the tensors back (parent_list and
+        # max_depth too: verification's walk and checks read them every step)
+        parent_list = list(range(-1, n - 1))
+        tree.__dict__.update(_parent_list=parent_list, parent_list=parent_list, is_chain=True,
+                             _depth_list=list(range(n)), max_depth=n - 1, num_nodes=n)
         return tree
 
     @classmethod
@@ -89,18 +91,19 @@ class DraftTree:
         verifier divides by them. ``read_tokens=False`` leaves unchecked what is not on the host
         (``tokens_on_host``, ``shape_on_host``): the engine checks it once the step's read
         brought it."""
-        if not self._made_here():
+        made = self._made_here()  # (a chain of host ints: its tensors need no check)
+        if not made:
             _check_index_tensor("tokens", self.tokens)
             _check_index_tensor("parents", self.parents)
         n = self.num_nodes
-        if self.parents.numel() != n:
+        if not made and self.parents.numel() != n:
             raise ValueError(
                 f"DraftTree.parents has {self.parents.numel()} entries but tokens has {n}; "
                 "each node needs exactly one parent")
         if max_nodes is not None and n > max_nodes:
             raise ValueError(f"DraftTree has {n} nodes, more than the budget max_nodes={max_nodes}")
         shape = read_tokens or self.shape_on_host
-        if not self._made_here() and shape:
+        if not made and shape:
             _check_parents(self.parents.tolist() if "_parent_list" not in self.__dict__
                            else self._parent_list)
         if read_tokens or self.tokens_on_host:

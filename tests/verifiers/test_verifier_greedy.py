@@ -186,3 +186,22 @@ def test_host_walk_equals_the_layout_walk(case):
     walked = greedy_verify(targets, TreeLayout.build(trees, cu, "cpu"))
     for name in ("accepted", "tokens", "num_accepted"):
         assert torch.equal(getattr(host, name), getattr(walked, name)), name
+
+
+def test_from_results_tensors_made_on_first_use():
+    """``from_results`` (the host walk's output): the results are handed back as they are until
+    a field is used; its fields are the padded tensors; a field set (or edited in place after
+    a read) is what ``to_results`` reads from then on."""
+    results = [VerifyResult([0, 1], [5, 6, 4]), VerifyResult([], [9])]
+    out = VerifyOutput.from_results(results, 3)
+    assert isinstance(out, VerifyOutput) and out._tensors is None
+    got = out.to_results()
+    assert got == results and got is not results and out._tensors is None
+    assert torch.equal(out.accepted, torch.tensor([[0, 1, -1], [-1, -1, -1]]))
+    assert torch.equal(out.tokens, torch.tensor([[5, 6, 4, -1], [9, -1, -1, -1]]))
+    assert torch.equal(out.num_accepted, torch.tensor([2, 0]))
+    out.tokens[1, 0] = 7  # an edit after the tensors were made is the output
+    assert out.to_results() == [results[0], VerifyResult([], [7])]
+    fresh = VerifyOutput.from_results(results, 3)
+    fresh.num_accepted = torch.tensor([1, 0])  # a field set first makes the rest
+    assert fresh.to_results() == [VerifyResult([0], [5, 6]), VerifyResult([], [9])]
