@@ -92,6 +92,10 @@ class EngineConfig:
     # unseeded sampled requests draw their seeds from an RNG seeded with this (None: from
     # torch's global RNG, so torch.manual_seed applies)
     seed: int | None = None
+    # ranks the target is split over (tensor parallelism on torch.distributed: gloo on CPUs;
+    # specdec.distributed, docs/distributed.md): N divides the attention heads and the MLP
+    # width; rank 0 runs the engine, ranks 1..N-1 (started here, or by torchrun) their shards
+    tensor_parallel_size: int = 1
 
     @property
     def torch_dtype(self):
@@ -110,6 +114,7 @@ class EngineConfig:
         _check_numerics(self)
         _check_sizes(self)
         _check_tiers(self)
+        _check_parallel(self)
         _check_plugin_args(self)
 
 
@@ -169,6 +174,24 @@ def _check_tiers(c: EngineConfig) -> None:
     for name in ("kv_tier_path", "kv_host_tier_bytes"):
         if getattr(c, name) is not None and not c.enable_prefix_caching:
             raise ValueError(f"{name} keeps cached pages: it needs enable_prefix_caching=True")
+
+
+def _check_parallel(c: EngineConfig) -> None:
+    """tensor_parallel_size: an int >= 1; above 1 (this version), on CPUs without a second
+    KV tier (the model's own limits are checked with its config: specdec.distributed)."""
+    n = c.tensor_parallel_size
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1, got {n!r}")
+    if n == 1:
+        return
+    if str(c.device).startswith("cuda"):
+        raise ValueError(f"tensor_parallel_size={n} runs on CPUs (gloo) in this version, not "
+                         f"device {c.device!r}: NCCL is not verified on a GPU yet; use "
+                         "tensor_parallel_size=1 on CUDA")
+    for name in ("kv_tier_path", "kv_host_tier_bytes"):
+        if getattr(c, name) is not None:
+            raise ValueError(f"tensor_parallel_size={n} does not take a second KV tier yet "
+                             f"({name}): every rank would need its share of each page")
 
 
 def _check_plugin_args(c: EngineConfig) -> None:

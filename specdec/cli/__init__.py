@@ -159,6 +159,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _torchrun_worker(args) -> bool:
+    """Under torchrun, ranks 1..N-1 serve rank 0's engine (built from the same command line)
+    instead of running the command; True when this process was such a rank and is done."""
+    from specdec.distributed.engine_tp import under_torchrun
+
+    if not under_torchrun() or int(__import__("os").environ["RANK"]) == 0:
+        return False
+    from specdec.cli.common import engine_kwargs
+    from specdec.config import EngineConfig
+    from specdec.distributed.engine_tp import shard_config
+    from specdec.engine.build import max_model_len_of
+    from specdec.engine.tp_worker import worker_from_env
+
+    kwargs = engine_kwargs(args)
+    if "tensor_parallel_size" not in kwargs:
+        raise ValueError(f"{args.command} builds no engine: under torchrun only rank 0 runs it")
+    rank0_only = ("drafter", "drafter_args", "controller", "controller_args", "kv_tier_path",
+                  "kv_host_tier_bytes")
+    config = shard_config(EngineConfig(**{k: v for k, v in kwargs.items()
+                                          if k not in rank0_only}))
+    worker_from_env(config, max_model_len_of(config))
+    return True
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
@@ -167,6 +191,8 @@ def main(argv=None) -> int:
     from specdec.plugins import PluginError
 
     try:
+        if _torchrun_worker(args):
+            return 0
         return args.func(args)
     except (ValueError, PluginError) as e:
         print(f"{PROG} {args.command}: error: {e}", file=sys.stderr)

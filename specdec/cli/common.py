@@ -75,6 +75,9 @@ def add_model_args(p: argparse.ArgumentParser, cache_flags: bool = True) -> None
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                    help="auto (default): bfloat16 on CUDA, float32 on the CPU")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
+                   metavar="N", help="split the target over N ranks (torch.distributed; "
+                   "started here, or by torchrun: docs/distributed.md); default 1")
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help="a GGUF model's weights: native (its own blocks, Q4_0/Q4_1/Q5_0/Q5_1/"
                         "Q8_0/Q4_K/Q5_K/Q6_K: the same tokens as dequantized, a fraction of the "
@@ -165,7 +168,7 @@ def add_dataset_args(p, help_text: str, num_prompts: int, max_new_tokens: int) -
 
 # The engine options the engine flags set: each flag's argparse dest is the option's name
 # (EngineConfig's, through LLM), e.g. --no-prefix-caching -> enable_prefix_caching.
-ENGINE_OPTIONS = ("model", "dtype", "device", "weights", "activations", "quantize",
+ENGINE_OPTIONS = ("model", "dtype", "device", "tensor_parallel_size", "weights", "activations", "quantize",
                   "attention_backend", "cuda_graphs", "enable_prefix_caching", "kv_tier_path",
                   "kv_tier_bytes", "kv_host_tier_bytes", "drafter", "drafter_args",
                   "controller", "controller_args", "verifier", "draft_weights", "linear_kernels")

@@ -25,12 +25,15 @@ from specdec import plugins
 from specdec.config import EngineConfig
 from specdec.controllers.base import BaseController, ControllerContext
 from specdec.controllers.costs import StepCosts
+from specdec.distributed.engine_tp import TensorParallel, check_plan, shard_config
+from specdec.distributed.shard_model import shard_decoder
 from specdec.drafters.base import BaseDrafter, TargetInfo
 from specdec.engine.cuda_graphs import scratch_pages
 from specdec.engine.drafting.setup import create_drafter_and_controller
 from specdec.engine.memory import KVSplit, split_kv
 from specdec.engine.runner import ModelRunner
 from specdec.engine.step_profile import engine_step_costs
+from specdec.engine.tp_worker import worker_main
 from specdec.engine.verify_stage import VerifyStage
 from specdec.kv.fingerprint import weights_fingerprint
 from specdec.kv.host_tier import HostTier
@@ -81,6 +84,9 @@ class EngineParts:
     cache_namespace: str  # everything that changes the KV a token sequence leaves
     tier: DiskTier | HostTier | None
     build_seconds: dict[str, float]  # seconds per build stage
+    # tensor parallelism (tensor_parallel_size > 1): rank 0's group and workers, which run the
+    # target's every forward and KV move on their shards (specdec.distributed.engine_tp)
+    tp: TensorParallel | None = None
 
     @property
     def sources(self) -> tuple[str, ...]:
@@ -122,9 +128,25 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
     # run the blocks; where they cannot, prepare_weights dequantizes them)
     if config.quantize is not None:
         check_quantize(config)  # before the minutes quantizing takes
+    tp = None
+    if config.tensor_parallel_size > 1:  # the plan checked before any process starts
+        tp = TensorParallel.start(shard_config(config), check_plan(config, cfg, folder),
+                                  worker_main, (shard_config(config), max_model_len))
+    try:
+        return _build(config, pm, folder, cfg, max_model_len, device, clock, tp)
+    except BaseException:
+        if tp is not None:
+            tp.close()
+        raise
+
+
+def _build(config: EngineConfig, pm, folder: Path, cfg: ModelConfig, max_model_len: int,
+           device: torch.device, clock: _Clock, tp: TensorParallel | None) -> EngineParts:
     model, _, hf_config = load_model(folder, config.torch_dtype, device, max_model_len,
                                      blocks=config.weights != "dequantized",
                                      quantize=config.quantize)
+    if tp is not None:
+        shard_decoder(model, tp.plan, 0, tp.reduce)
     tokenizer = load_tokenizer(folder)
     clock.mark("load")
     runner, drafter_runners = _runner(config, model, "target"), []
@@ -140,9 +162,13 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
     drafter, controller = create_drafter_and_controller(pm, config, target)
     clock.mark("runners, drafter")
     kv_split = _allocate_kv(config, max_model_len, [runner, *drafter_runners])
+    if tp is not None:
+        tp.allocate(runner.kv.num_pages)
     clock.mark("kv")
     prepared = prepare_weights(config, model, folder, [r.model for r in drafter_runners],
                                [] if drafter is None else list(drafter.matmul_models))
+    if tp is not None:
+        tp.mirror(runner)
     clock.mark("weights, kernels")
     _capture_graphs(runner, drafter)
     clock.mark("cuda graphs")
@@ -151,7 +177,7 @@ def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
                         runner, drafter_runners, verifier, drafter, controller, kv_split,
                         prepared.weights, prepared.draft_weights, prepared.kernels,
                         prepared.activations, namespace, _open_tier(config, runner, namespace),
-                        clock.seconds)
+                        clock.seconds, tp)
     if drafter is not None:
         controller.setup(ControllerContext(parts.step_costs, str(device), config.max_num_seqs,
                                            config.max_num_batched_tokens, sources=parts.sources))
@@ -261,6 +287,12 @@ def _check_device(device: torch.device) -> None:
     # streams, graph captures and flashinfer's JIT follow the current device: make it ours
     # ("cuda" alone names the current one; set_device wants an index)
     torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def max_model_len_of(config: EngineConfig) -> int:
+    """The engine's max_model_len for ``config`` (its model's config read)."""
+    return _max_model_len(config, model_config_from_hf(load_hf_config(
+        resolve_model_path(config.model))))
 
 
 def _max_model_len(config: EngineConfig, cfg) -> int:

@@ -119,7 +119,8 @@ class LLMEngine:
     def close(self) -> None:
         """Let go of what outlives a step: the disk tier's file and its lock (a later engine
         on the same path may open it), and the memory: the model, its weights and kernels,
-        the drafter, the KV (``_release``). Requests still running are aborted (their pages go
+        the drafter, the KV (``_release``), the other ranks of a tensor-parallel engine (they
+        end). Requests still running are aborted (their pages go
         back) and every request is forgotten; afterwards the engine refuses new work
         (``check_open``). Twice is fine."""
         if self.closed:
@@ -132,6 +133,8 @@ class LLMEngine:
         if self.parts.tier is not None:
             self.kv.detach_tier()  # no eviction or admission reaches the closed tier
             self.parts.tier.close()
+        if self.parts.tp is not None:
+            self.parts.tp.close()  # the other ranks leave their loop and end
         self._release()
 
     def _release(self) -> None:
