@@ -55,6 +55,12 @@ class DraftModelDrafter(BaseDrafter):
         if model is not None:
             draft, name, layers = _load_draft(model, target), "draft_model", None
         else:
+            if getattr(target.model, "tp_size", 1) > 1:  # its layers reduce over every rank
+                raise ValueError(
+                    f"draft_model early_exit_layers={early_exit_layers} runs the target's own "
+                    f"layers, which tensor_parallel_size={target.model.tp_size} splits over "
+                    "the ranks (the drafter runs on rank 0 only); give drafter_args.model (a "
+                    "draft model) or tensor_parallel_size=1")
             draft, name, layers = target.model, f"early_exit[{early_exit_layers}]", early_exit_layers
         self.runner = target.new_runner(draft, name=name, num_layers=layers)
 
