@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.drafters.base import DraftRequest
-from specdec.drafters.eagle3 import Eagle3Drafter, Eagle3State, _head_keys
+from specdec.drafters.eagle3 import Eagle3Drafter, Eagle3State
 from specdec.tree import DraftTree
 
 
@@ -47,7 +47,7 @@ class ReferenceEagle3:
         live = [r for r in requests if Ref._reserve(self, r)]
         if not live:
             return trees
-        y, logp = Ref._catch_up(self, live)
+        y, logp = Eagle3Drafter._catch_up(self, live)  # (unchanged since)
         levels, rows = Ref._expand(self, live, y, logp)
         index = {id(r): i for i, r in enumerate(requests)}
         for j, r in enumerate(live):
@@ -69,28 +69,6 @@ class ReferenceEagle3:
             r.mark_no_kv()
             return False
         return True
-
-    def _catch_up(self, reqs: list[DraftRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed every request's pending rows; (y [B, H], log-probs [B, Vd]) of each last row."""
-        feeds, starts, feats = [], [], []
-        for r in reqs:
-            s: Eagle3State = r.state
-            feeds.append(list(r.token_ids[s.num_cached + 1:]))
-            starts.append(s.num_cached)
-            feats.extend(s.pending)
-        features = self.head.fuse(torch.cat(feats).to(self.head.embed.dtype))
-        batch = self.runner.pack(feeds, starts, [r.state.table for r in reqs], logits="last",
-                                 features=features)
-        out = self.runner.forward(batch)
-        kv = self.runner.kv
-        for r in reqs:
-            r.state.num_cached = len(r.token_ids) - 1
-            r.state.pending.clear()
-            if r.page_keys:
-                kv.register_full(r.state.table, _head_keys(r.page_keys, r.token_ids, kv.page_size,
-                                                           r.state.table.num_keyed),
-                                 r.state.num_cached)
-        return out.logits_hidden, out.logits.log_softmax(-1)
 
     def _expand(self, reqs, y: torch.Tensor, logp: torch.Tensor):
         """Levels of candidates per request, and per request the expanded rows as
