@@ -15,6 +15,7 @@ from specdec.models.heads.weights import CHOICES as DRAFT_WEIGHT_CHOICES
 LINEAR_CHOICES = ("invariant", "tuned", "plain")
 WEIGHT_CHOICES = ("auto", "native", "dequantized")
 ACTIVATION_CHOICES = ("auto", "float", "q8")
+TP_REDUCE_CHOICES = ("exact", "library")
 
 @dataclass
 class EngineConfig:
@@ -96,6 +97,12 @@ class EngineConfig:
     # specdec.distributed, docs/distributed.md): N divides the attention heads and the MLP
     # width; rank 0 runs the engine, ranks 1..N-1 (started here, or by torchrun) their shards
     tensor_parallel_size: int = 1
+    # how the ranks sum the row-parallel layers' partial sums (o, down): "exact" (an all-gather
+    # and a sum in rank order: a row's bits never depend on its step's other rows, so
+    # speculation is plain decoding token for token) or "library" (the backend's ring
+    # all-reduce: less data moved; at N >= 3 a row's bits change with the message size, so
+    # speculative output may part from plain decoding at near-ties). No effect at N = 1
+    tensor_parallel_reduce: str = "exact"
 
     @property
     def torch_dtype(self):
@@ -178,10 +185,16 @@ def _check_tiers(c: EngineConfig) -> None:
 
 def _check_parallel(c: EngineConfig) -> None:
     """tensor_parallel_size: an int >= 1; above 1 (this version), on CPUs without a second
-    KV tier (the model's own limits are checked with its config: specdec.distributed)."""
+    KV tier (the model's own limits are checked with its config: specdec.distributed);
+    tensor_parallel_reduce: one of TP_REDUCE_CHOICES."""
     n = c.tensor_parallel_size
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"tensor_parallel_size must be an int >= 1, got {n!r}")
+    if c.tensor_parallel_reduce not in TP_REDUCE_CHOICES:
+        raise ValueError(f"tensor_parallel_reduce must be one of {', '.join(TP_REDUCE_CHOICES)} "
+                         f"(exact: speculation equals plain decoding; library: the backend's "
+                         f"all-reduce, faster, not exact at N >= 3), got "
+                         f"{c.tensor_parallel_reduce!r}")
     if n == 1:
         return
     if str(c.device).startswith("cuda"):

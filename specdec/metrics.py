@@ -55,6 +55,15 @@ class StepStats:
     tier_hits: int = 0
     tier_stores: int = 0
     tier_seconds: float = 0.0
+    # tensor parallelism (tensor_parallel_size > 1), rank 0 during the step: the layers'
+    # reductions (o and down of every layer, each forward: calls, seconds in them, bytes of
+    # rank 0's partial sums) and the control messages it sent the workers (a forward, a KV
+    # move: count, seconds). None: no tensor parallelism
+    tp_reductions: int | None = None
+    tp_reduce_seconds: float = 0.0
+    tp_reduce_bytes: int = 0
+    tp_messages: int = 0
+    tp_message_seconds: float = 0.0
 
 
 def forward_seconds(stats: StepStats) -> float:
@@ -99,6 +108,10 @@ class StepBudget:
     h2d_copies: int = 0
     d2h_reads: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(BUDGET_PARTS, 0.0))
+    # tensor parallelism, sums of StepStats.tp_* (None: no tensor parallelism): reductions,
+    # their seconds and bytes; control messages and their seconds (within the parts above:
+    # the reductions and the forward's message inside "forward", a KV move's in "commit")
+    tp: dict[str, float] | None = None
 
     def add(self, stats: StepStats) -> None:
         self.steps += 1
@@ -110,24 +123,55 @@ class StepBudget:
         self.d2h_reads += stats.d2h_reads
         for k, v in budget_parts(stats).items():
             self.seconds[k] += v
+        if stats.tp_reductions is not None:
+            tp = self.tp if self.tp is not None else dict.fromkeys(TP_FIELDS, 0)
+            for k in TP_FIELDS:
+                tp[k] += getattr(stats, f"tp_{k}")
+            self.tp = tp
 
     def minus(self, other: StepBudget) -> StepBudget:
+        tp = None if self.tp is None else {
+            k: v - (other.tp or {}).get(k, 0) for k, v in self.tp.items()}
         return StepBudget(self.steps - other.steps, self.rows - other.rows,
                           self.draft_nodes - other.draft_nodes,
                           self.graphed_steps - other.graphed_steps,
                           self.eager_steps - other.eager_steps,
                           self.h2d_copies - other.h2d_copies, self.d2h_reads - other.d2h_reads,
-                          {k: self.seconds[k] - other.seconds[k] for k in BUDGET_PARTS})
+                          {k: self.seconds[k] - other.seconds[k] for k in BUDGET_PARTS}, tp)
 
     def per_step_ms(self) -> dict:
-        """Mean milliseconds per step by part, rows and draft nodes per step (reports)."""
+        """Mean milliseconds per step by part, rows and draft nodes per step (reports); with
+        tensor parallelism its collectives per step (``tensor_parallel_per_step``)."""
         n = max(self.steps, 1)
         out = {k: 1000.0 * v / n for k, v in self.seconds.items()}
         out["step"] = sum(out.values())
-        return {"steps": self.steps, "rows_per_step": self.rows / n,
-                "draft_nodes_per_step": self.draft_nodes / n, "graphed_steps": self.graphed_steps,
-                "eager_steps": self.eager_steps, "h2d_copies_per_step": self.h2d_copies / n,
-                "d2h_reads_per_step": self.d2h_reads / n, "ms": out}
+        report = {"steps": self.steps, "rows_per_step": self.rows / n,
+                  "draft_nodes_per_step": self.draft_nodes / n,
+                  "graphed_steps": self.graphed_steps, "eager_steps": self.eager_steps,
+                  "h2d_copies_per_step": self.h2d_copies / n,
+                  "d2h_reads_per_step": self.d2h_reads / n, "ms": out}
+        if self.tp is not None:
+            report["tensor_parallel"] = tensor_parallel_per_step(self.tp, self.steps,
+                                                                 self.seconds)
+        return report
+
+
+TP_FIELDS = ("reductions", "reduce_seconds", "reduce_bytes", "messages", "message_seconds")
+
+
+def tensor_parallel_per_step(tp: dict, steps: int, seconds: dict[str, float]) -> dict:
+    """A step budget's collectives per step (rank 0's): reductions, their ms and bytes,
+    control messages and their ms, and the share of the step's time the collectives took
+    (``collective_share``: reductions and messages over the step's seconds)."""
+    n = max(steps, 1)
+    step = sum(seconds.values())
+    spent = tp["reduce_seconds"] + tp["message_seconds"]
+    return {"reductions_per_step": tp["reductions"] / n,
+            "reduce_ms_per_step": 1000.0 * tp["reduce_seconds"] / n,
+            "reduce_bytes_per_step": tp["reduce_bytes"] / n,
+            "messages_per_step": tp["messages"] / n,
+            "message_ms_per_step": 1000.0 * tp["message_seconds"] / n,
+            "collective_share": spent / step if step > 0 else None}
 
 
 @dataclass

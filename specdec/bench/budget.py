@@ -25,7 +25,9 @@ def step_budget(engines: dict, before: dict) -> dict:
     a forward streams / the stream bandwidth), T(rows) of the target forward (the engine's
     step profile) with the cost of an extra row against its compute-bound time (the target's
     multiply-adds per row / the rate of that arithmetic in specdec's own float or q8
-    kernels), and the drafter's fitted draft time by depth (goodput)."""
+    kernels), and the drafter's fitted draft time by depth (goodput). With tensor
+    parallelism, each system's ``tensor_parallel``: its collectives per step on rank 0
+    (``tensor_parallel``; per step kind inside each kind's entry too)."""
     rates = machine_rates()
     out = {**rates, "systems": {}}
     for name, old in before.items():
@@ -36,7 +38,34 @@ def step_budget(engines: dict, before: dict) -> dict:
             if got.steps:
                 kinds[kind] = got.per_step_ms()
         out["systems"][name] = {"kinds": kinds, **_forward_physics(engine, rates)}
+        tp = tensor_parallel(engine, engine.totals.budget, old)
+        if tp is not None:
+            out["systems"][name]["tensor_parallel"] = tp
     return out
+
+
+def tensor_parallel(engine, budget: dict, before: dict) -> dict | None:
+    """An engine's collectives over the timed runs, all step kinds together (each kind's are in
+    its ``tensor_parallel`` entry): the size and the reductions' mode, and per step on rank
+    0 the reductions (count, ms, bytes), the control messages (count, ms) and the share of
+    the step time they took. None without tensor parallelism."""
+    tp = engine.parts.tp
+    if tp is None:
+        return None
+    from specdec.metrics import TP_FIELDS, tensor_parallel_per_step
+
+    steps, sums, seconds = 0, dict.fromkeys(TP_FIELDS, 0.0), {}
+    for kind, b in budget.items():
+        got = b.minus(before[kind]) if kind in before else b
+        if not got.steps or got.tp is None:
+            continue
+        steps += got.steps
+        for k in TP_FIELDS:
+            sums[k] += got.tp[k]
+        for k, v in got.seconds.items():
+            seconds[k] = seconds.get(k, 0.0) + v
+    return {"size": tp.size, "reduce": tp.reduce_mode, "steps": steps,
+            **tensor_parallel_per_step(sums, steps, seconds)}
 
 
 def _forward_physics(engine, rates: dict) -> dict:

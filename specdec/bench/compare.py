@@ -187,28 +187,39 @@ def make_systems(args, engine_kwargs: dict) -> dict:
         systems["baseline"] = _baseline(args.baseline, args, engine)
     extra = getattr(args, "extra_baseline", None)
     if extra is not None:
-        family = next((f for f in FAMILIES if extra in f), ())
-        if args.baseline not in family:
-            raise ValueError(f"--extra-baseline {extra} needs --baseline {' or '.join(family)} "
-                             "(its reference)")
+        _check_extra(args)
         systems["extra"] = _baseline(extra, args, engine)
-    needs_plain = args.baseline == "plain" or (args.drafter and args.baseline != "none")
-    if needs_plain:
+    if _needs_plain(args):
         plain = LLM(**system_options(plain_options(common), 1))
         systems["plain"] = EngineSystem(plain, args.max_new_tokens)
     systems["engine"] = EngineSystem(engine, args.max_new_tokens)
     return systems
 
 
-def _baseline(name: str, args, engine: LLM):
-    """The HF or llama.cpp system ``name`` names, on the engine's model and stop set."""
+def _needs_plain(args) -> bool:
+    return args.baseline == "plain" or bool(args.drafter and args.baseline != "none")
+
+
+def _baseline(name: str, args, engine: LLM | None, eos=None, dtype=None):
+    """The HF or llama.cpp system ``name`` names, on the engine's model and stop set (the
+    engine's, or ``eos`` and ``dtype`` read from it earlier)."""
     folder = resolve_model_path(args.model)
-    eos = engine.engine.parts.model_config.eos_token_ids
+    if engine is not None:
+        eos, dtype = engine.engine.parts.model_config.eos_token_ids, engine.engine.parts.dtype
     if name in LLAMA_CPP_BASELINES:
         return LlamaCppSystem(gguf_path(args.model, folder), args.max_new_tokens, eos,
                               pld=name == "llama.cpp-pld")
-    return HFSystem(folder, engine.engine.parts.dtype, args.device, args.max_new_tokens, eos,
+    return HFSystem(folder, dtype, args.device, args.max_new_tokens, eos,
                     pld=name == "hf-pld")
+
+
+def _check_extra(args) -> None:
+    extra = getattr(args, "extra_baseline", None)
+    if extra is not None:
+        family = next((f for f in FAMILIES if extra in f), ())
+        if args.baseline not in family:
+            raise ValueError(f"--extra-baseline {extra} needs --baseline {' or '.join(family)} "
+                             "(its reference)")
 
 
 def _batches(items: list[Item], size: int) -> list[list[Item]]:
@@ -237,6 +248,8 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     """Run the benchmark described by parsed CLI args on engines made with ``engine_kwargs``;
     return the report (see `build_report`)."""
     questions = load_questions(Path(args.dataset), args.num_prompts)  # fail before loading
+    if engine_kwargs.get("tensor_parallel_size", 1) > 1:
+        return run_bench_one_at_a_time(args, engine_kwargs, questions)
     systems = make_systems(args, engine_kwargs)
     tok = systems["engine"].llm.tokenizer
     items = first_turn_items(questions, tok)
@@ -262,7 +275,98 @@ def run_bench(args, engine_kwargs: dict) -> dict:
     # warm-up and repeats run the same prompts: with the cache on, timed runs reuse their
     # prompts' full pages (the hit rate says how much)
     report["prefix_cache"] = systems["engine"].llm.engine.totals.prefix_summary()
+    report["tensor_parallel"] = tensor_parallel_summary(report)
     return report
+
+
+def run_bench_one_at_a_time(args, engine_kwargs: dict, questions) -> dict:
+    """The bench at tensor_parallel_size > 1: a process holds one TP group (torch.distributed's
+    default group), so two TP engines cannot live side by side. Each system runs alone: the
+    engine (built, warmed up, every timed pass, its step budget and runtime read, closed),
+    then the plain reference at the same N and reduction, then an HF / llama.cpp baseline.
+    The same prompts, passes and cache salts as the interleaved bench; a later turn's prompts
+    are the engine's answers, as there. Systems are not interleaved batch by batch: drift of
+    the machine between them is not averaged out (``tensor_parallel.systems_run`` says so)."""
+    common = dict(engine_kwargs, max_num_seqs=max(32, args.batch_size))
+    _check_extra(args)
+    num_turns = max(len(q.turns) for q in questions) if args.multi_turn else 1
+    total = args.repeats * sum(1 for q in questions for _ in q.turns[:num_turns])
+    tallies: dict = {}
+    budget: dict = {}
+    turn_items: list = []  # the engine's prompts of each turn, for the others
+
+    def timed(name: str, system, bar) -> None:
+        tally = tallies[name] = Tally(args.repeats)
+        for turn in range(num_turns):
+            if turn == len(turn_items):  # the engine, in its run: its answers so far
+                answers = {k: tok.decode(o.token_ids, skip_special_tokens=True)
+                           for k, o in tallies["engine"].outputs[0].items()}
+                turn_items.append(next_turn_items(questions, tok, answers, turn))
+            _run_phase({name: system}, {name: tally}, turn_items[turn], args, bar)
+
+    with tqdm(total=total * (1 + _needs_plain(args)), desc="bench", unit="prompt",
+              file=sys.stderr) as bar:
+        llm = LLM(**common)
+        try:
+            tok = llm.tokenizer
+            turn_items.append(first_turn_items(questions, tok))
+            eos, dtype = llm.engine.parts.model_config.eos_token_ids, llm.engine.parts.dtype
+            engine = EngineSystem(llm, args.max_new_tokens)
+            _warmup({"engine": engine}, turn_items[0], args)
+            start, before = _totals(engine), snapshot({"engine": llm.engine})
+            timed("engine", engine, bar)
+            draft = _share(start, _totals(engine))
+            runtime = runtime_info(llm.engine)
+            budget = step_budget({"engine": llm.engine}, before)
+            prefix = llm.engine.totals.prefix_summary()
+        finally:
+            llm.close()
+        if _needs_plain(args):
+            with LLM(**plain_options(common)) as plain_llm:
+                plain = EngineSystem(plain_llm, args.max_new_tokens)
+                _warmup({"plain": plain}, turn_items[0], args)
+                before = snapshot({"plain": plain_llm.engine})
+                timed("plain", plain, bar)
+                budget["systems"].update(step_budget({"plain": plain_llm.engine},
+                                                     before)["systems"])
+        for name, which in (("baseline", args.baseline),
+                            ("extra", getattr(args, "extra_baseline", None))):
+            if which is None or which in ("plain", "none"):
+                continue
+            system = _baseline(which, args, None, eos, dtype)
+            _warmup({name: system}, turn_items[0], args)
+            timed(name, system, bar)
+    report = build_report(args, tallies, questions, draft)
+    report["runtime"] = runtime
+    report["numbers"] = compared_numbers(runtime, args.baseline)
+    report["step_budget"] = budget
+    report["prefix_cache"] = prefix
+    report["tensor_parallel"] = tensor_parallel_summary(report)
+    report["tensor_parallel"]["systems_run"] = "one after the other (one TP group a process)"
+    return report
+
+
+def tensor_parallel_summary(report: dict) -> dict | None:
+    """Tensor parallelism in a bench report (None at N = 1): the size and the reductions'
+    mode, each engine system's collectives per step on rank 0 (from the step budget), and,
+    where plain decoding ran beside speculation at the same N and mode, the mismatch against
+    it: exact mode promises none; the library mode's ring may part a verified row from the
+    row decoded alone at N >= 3 (docs/distributed.md)."""
+    runtime = report["runtime"].get("tensor_parallel")
+    if runtime is None:
+        return None
+    systems = report["step_budget"]["systems"]
+    out = {**runtime, "per_step": {name: s.get("tensor_parallel")
+                                   for name, s in systems.items()}}
+    mismatch = report.get("mismatch_vs_plain")
+    if mismatch is not None:
+        out["mismatch_vs_plain"] = mismatch
+        out["note"] = (
+            "speculative tokens compared with plain decoding's at the same N and reduction: "
+            + ("exact reduction, none may differ" if runtime["reduce"] == "exact" else
+               "library all-reduce: a row's bits may change with the step's rows at N >= 3, "
+               "so speculation may part from plain decoding at near-ties (the mismatch rate)"))
+    return out
 
 
 def runtime_info(engine) -> dict:
@@ -279,7 +383,11 @@ def runtime_info(engine) -> dict:
             "cuda_graphs": engine.parts.runner.graphs is not None,
             "linear_kernels": {k: kernels[k] for k in ("key", "choices", "from_cache")},
             "kv_cache": engine.parts.kv_split.describe(),
-            "prefix_caching": engine.config.enable_prefix_caching}
+            "prefix_caching": engine.config.enable_prefix_caching,
+            "tensor_parallel": (None if engine.parts.tp is None else
+                                {"size": engine.parts.tp.size,
+                                 "reduce": engine.parts.tp.reduce_mode,
+                                 "threads_per_rank": torch.get_num_threads()})}
 
 
 def compared_numbers(runtime: dict, baseline: str) -> dict:
@@ -338,6 +446,22 @@ def match_rates(a: dict, b: dict) -> tuple[float, float]:
         exact.append(x == y)
         prefix.append(n / max(len(x), len(y)) if (x or y) else 1.0)
     return float(np.mean(exact)), float(np.mean(prefix))
+
+
+def mismatch(a: dict, b: dict) -> dict:
+    """How far outputs ``a`` part from ``b`` (keyed alike): "requests": the fraction of requests
+    whose tokens differ; "tokens": the fraction of ``a``'s tokens from each request's first
+    difference on (greedy text after a difference is another continuation: every later token
+    counts as differing), 0.0 when every request is the same."""
+    differ, tokens, after = 0, 0, 0
+    for key, out in a.items():
+        x, y = out.token_ids, b[key].token_ids
+        n = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        differ += x != y
+        tokens += len(x)
+        after += len(x) - n if x != y else 0
+    return {"requests": differ / len(a) if a else 0.0,
+            "tokens": after / tokens if tokens else 0.0}
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float | None:
@@ -419,6 +543,7 @@ def _comparisons(tallies: dict, ref: str | None) -> dict:
         out["speedup_vs_plain"] = _median_ratio(eng.tps(), tallies["plain"].tps())
         rates = match_rates(eng.outputs[0], tallies["plain"].outputs[0])
         out["greedy_match_rate_vs_plain"], out["token_match_rate_vs_plain"] = rates
+        out["mismatch_vs_plain"] = mismatch(eng.outputs[0], tallies["plain"].outputs[0])
     return out
 
 

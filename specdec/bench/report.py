@@ -33,12 +33,36 @@ def _summary_rows(r: dict) -> list[tuple[str, str]]:
                  (f"{extra['name']} speedup vs baseline", fmt(extra["speedup_vs_baseline"], ".3f")),
                  (f"engine speedup vs {extra['name']}", fmt(extra["engine_speedup_vs_it"], ".3f")),
                  (f"{extra['name']} greedy match vs baseline", fmt(extra["greedy_match_rate"], ".1%"))]
+    rows += tensor_parallel_rows(r.get("tensor_parallel"))
     for key in ("ttft_ms", "tpot_ms", "itl_ms"):
         p = r[key]
         rows.append((f"{key[:-3].upper()} ms p50/p90/p99",
                      "/".join(fmt(p[q], ".1f") for q in ("p50", "p90", "p99"))))
     rows.append(("prompts / requests / new tokens",
                  f"{r['num_prompts']} / {r['num_requests']} / {r['total_new_tokens']}"))
+    return rows
+
+
+def tensor_parallel_rows(tp: dict | None) -> list[tuple[str, str]]:
+    """A report's tensor parallelism: N and the reduction, each system's collectives per step
+    on rank 0, and the mismatch against plain decoding (None at N = 1: no rows)."""
+    if not tp:
+        return []
+    rows = [("tensor parallel size / reduce / threads a rank",
+             f"{tp['size']} / {tp['reduce']} / {tp['threads_per_rank']}")]
+    for name, per in tp["per_step"].items():
+        if per is None:
+            continue
+        rows.append((f"{name}: reductions / messages per step",
+                     f"{per['reductions_per_step']:.1f} ({per['reduce_ms_per_step']:.3f} ms, "
+                     f"{per['reduce_bytes_per_step'] / 1e3:.1f} kB) / "
+                     f"{per['messages_per_step']:.2f} ({per['message_ms_per_step']:.3f} ms)"))
+        rows.append((f"{name}: collectives' share of step time",
+                     fmt(per["collective_share"], ".1%")))
+    if tp.get("mismatch_vs_plain") is not None:
+        m = tp["mismatch_vs_plain"]
+        rows.append((f"mismatch vs plain ({tp['reduce']} reduce): requests / tokens",
+                     f"{m['requests']:.1%} / {m['tokens']:.1%}"))
     return rows
 
 

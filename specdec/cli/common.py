@@ -13,6 +13,7 @@ from specdec.config import (
     ACTIVATION_CHOICES,
     DRAFT_WEIGHT_CHOICES,
     QUANTIZE_CHOICES,
+    TP_REDUCE_CHOICES,
     WEIGHT_CHOICES,
 )
 from specdec.models.aliases import DEFAULT_MODEL
@@ -78,6 +79,11 @@ def add_model_args(p: argparse.ArgumentParser, cache_flags: bool = True) -> None
     p.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
                    metavar="N", help="split the target over N ranks (torch.distributed; "
                    "started here, or by torchrun: docs/distributed.md); default 1")
+    p.add_argument("--tensor-parallel-reduce", default="exact", choices=TP_REDUCE_CHOICES,
+                   help="how the ranks sum the o / down partial sums at N > 1: exact (an "
+                        "all-gather and a sum in rank order: speculation equals plain "
+                        "decoding; default) or library (the backend's all-reduce: faster, "
+                        "may part from plain decoding at N >= 3)")
     p.add_argument("--weights", default="auto", choices=WEIGHT_CHOICES,
                    help="a GGUF model's weights: native (its own blocks, Q4_0/Q4_1/Q5_0/Q5_1/"
                         "Q8_0/Q4_K/Q5_K/Q6_K: the same tokens as dequantized, a fraction of the "
@@ -168,7 +174,8 @@ def add_dataset_args(p, help_text: str, num_prompts: int, max_new_tokens: int) -
 
 # The engine options the engine flags set: each flag's argparse dest is the option's name
 # (EngineConfig's, through LLM), e.g. --no-prefix-caching -> enable_prefix_caching.
-ENGINE_OPTIONS = ("model", "dtype", "device", "tensor_parallel_size", "weights", "activations", "quantize",
+ENGINE_OPTIONS = ("model", "dtype", "device", "tensor_parallel_size", "tensor_parallel_reduce",
+                  "weights", "activations", "quantize",
                   "attention_backend", "cuda_graphs", "enable_prefix_caching", "kv_tier_path",
                   "kv_tier_bytes", "kv_host_tier_bytes", "drafter", "drafter_args",
                   "controller", "controller_args", "verifier", "draft_weights", "linear_kernels")

@@ -14,8 +14,18 @@ target does to its own shard:
     ("close",)                       leave the loop
 
 Inside a forward every rank meets the others at each layer's two row-parallel reductions (o and
-down: ``TPGroup.all_reduce``, exact by default), so every rank's hidden states are the same bits;
-rank 0 takes the logits of the rows it asked for. Drafters and their runners run on rank 0 only
+down: ``TPGroup.all_reduce``), so every rank's hidden states are the same bits; rank 0 takes the
+logits of the rows it asked for. The reductions run in ``EngineConfig.tensor_parallel_reduce``'s
+mode on every rank: "exact" (the default: an all-gather and a sum in rank order, a row's bits
+independent of the other rows: speculation is plain decoding token for token) or "library"
+(the backend's ring all-reduce: less data moved, but at N >= 3 a row's bits change with the
+message size, so a verified row may part from the row decoded alone at a near-tie; the bench
+reports how often, against plain decoding at the same N).
+
+Counting (``TensorParallel.counts``, per step in ``StepStats.tp_*``, per step kind in the
+bench's step budget): the reductions rank 0 took part in (calls, seconds on rank 0, bytes of
+its partial sums) and the control messages it sent (``send``: the store's key and the
+broadcast, its seconds). Drafters and their runners run on rank 0 only
 (the learned heads read rank 0's hidden states, which are the full ones).
 
 On one machine rank 0 starts the others (``TensorParallel.start``: torch.multiprocessing, spawn;
@@ -35,10 +45,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 
 import torch
 
-from specdec.distributed.group import CollectiveError, TPGroup
+from specdec.distributed.group import Collective, CollectiveError, TPGroup
 from specdec.distributed.launch import FAILURE_WAIT_S, Workers, launch
 from specdec.distributed.sharding import TPPlan, block_size, plan_tensor_parallel
 
@@ -60,9 +71,22 @@ class TensorParallel:
         self.group = group
         self.plan = plan
         self.workers = workers
-        self.exact = exact
+        self.exact = exact  # the reductions' mode: exact (True) or the library's (False)
         self.closed = False
         self.messages = 0  # sent so far (a forward, a KV move: each one broadcast)
+        self.message_seconds = 0.0  # spent in send (the store's key and the broadcast)
+
+    @property
+    def reduce_mode(self) -> str:
+        return "exact" if self.exact else "library"
+
+    def counts(self) -> dict[str, Collective]:
+        """Rank 0's totals so far: "reductions" (the layers' all-reduces: calls, seconds,
+        bytes of rank 0's partial sums) and "messages" (control messages sent: count,
+        seconds); subtract an earlier copy for an interval."""
+        c = self.group.counters["all_reduce"]
+        return {"reductions": Collective(c.calls, c.seconds, c.bytes),
+                "messages": Collective(self.messages, self.message_seconds, 0)}
 
     @property
     def size(self) -> int:
@@ -82,7 +106,8 @@ class TensorParallel:
             if int(os.environ["RANK"]) != 0:
                 raise RuntimeError("only rank 0 builds the engine; the other ranks serve "
                                    "(worker_from_env)")
-            return cls(TPGroup.from_env(backend=backend(config)), plan, None)
+            return cls(TPGroup.from_env(backend=backend(config)), plan, None,
+                       exact=is_exact(config))
         threads = max(1, torch.get_num_threads() // n)
         workers = launch(worker, n, args=args, threads_per_rank=threads)
         try:
@@ -91,10 +116,11 @@ class TensorParallel:
             workers.close()
             raise
         torch.set_num_threads(threads)  # rank 0 its share too
-        return cls(group, plan, workers)
+        return cls(group, plan, workers, exact=is_exact(config))
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
-        """The row-parallel layers' reduction (o, down): the group's, exact by default."""
+        """The row-parallel layers' reduction (o, down): the group's, in the engine's mode
+        (``tensor_parallel_reduce``: exact by default)."""
         try:
             return self.group.all_reduce(t, exact=self.exact)
         except CollectiveError as e:
@@ -113,6 +139,7 @@ class TensorParallel:
         """``message`` to every worker: its number set in the group's store (a worker idle for
         longer than the group's timeout waits there, not in a collective that would time out),
         then the message itself broadcast."""
+        start = time.perf_counter()
         store = _store()
         store.set(_key(self.messages), b"1")
         if self.messages >= STORE_LAG:  # every worker has read it (see STORE_LAG)
@@ -122,6 +149,8 @@ class TensorParallel:
             self.group.broadcast_object(message)
         except CollectiveError as e:
             self._raise_cause(e)
+        finally:
+            self.message_seconds += time.perf_counter() - start
 
     def allocate(self, num_pages: int) -> None:
         """Every worker allocates the same KV pages as rank 0; an error on any names it."""
@@ -210,6 +239,22 @@ def next_message(group: TPGroup, n: int):
             if "timeout" not in str(e).lower() and "wait timeout" not in str(e).lower():
                 raise
     return group.broadcast_object(None)
+
+
+def is_exact(config) -> bool:
+    """Whether the engine's reductions are the exact ones (``tensor_parallel_reduce``)."""
+    return getattr(config, "tensor_parallel_reduce", "exact") == "exact"
+
+
+def reducer(group: TPGroup, config):
+    """A worker's reduction for ``shard_decoder``: the group's all-reduce in the engine's mode
+    (every rank must reduce the same way: rank 0's ``TensorParallel.reduce``)."""
+    exact = is_exact(config)
+
+    def reduce(t: torch.Tensor) -> torch.Tensor:
+        return group.all_reduce(t, exact=exact)
+
+    return reduce
 
 
 def backend(config) -> str:

@@ -18,6 +18,14 @@ at N >= 3 (tests/distributed/test_group.py shows it), so a row verified among K 
 not be the row decoded alone. The exact mode moves N x the message to every rank (the ring
 2 (N - 1) / N x): the price of exactness.
 
+Counters (``TPGroup.counters``): every collective this rank called, by name (``all_reduce``,
+``all_gather``, ``broadcast_object``, ``all_gather_object``, ``barrier``): calls, the wall
+seconds this rank spent in them (waiting for the others included) and the bytes of its tensor
+(all_reduce / all_gather: this rank's input; the pickled objects are not measured: 0). Two
+``perf_counter`` reads a call; an exact all_reduce's own all-gather is counted as the
+all_reduce, not again as an all_gather. ``counts()`` copies them (subtract two copies for an
+interval: ``Collective.minus``).
+
 Every collective runs under the group's timeout (``timeout_s``, default
 ``DEFAULT_TIMEOUT_S`` = 60 s, passed to ``init_process_group``): a peer that died or stopped
 taking part makes it raise ``CollectiveError`` (naming the operation, this rank and the
@@ -36,6 +44,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -53,6 +62,27 @@ TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 class CollectiveError(RuntimeError):
     """A collective (or the rendezvous) failed or ran past the group's timeout: a peer rank
     died, raised, or stopped taking part. The group is unusable afterwards."""
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "broadcast_object", "all_gather_object", "barrier")
+
+
+@dataclass
+class Collective:
+    """One collective's running totals on this rank: calls, wall seconds, tensor bytes."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+    def add(self, seconds: float, nbytes: int = 0) -> None:
+        self.calls += 1
+        self.seconds += seconds
+        self.bytes += nbytes
+
+    def minus(self, other: Collective) -> Collective:
+        return Collective(self.calls - other.calls, self.seconds - other.seconds,
+                          self.bytes - other.bytes)
 
 
 class TPGroup:
@@ -74,6 +104,13 @@ class TPGroup:
         self._pg = pg  # tensors
         self._control = control_pg  # pickled objects and barriers (gloo)
         self._closed = False
+        # what this rank spent in each collective so far (see the module's "Counters")
+        self.counters: dict[str, Collective] = {name: Collective() for name in COLLECTIVES}
+
+    def counts(self) -> dict[str, Collective]:
+        """A copy of the counters now (subtract an earlier copy for an interval)."""
+        return {name: Collective(c.calls, c.seconds, c.bytes)
+                for name, c in self.counters.items()}
 
     # ---------------------------------------------------------------- construction
 
@@ -172,14 +209,22 @@ class TPGroup:
         if self.world_size == 1:
             self._check_open("all_reduce")
             return t
-        if not exact:
-            return self._library_all_reduce(t)
+        start = time.perf_counter()
+        try:
+            if not exact:
+                return self._library_all_reduce(t)
+            return self._exact_all_reduce(t)
+        finally:
+            self.counters["all_reduce"].add(time.perf_counter() - start,
+                                            t.numel() * t.element_size())
+
+    def _exact_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         half = t.dtype in HALF_TYPES
         if half:  # the raw bits, as bytes: gloo gathers neither half types nor int16 in places
-            raw = self.all_gather(t.contiguous().reshape(-1).view(torch.uint8))
+            raw = self._gather(t.contiguous().reshape(-1).view(torch.uint8))
             parts = raw.view(t.dtype).reshape(self.world_size, *t.shape).float()
         else:
-            parts = self.all_gather(t)
+            parts = self._gather(t)
         out = parts[0].clone()
         for i in range(1, self.world_size):
             out += parts[i]
@@ -189,10 +234,18 @@ class TPGroup:
         """Every rank's ``t`` stacked in rank order: [world_size, *t.shape] (the bits as they
         are: a data movement only). Under gloo a dtype it has no collectives for (int16,
         bool, ...) travels as its bytes."""
+        start = time.perf_counter()
+        try:
+            return self._gather(t)
+        finally:
+            self.counters["all_gather"].add(time.perf_counter() - start,
+                                            t.numel() * t.element_size())
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()
         if self.backend == "gloo" and t.dtype not in GLOO_TYPES:
-            raw = self.all_gather(t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool
-                                  else t.to(torch.uint8))
+            raw = self._gather(t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool
+                               else t.to(torch.uint8))
             return (raw.view(t.dtype) if t.dtype != torch.bool else raw.bool()).reshape(
                 self.world_size, *t.shape)
         out = torch.empty((self.world_size, *t.shape), dtype=t.dtype, device=t.device)
@@ -204,13 +257,14 @@ class TPGroup:
         ignored. For control messages (a step's plan), not for large tensors."""
         box = [obj if self.rank == src else None]
         self._run("broadcast_object", dist.broadcast_object_list, box, src=src,
-                  group=self._control)
+                  group=self._control, counted=True)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Every rank's ``obj`` (pickled, over gloo), in rank order, on every rank."""
         out: list[Any] = [None] * self.world_size
-        self._run("all_gather_object", dist.all_gather_object, out, obj, group=self._control)
+        self._run("all_gather_object", dist.all_gather_object, out, obj, group=self._control,
+                  counted=True)
         return out
 
     def barrier(self) -> None:
@@ -220,7 +274,8 @@ class TPGroup:
             self._check_open("barrier")
             return
         self._run("barrier", dist.monitored_barrier, group=self._control,
-                  timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+                  timeout=datetime.timedelta(seconds=self.timeout_s), wait_all_ranks=True,
+                  counted=True)
 
     # ---------------------------------------------------------------- lifetime
 
@@ -256,9 +311,12 @@ class TPGroup:
         if self._closed:
             raise RuntimeError(f"{op} on a closed TPGroup (rank {self.rank})")
 
-    def _run(self, op: str, fn, *args, **kwargs):
+    def _run(self, op: str, fn, *args, counted: bool = False, **kwargs):
+        """``fn(*args, **kwargs)``, a CollectiveError on failure; ``counted``: its call and
+        seconds added to ``counters[op]`` (the tensor collectives count themselves)."""
         self._check_open(op)
         start = time.monotonic()
+        t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         except (RuntimeError, dist.DistError) as e:
@@ -267,6 +325,9 @@ class TPGroup:
                 f"{time.monotonic() - start:.1f} s (timeout {self.timeout_s:g} s): "
                 f"{_first_line(e)} (a peer rank that died, raised or stopped taking part "
                 f"shows this way); the group is unusable now, close it") from e
+        finally:
+            if counted:
+                self.counters[op].add(time.perf_counter() - t0)
 
     def _library_all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         try:

@@ -105,7 +105,7 @@ class LLMEngine:
                                   tuple(p.model_config.eos_token_ids))
         self.commits = CommitStage(self.kv, config.page_size, config.enable_prefix_caching,
                                    self.drafting.release, self.scheduler.finish)
-        self.recorder = StepRecorder(self.kv, p.tier)
+        self.recorder = StepRecorder(self.kv, p.tier, p.tp)
         self.totals = self.recorder.totals
         # requests
         self.requests: dict[str, Sequence] = {}
@@ -252,6 +252,7 @@ class LLMEngine:
         after the forward (``_fail``), left out of every stage after the one that failed them."""
         self.check_open()
         times, moved = StepTimes(time.perf_counter()), self.transfers()
+        self.recorder.begin()  # (tensor parallel: the collectives' counts)
         sched = self.scheduler.schedule(self.controlling.budgets)
         stop, failures = self.controlling.idle(sched.scheduled)
         failures.add(sched.failures).add(self.drafting.stop(stop))

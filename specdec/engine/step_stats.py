@@ -32,12 +32,20 @@ class StepTimes:
 
 
 class StepRecorder:
-    def __init__(self, kv: TableAllocator, tier) -> None:
+    def __init__(self, kv: TableAllocator, tier, tp=None) -> None:
         self.kv = kv
         self.tier = tier
+        self.tp = tp  # rank 0's TensorParallel (tensor_parallel_size > 1), else None
         self.totals = EngineTotals()
         self._evicted = 0  # the pool's evictions counted into step stats so far
         self._tier_seen = (0, 0, 0.0)  # the tier's (hits, stores, seconds) counted so far
+        self._tp_start = None  # the collectives' counts when the step began
+
+    def begin(self) -> None:
+        """A step begins: what tensor parallelism's collectives counted so far (a forward
+        outside the steps, e.g. the step profile, is no step's)."""
+        if self.tp is not None:
+            self._tp_start = self.tp.counts()
 
     def record(self, records: list[StepRequest], sched: SchedulerOutput, failed: list[Sequence],
                times: StepTimes, graphed: bool | None = None,
@@ -52,6 +60,7 @@ class StepRecorder:
         stats.h2d_copies, stats.d2h_reads = transfers
         stats.forward_device_seconds = forward_device_seconds
         self._prefix(stats, sched)
+        self._tensor_parallel(stats)
         self.totals.add(stats)
         return stats
 
@@ -86,3 +95,18 @@ class StepRecorder:
             self._tier_seen = now
         self.kv.observe_prefill(forward_seconds(stats), stats.num_prefill_tokens,
                                 stats.num_prefill_tokens + stats.num_decode)
+
+    def _tensor_parallel(self, stats: StepStats) -> None:
+        """The step's collectives on rank 0 (``StepStats.tp_*``), since ``begin``."""
+        if self.tp is None:
+            return
+        now = self.tp.counts()
+        start = self._tp_start or now
+        reductions = now["reductions"].minus(start["reductions"])
+        messages = now["messages"].minus(start["messages"])
+        stats.tp_reductions = reductions.calls
+        stats.tp_reduce_seconds = reductions.seconds
+        stats.tp_reduce_bytes = reductions.bytes
+        stats.tp_messages = messages.calls
+        stats.tp_message_seconds = messages.seconds
+        self._tp_start = None

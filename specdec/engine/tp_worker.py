@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from specdec.distributed.engine_tp import backend, check_plan, next_message
+from specdec.distributed.engine_tp import backend, check_plan, next_message, reducer
 from specdec.distributed.group import TPGroup
 from specdec.distributed.shard_model import shard_decoder
 from specdec.engine.runner import ModelRunner
@@ -43,7 +43,7 @@ def build_shard(config, group: TPGroup, max_model_len: int) -> ModelRunner:
     model, _, _ = load_model(folder, config.torch_dtype, torch.device(config.device),
                              max_model_len, blocks=config.weights != "dequantized",
                              quantize=config.quantize)
-    shard_decoder(model, plan, group.rank, group.all_reduce)
+    shard_decoder(model, plan, group.rank, reducer(group, config))  # rank 0's mode
     runner = ModelRunner(model, "target", config.attention_backend, config.page_size,
                          torch.device(config.device),
                          invariant=config.linear_kernels == "invariant")

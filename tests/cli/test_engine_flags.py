@@ -29,6 +29,8 @@ TABLE = {
     "--dtype": (["--dtype", "float64"], "dtype", "float64"),
     "--device": (["--device", "cuda:0"], "device", "cuda:0"),
     "--tensor-parallel-size": (["--tensor-parallel-size", "3"], "tensor_parallel_size", 3),
+    "--tensor-parallel-reduce": (["--tensor-parallel-reduce", "library"],
+                                 "tensor_parallel_reduce", "library"),
     "--weights": (["--weights", "dequantized"], "weights", "dequantized"),
     "--activations": (["--activations", "q8"], "activations", "q8"),
     "--quantize": (["--quantize", "q8_0"], "quantize", "q8_0"),
