@@ -102,11 +102,11 @@ class DraftTree:
                 "each node needs exactly one parent")
         if max_nodes is not None and n > max_nodes:
             raise ValueError(f"DraftTree has {n} nodes, more than the budget max_nodes={max_nodes}")
-        shape = read_tokens or self.shape_on_host
+        shape = read_tokens or made or self.shape_on_host  # (made: tokens, shape on the host)
         if not made and shape:
             _check_parents(self.parents.tolist() if "_parent_list" not in self.__dict__
                            else self._parent_list)
-        if read_tokens or self.tokens_on_host:
+        if read_tokens or made or self.tokens_on_host:
             _check_tokens(self.token_list, vocab_size)
         _check_draft_probs(self.draft_probs, n, vocab_size)
         if max_depth is not None and shape and self.max_depth + 1 > max_depth:

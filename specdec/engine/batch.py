@@ -35,32 +35,35 @@ def build_forward_batch(records: list[StepRequest], page_size: int, device,
         end = c + rec.num_new_tokens
         ids.extend(seq.token_ids[c:end])
         pos.extend(range(c, end))
-        if rec.num_nodes:
+        nodes, mask = rec.num_nodes, None  # (read once: properties of the record's tree)
+        if nodes:
             tree = rec.tree
             if tree.tokens_on_host:
                 ids.extend(tree.token_list)
                 clamp = clamp or tree.checked_late
             else:  # drafts still on the device: written there over placeholders (no read)
                 device_ids.append((len(ids), tree.tokens))
-                ids.extend([0] * rec.num_nodes)
+                ids.extend([0] * nodes)
             if tree.shape_on_host:
                 pos.extend(tree.position_list(end))
             else:  # a shape on the device: its depths computed there
                 device_positions.append((len(pos), tree.depths + end))
-                pos.extend([0] * rec.num_nodes)
+                pos.extend([0] * nodes)
+            mask = _mask(tree, c, end)
+        rows = rec.num_new_tokens + nodes  # (rec.num_rows)
         rec.row_start = offset
         if rec.at_frontier:
             rec.logits_start = len(logit_rows)
-            logit_rows.extend(range(offset + rec.num_new_tokens - 1, offset + rec.num_rows))
+            logit_rows.extend(range(offset + rec.num_new_tokens - 1, offset + rows))
         tables.append(seq.block_table.pages)
-        kv_lens.append(end + rec.num_nodes)
-        qo_lens.append(rec.num_rows)
-        masks.append(_mask(rec.tree, c, end) if rec.num_nodes else None)
+        kv_lens.append(end + nodes)
+        qo_lens.append(rows)
+        masks.append(mask)
         if seq.needs_prompt_rows:
             last = min(end, seq.num_prompt_tokens - 1)  # rows c .. last - 1
             if last > c:
                 prompt_rows.append((rec, offset, c, last - c))
-        offset += rec.num_rows
+        offset += rows
     for rec, row, first, n in prompt_rows:
         rec.prompt_rows = (len(logit_rows), first, n)
         logit_rows.extend(range(row, row + n))

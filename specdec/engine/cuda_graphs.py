@@ -34,6 +34,7 @@ from specdec.attention.metadata import AttentionMetadata, build_metadata, concat
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ROWS_PER_REQUEST = (2, 4, 8, 16, 32, 64)
+_PADDINGS = 4096  # CudaGraphRunner.padding's answers kept (by requests, rows, decode)
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,7 @@ class CudaGraphRunner:
         # scratch pages for the dummies: enough for the most rows a dummy can get
         self.scratch = runner.kv.pool.allocate(scratch_pages(max_rows, page))
         self.dummies: dict = {}  # the dummies' metadata by their rows (pad_metadata)
+        self._padding: dict = {}  # padding()'s answers by (requests, rows, decode)
         self._graphs: dict[tuple, _Graph] = {}
         self._capture_fn = capture or CudaCapture()
         self.capture_seconds = 0.0
@@ -207,12 +209,20 @@ class CudaGraphRunner:
         return choose_shape(len(qo), batch.num_rows, decode, self.shapes)
 
     def padding(self, qo_lens: list[int], masks: list, num_rows: int
-                ) -> tuple[Shape, list[int]] | None:
+                ) -> tuple[Shape, tuple[int, ...]] | None:
         """The shape a batch of these requests' rows (``qo_lens``, ``num_rows`` in all) and
         masks replays, and its dummies' rows (``dummy_rows``); None: it runs eagerly."""
         decode = all(n == 1 for n in qo_lens) and all(m is None for m in masks)
-        shape = choose_shape(len(qo_lens), num_rows, decode, self.shapes)
-        return None if shape is None else (shape, dummy_rows(shape, len(qo_lens), num_rows))
+        # the shapes are fixed: a step's (requests, rows, decode) is looked up, not the shapes
+        # scanned every step (~1 us of a speculative step at batch 1); at most _PADDINGS kept
+        key = (len(qo_lens), num_rows, decode)
+        if key not in self._padding:
+            if len(self._padding) >= _PADDINGS:
+                self._padding.clear()
+            shape = choose_shape(len(qo_lens), num_rows, decode, self.shapes)
+            self._padding[key] = None if shape is None else (
+                shape, tuple(dummy_rows(shape, len(qo_lens), num_rows)))
+        return self._padding[key]
 
     def replay(self, shape: Shape, padded, ids: torch.Tensor, pos: torch.Tensor,
                planned: list[torch.Tensor], capture_layers: tuple[int, ...], num_rows: int):

@@ -109,7 +109,8 @@ def test_a_batch_padded_on_its_lists_is_the_runner_padded_batch():
                 record(kv, list(range(300, 308)), 7, 1, DraftTree.chain([5, 6])),
                 record(kv, list(range(400, 406)), 5, 1), record(kv, list(range(500, 504)), 3, 1)]
 
-    graphs = SimpleNamespace(shapes=graph_shapes(4, 32), scratch=[30, 31], dummies={})
+    graphs = SimpleNamespace(shapes=graph_shapes(4, 32), scratch=[30, 31], dummies={},
+                             _padding={})
     graphs.padding = CudaGraphRunner.padding.__get__(graphs)
     padded = build_forward_batch(records(TableAllocator(PagePool(32), PAGE)), PAGE, "cpu",
                                  graphs)

@@ -227,6 +227,7 @@ def _report(asked: list[StepRequest], stats: StepStats,
 
 
 def _view(seq: Sequence) -> RequestView:
-    return RequestView(seq.request_id, seq.num_tokens, seq.num_output_tokens,
+    n = len(seq.token_ids)  # (num_tokens, and num_output_tokens below: no property calls)
+    return RequestView(seq.request_id, n, n - len(seq.prompt_token_ids),
                        seq.num_steps_decoding, seq.draft_tokens_proposed,
                        tuple(seq.accepted_by_depth), seq.last_proposed, seq.last_accepted)
