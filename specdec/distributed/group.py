@@ -42,6 +42,7 @@ Example (two processes; ``specdec.distributed.launch`` starts the others)::
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import time
 from dataclasses import dataclass
@@ -289,6 +290,11 @@ class TPGroup:
         if self._control is not self._pg:
             dist.destroy_process_group(self._control)
         dist.destroy_process_group()
+        # the last references: the process groups end now (their gloo threads joined), not
+        # at the interpreter's exit, where a gloo thread releasing a finished collective's
+        # tensor (it takes the GIL) is ended mid-unwind: std::terminate, SIGABRT
+        self._pg = self._control = None
+        gc.collect()  # (a cycle still holds them after destroy_process_group: ~0.15 s)
 
     @property
     def closed(self) -> bool:
