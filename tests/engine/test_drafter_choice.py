@@ -124,7 +124,8 @@ CHANGED = {"dtype": "float64", "device": "cuda", "page_size": 8, "num_pages": 64
            "verifier": "greedy", "linear_kernels": "plain", "weights": "dequantized",
            "activations": "float", "quantize": "q4_k", "draft_weights": "float",
            "drafter_args": {"min_ngram": 2}, "controller": "static",
-           "controller_args": {"budget": 4}, "enable_prefix_caching": False}
+           "controller_args": {"budget": 4}, "enable_prefix_caching": False,
+           "tensor_parallel_size": 2, "tensor_parallel_reduce": "library"}
 
 
 def test_a_cached_choice_is_keyed_by_every_option_that_changes_the_measurement(
