@@ -73,6 +73,7 @@ class TensorParallel:
         self.workers = workers
         self.exact = exact  # the reductions' mode: exact (True) or the library's (False)
         self.closed = False
+        self.threads_before: int | None = None  # rank 0's torch threads before start
         self.messages = 0  # sent so far (a forward, a KV move: each one broadcast)
         self.message_seconds = 0.0  # spent in send (the store's key and the broadcast)
 
@@ -115,8 +116,10 @@ class TensorParallel:
         except BaseException:
             workers.close()
             raise
+        tp = cls(group, plan, workers, exact=is_exact(config))
+        tp.threads_before = torch.get_num_threads()  # given back on close
         torch.set_num_threads(threads)  # rank 0 its share too
-        return cls(group, plan, workers, exact=is_exact(config))
+        return tp
 
     def reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The row-parallel layers' reduction (o, down): the group's, in the engine's mode
@@ -206,6 +209,8 @@ class TensorParallel:
                 self.group.close()
                 if self.workers is not None:
                     self.workers.close()
+                if self.threads_before is not None:  # the process's threads as they were
+                    torch.set_num_threads(self.threads_before)
 
 
 # a worker is never more than a few messages behind rank 0 (every forward meets all ranks in
