@@ -102,6 +102,7 @@ def _worker_main(fn: Callable, rank: int, world_size: int, address: str, args: t
                  errors, threads: int | None) -> None:
     """A worker's body: run fn; on an exception report (rank, cause, traceback) and exit 1."""
     _watch_parent()
+    _say_started(address, rank)
     if threads is not None:
         import torch
 
@@ -117,6 +118,20 @@ def _worker_main(fn: Callable, rank: int, world_size: int, address: str, args: t
         errors.close()
         errors.join_thread()  # the report is in the pipe before this process exits
         os._exit(1)
+
+
+def _started_key(rank: int) -> str:
+    return f"specdec_tp_started/{rank}"
+
+
+def _say_started(address: str, rank: int) -> None:
+    """Tell rank 0 (its store) that this worker runs: until every worker has, rank 0 watches
+    them instead of waiting in the group's rendezvous (a worker that dies while starting, e.g.
+    a script without ``if __name__ == "__main__":``, is then named at once)."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), is_master=False,
+                          timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+    store.set(_started_key(rank), "1")
 
 
 class Workers:
@@ -162,9 +177,26 @@ class Workers:
         ``close()`` if not before."""
         if self._group is not None and not self._group.closed:
             raise RuntimeError("rank 0's group is already open")
+        self._wait_started()
         self._group = TPGroup.init(0, self.world_size, store=self.store, backend=backend,
                                    timeout_s=self.timeout_s, device=device)
         return self._group
+
+    def _wait_started(self) -> None:
+        """Until every worker runs (``_say_started``), watch them: one that failed or died
+        while starting is a WorkerError now, not the rendezvous's timeout later."""
+        keys = [_started_key(r) for r in self.processes]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            failure = self.poll()
+            if failure is not None:
+                self.close()
+                raise failure
+            if time.monotonic() >= deadline:
+                self.close()
+                raise TimeoutError(f"tensor parallel: the {self.world_size - 1} worker(s) did "
+                                   f"not start within {self.timeout_s:g} s")
+            time.sleep(0.02)
 
     # ---------------------------------------------------------------- failures
 

@@ -110,3 +110,15 @@ def test_a_worker_that_raises_before_joining_is_named_after_the_rendezvous_timeo
         with launch(tp_workers.raise_before_joining, 2, timeout_s=3.0) as workers:
             workers.group()
     assert time.monotonic() - start < 3.0 + BOUND_S
+
+
+def test_a_worker_that_dies_while_starting_is_named_at_once():
+    """Before the rendezvous rank 0 watches the workers until each says it runs: one that died
+    while starting is a WorkerError at once, not after the group's timeout (here 20 s)."""
+    start = time.monotonic()
+    with pytest.raises(WorkerError, match=r"rank 1 of 2 failed: exited with code 1"):
+        with launch(tp_workers.idle, 2, args=(tp_workers.FailsToLoad(),),
+                    timeout_s=20.0) as workers:
+            workers.group()
+    assert time.monotonic() - start < 10
+    assert not multiprocessing.active_children()

@@ -146,3 +146,15 @@ def kill_self(rank: int, world_size: int, address: str) -> None:
 
 def raise_before_joining(rank: int, world_size: int, address: str) -> None:
     raise RuntimeError("no weights for this rank")
+
+
+def _fail_to_load():
+    raise RuntimeError("this argument cannot be loaded")
+
+
+class FailsToLoad:
+    """An argument whose unpickling raises: the spawned worker dies while starting, before its
+    function runs (as a script without ``if __name__ == "__main__":`` does)."""
+
+    def __reduce__(self):
+        return (_fail_to_load, ())
