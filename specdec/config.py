@@ -205,6 +205,13 @@ def _check_parallel(c: EngineConfig) -> None:
         if getattr(c, name) is not None:
             raise ValueError(f"tensor_parallel_size={n} does not take a second KV tier yet "
                              f"({name}): every rank would need its share of each page")
+    members = (c.drafter or "").split("+")
+    args = c.drafter_args if len(members) == 1 else c.drafter_args.get("draft_model", {})
+    if "draft_model" in members and isinstance(args, dict) and "early_exit_layers" in args:
+        raise ValueError(f"draft_model early_exit_layers={args['early_exit_layers']} runs "
+                         f"the target's own layers, which tensor_parallel_size={n} splits over the ranks (the drafter runs on "
+                         "rank 0 only); give drafter_args.model (a draft model) or "
+                         "tensor_parallel_size=1")
 
 
 def _check_plugin_args(c: EngineConfig) -> None:

@@ -73,6 +73,7 @@ def run(args) -> int:
     finally:
         loop.shutdown()
         server.stop()
+        llm.close()  # the engine's memory, its tier file, a tensor-parallel engine's workers
     return 0
 
 

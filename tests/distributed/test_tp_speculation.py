@@ -176,7 +176,7 @@ def test_speculation_is_plain_decoding_at_tp3(target):
     assert not multiprocessing.active_children()
 
 
-def test_draft_model_early_exit_is_refused_at_tp2(target):
+def test_draft_model_early_exit_is_refused_at_tp2_before_any_process(target):
     with pytest.raises(ValueError, match=r"early_exit_layers=1 .*tensor_parallel_size=2"):
         LLM(model=str(target[0]), tensor_parallel_size=2, drafter="draft_model",
             drafter_args={"early_exit_layers": 1})
