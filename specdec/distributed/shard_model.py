@@ -106,6 +106,9 @@ def shard_decoder(model, plan: TPPlan, rank: int, reduce: Reduce) -> None:
 
 
 def _check(model, plan: TPPlan, rank: int) -> None:
+    if model.cfg.is_moe:
+        raise ValueError(f"tensor parallelism splits no mixture-of-experts layers yet "
+                         f"({model.cfg.model_type}: {model.cfg.num_experts} experts)")
     if getattr(model, "tp_size", 1) != 1:
         raise ValueError(f"the model is sharded already (rank {model.tp_rank} of "
                          f"{model.tp_size}); load it again to shard it otherwise")

@@ -168,6 +168,9 @@ def tp_sizes_that_work(cfg: ModelConfig,
 def _problem(cfg: ModelConfig, n: int, blocks: Mapping[str, int] | None) -> str | None:
     """Why N does not work for this model (None when it does)."""
     heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
+    if n > 1 and cfg.is_moe:
+        return (f"splits no mixture-of-experts layers yet ({cfg.model_type}: "
+                f"{cfg.num_experts} experts)")
     if heads % n:
         return f"does not divide num_heads={heads} of this model"
     if inter % n:

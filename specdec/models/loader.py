@@ -11,7 +11,7 @@ from safetensors import SafetensorError, safe_open
 from specdec.models.aliases import ALIASES, GGUF_NAME, alias_folder, gguf_folder
 from specdec.models.checkpoints.quantize import check_choice
 from specdec.models.checkpoints.safetensors_file import open_checkpoint
-from specdec.models.checkpoints.weights import put_checkpoint_weights
+from specdec.models.checkpoints.weights import expert_matrix_names, put_checkpoint_weights
 from specdec.models.decoder.config import ModelConfig, model_config_from_hf
 from specdec.models.decoder.llama import LlamaDecoder
 from specdec.models.gguf.file import open_gguf
@@ -152,6 +152,16 @@ def load_weights(model: LlamaDecoder, tensors: Mapping[str, torch.Tensor]) -> No
             _put(model.lm_head, get("lm_head.weight"), "lm_head.weight")
         for i, layer in enumerate(model.layers):
             _load_layer(layer, f"model.layers.{i}.", get, cfg)
+            if layer.moe is not None:
+                _load_experts(layer, i, get, cfg)
+
+
+def _load_experts(layer, i: int, get, cfg: ModelConfig) -> None:
+    """A mixture-of-experts layer's router, experts (gate|up fused) and shared expert."""
+    for name, parts in expert_matrix_names(cfg, i).items():
+        value = torch.cat([_checked(get, n, shape) for n, shape in parts])
+        module, attr = layer.owner(name)
+        _put(getattr(module, attr), value, "|".join(n for n, _ in parts))
 
 
 def _load_layer(layer, prefix: str, get, cfg: ModelConfig) -> None:
@@ -164,10 +174,11 @@ def _load_layer(layer, prefix: str, get, cfg: ModelConfig) -> None:
         bias = [_checked(get, a + f"{p}_proj.bias", (n,)) for p, n in rows.items()]
         _put(layer.qkv_bias, torch.cat(bias), a + "{q,k,v}_proj.bias")
     _put(layer.o_weight, get(a + "o_proj.weight"), a + "o_proj.weight")
-    mlp_shape = (cfg.intermediate_size, cfg.hidden_size)
-    gate_up = [_checked(get, m + f"{p}_proj.weight", mlp_shape) for p in ("gate", "up")]
-    _put(layer.gate_up_weight, torch.cat(gate_up), m + "{gate,up}_proj.weight")
-    _put(layer.down_weight, get(m + "down_proj.weight"), m + "down_proj.weight")
+    if not cfg.is_moe:  # experts: _load_experts
+        mlp_shape = (cfg.intermediate_size, cfg.hidden_size)
+        gate_up = [_checked(get, m + f"{p}_proj.weight", mlp_shape) for p in ("gate", "up")]
+        _put(layer.gate_up_weight, torch.cat(gate_up), m + "{gate,up}_proj.weight")
+        _put(layer.down_weight, get(m + "down_proj.weight"), m + "down_proj.weight")
     for norm, param in (("input_layernorm", layer.input_norm),
                         ("post_attention_layernorm", layer.post_attn_norm)):
         _put(param, get(prefix + norm + ".weight"), prefix + norm + ".weight")

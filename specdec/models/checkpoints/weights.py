@@ -51,7 +51,8 @@ HALF = {"BF16": torch.bfloat16, "F16": torch.float16}  # stored dtypes kept as t
 
 def matrix_names(cfg) -> dict[str, list[tuple[str, tuple[int, int]]]]:
     """The decoder's matrices (``embed``, ``head`` unless tied, ``layers.{i}.{qkv,o,gate_up,
-    down}``) as their HF tensors' (name, shape), in the fused row order."""
+    down}``, or for a mixture of experts ``layers.{i}.{qkv,o}`` and ``expert_matrix_names``)
+    as their HF tensors' (name, shape), in the fused row order."""
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     out = {"embed": [("model.embed_tokens.weight", (cfg.vocab_size, h))]}
     if not cfg.tie_word_embeddings:
@@ -61,10 +62,55 @@ def matrix_names(cfg) -> dict[str, list[tuple[str, tuple[int, int]]]]:
         out[f"layers.{i}.qkv"] = [(a + "q_proj.weight", (q, h)), (a + "k_proj.weight", (kv, h)),
                                   (a + "v_proj.weight", (kv, h))]
         out[f"layers.{i}.o"] = [(a + "o_proj.weight", (h, q))]
+        if cfg.is_moe:
+            out.update({f"layers.{i}.{n}": parts
+                        for n, parts in expert_matrix_names(cfg, i).items()})
+            continue
         out[f"layers.{i}.gate_up"] = [(m + "gate_proj.weight", (inter, h)),
                                       (m + "up_proj.weight", (inter, h))]
         out[f"layers.{i}.down"] = [(m + "down_proj.weight", (h, inter))]
     return out
+
+
+# the HF names of an expert's gate / up / down projections, by family
+EXPERT_PROJECTIONS = {"mixtral": ("w1", "w3", "w2")}
+QWEN_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_matrix_names(cfg, i: int) -> dict[str, list[tuple[str, tuple[int, int]]]]:
+    """Layer ``i``'s mixture-of-experts matrices (``MoEMLP.named_matrices``: ``router``,
+    ``experts.{j}.{gate_up,down}``, ``shared.{gate_up,down}``, ``shared_gate``) as their HF
+    tensors' (name, shape), gate rows before up rows. transformers' names: qwen3_moe /
+    qwen2_moe ``mlp.gate`` (the router), ``mlp.experts.{j}.{gate,up,down}_proj``, qwen2_moe's
+    ``mlp.shared_expert.{gate,up,down}_proj`` and ``mlp.shared_expert_gate``; mixtral
+    ``block_sparse_moe.gate``, ``block_sparse_moe.experts.{j}.w1`` (gate) / ``w3`` (up) /
+    ``w2`` (down)."""
+    h, width = cfg.hidden_size, cfg.moe_intermediate_size
+    m = f"model.layers.{i}." + ("block_sparse_moe." if cfg.model_type == "mixtral" else "mlp.")
+    gate, up, down = EXPERT_PROJECTIONS.get(cfg.model_type, QWEN_PROJECTIONS)
+    out = {"router": [(m + "gate.weight", (cfg.num_experts, h))]}
+    for j in range(cfg.num_experts):
+        e = f"{m}experts.{j}."
+        out[f"experts.{j}.gate_up"] = [(e + gate + ".weight", (width, h)),
+                                       (e + up + ".weight", (width, h))]
+        out[f"experts.{j}.down"] = [(e + down + ".weight", (h, width))]
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        e = m + "shared_expert."
+        out["shared.gate_up"] = [(e + "gate_proj.weight", (shared, h)),
+                                 (e + "up_proj.weight", (shared, h))]
+        out["shared.down"] = [(e + "down_proj.weight", (h, shared))]
+        out["shared_gate"] = [(m + "shared_expert_gate.weight", (1, h))]
+    return out
+
+
+def kept_in_float(name: str, cfg) -> bool:
+    """Whether ``quantize`` leaves the matrix ``name`` in the file's dtype: an untied
+    embedding, and the routers (a router's logits pick the experts: llama-quantize keeps
+    ``ffn_gate_inp`` in float too) and qwen2_moe's shared-expert gate."""
+    if name == "embed":
+        return not cfg.tie_word_embeddings
+    return name.endswith((".router", ".shared_gate"))
 
 
 def _tensor(files: CheckpointFiles, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -118,7 +164,7 @@ def _quantized(files: CheckpointFiles, cfg, quantize: str) -> Quantized:
     cache when it holds them all, of the shapes they must have, else quantized now (matrix by
     matrix from the mapped checkpoint) and cached."""
     parts = {n: (shape, kind_for(quantize, shape[1])) for name, ps in matrix_names(cfg).items()
-             if name != "embed" or cfg.tie_word_embeddings for n, shape in ps}
+             if not kept_in_float(name, cfg) for n, shape in ps}
 
     def row_shape(shape, kind) -> tuple[int, int]:
         t = TYPES[kind]
@@ -150,13 +196,9 @@ def put_checkpoint_weights(model, files: CheckpointFiles, quantize: str | None =
     kept = {}
     blocks = None if quantize is None else _quantized(files, cfg, quantize)
     for name, parts in matrix_names(cfg).items():
-        quantized = blocks if name != "embed" or cfg.tie_word_embeddings else None
+        quantized = None if kept_in_float(name, cfg) else blocks
         kept[name] = w = _matrix(files, name, parts, quantized)
-        if name in ("embed", "head"):
-            _set(model, "embed" if name == "embed" else "lm_head", w)
-        else:
-            i, attr = name.split(".")[1:]
-            _set(model.layers[int(i)], f"{attr}_weight", w)
+        _set(*model.owner(name), w)
     _put_vectors(model, files)
     files.release_pages()  # what the checks and the quantizer read
     trim_heap()  # the quantizer's float32 chunks

@@ -6,14 +6,26 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+# mixture-of-experts families (specdec.models.decoder.moe): routed experts in every layer's MLP
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3", *MOE_MODEL_TYPES)
+# MoE families refused by name, with what they need that the decoder does not have
+UNSUPPORTED_MOE = {
+    "deepseek_v2": "multi-head latent attention (MLA) and grouped top-k routing",
+    "deepseek_v3": "multi-head latent attention (MLA) and grouped top-k routing",
+    "gpt_oss": "attention sinks and MXFP4 experts",
+    "olmoe": "OLMoE's q/k norms over the whole projection",
+    "qwen3_next": "its linear-attention (gated DeltaNet) layers",
+}
 # RoPE types whose frequencies do not depend on the running sequence length.
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (llama, qwen2, qwen3, mistral, phi3)."""
+    """Architecture of a Llama-family decoder (llama, qwen2, qwen3, mistral, phi3), dense or
+    with a mixture of experts in every layer's MLP (qwen3_moe, mixtral, qwen2_moe: the
+    ``num_experts``... fields; 0 / False for a dense model)."""
 
     model_type: str
     vocab_size: int
@@ -30,6 +42,12 @@ class ModelConfig:
     max_position_embeddings: int
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    # mixture of experts (specdec.models.decoder.moe); all 0 / False: a dense MLP
+    num_experts: int = 0  # routed experts per layer
+    num_experts_per_tok: int = 0  # k: the experts each row is routed to
+    moe_intermediate_size: int = 0  # one expert's SwiGLU width
+    norm_topk_prob: bool = False  # the k routing weights renormalised to sum to 1
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's shared expert (0: none)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -37,6 +55,14 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                             f"1..num_experts ({self.num_experts})")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether every layer's MLP is a mixture of experts."""
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -53,6 +79,10 @@ def model_config_from_hf(hf_config) -> ModelConfig:
     Raises ValueError naming the unsupported field (architecture, RoPE type, activation).
     """
     model_type = getattr(hf_config, "model_type", None)
+    if model_type in UNSUPPORTED_MOE:
+        raise ValueError(
+            f"unsupported mixture-of-experts architecture model_type={model_type!r} "
+            f"({UNSUPPORTED_MOE[model_type]}); supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"unsupported architecture model_type={model_type!r}; "
@@ -85,12 +115,55 @@ def model_config_from_hf(hf_config) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=hf_config.rms_norm_eps,
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(hf_config, "attention_bias", model_type == "qwen2")),
-        qk_norm=model_type == "qwen3",
+        attention_bias=_attention_bias(hf_config, model_type),
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=hf_config.max_position_embeddings,
         sliding_window=_sliding_window(hf_config),
         eos_token_ids=eos_ids,
+        **_moe_fields(hf_config, model_type),
     )
+
+
+def _attention_bias(hf_config, model_type: str) -> bool:
+    if model_type == "qwen2_moe":  # its config calls it qkv_bias (default True)
+        return bool(getattr(hf_config, "qkv_bias", True))
+    return bool(getattr(hf_config, "attention_bias", model_type == "qwen2"))
+
+
+def _moe_fields(hf_config, model_type: str) -> dict:
+    """The mixture-of-experts fields of ``ModelConfig`` ({} for a dense family).
+
+    qwen3_moe / qwen2_moe: ``num_experts`` experts of ``moe_intermediate_size``, top
+    ``num_experts_per_tok`` of the softmax, renormalised iff ``norm_topk_prob``; qwen2_moe
+    adds a shared expert (``shared_expert_intermediate_size``) scaled by sigmoid(its gate).
+    mixtral: ``num_local_experts`` experts of ``intermediate_size``, top
+    ``num_experts_per_tok`` of the softmax, always renormalised (transformers'
+    MixtralTopKRouter). Only the all-MoE layout is taken: ``decoder_sparse_step`` 1 and no
+    ``mlp_only_layers`` (a dense MLP in some layers is refused by name)."""
+    if model_type not in MOE_MODEL_TYPES:
+        return {}
+    if model_type == "mixtral":
+        num = hf_config.num_local_experts
+        width, norm, shared = hf_config.intermediate_size, True, 0
+    else:
+        num = hf_config.num_experts
+        width = hf_config.moe_intermediate_size
+        norm = bool(getattr(hf_config, "norm_topk_prob", False))
+        shared = (hf_config.shared_expert_intermediate_size if model_type == "qwen2_moe"
+                  else 0)
+        step = getattr(hf_config, "decoder_sparse_step", 1)
+        dense = list(getattr(hf_config, "mlp_only_layers", None) or [])
+        if step != 1 or dense:
+            raise ValueError(
+                f"unsupported {model_type} layout decoder_sparse_step={step}, "
+                f"mlp_only_layers={dense}: the decoder runs experts in every layer "
+                f"(decoder_sparse_step=1, mlp_only_layers=[])")
+    if num < 1:
+        raise ValueError(f"{model_type} with {num} experts: the decoder runs dense MLPs only "
+                         f"for the dense families")
+    return dict(num_experts=num, num_experts_per_tok=hf_config.num_experts_per_tok,
+                moe_intermediate_size=width, norm_topk_prob=norm,
+                shared_expert_intermediate_size=shared)
 
 
 def rope_parameters(hf_config) -> dict:

@@ -7,6 +7,11 @@ row-invariant kernels on a CPU it also installs ``LlamaDecoder.fused``, which ru
 as one compiled call (``specdec.models.matmul.fused``) wherever the attention backend offers per-row
 key lists; this module's layers are then the reference it is tested against.
 
+Mixture-of-experts families (qwen3_moe, mixtral, qwen2_moe: ``cfg.is_moe``): every layer's MLP
+is a ``MoEMLP`` (specdec.models.decoder.moe), its router, experts and shared expert through
+the same matmul hook, row-invariant as the dense MLP. Such a model never runs the compiled
+layer call (``compiled_refusal`` names it): its layers run as the torch ops below.
+
 Tensor parallelism (specdec.distributed.shard_model): a rank's decoder holds its share of each
 layer (its query / KV heads' rows of q|k|v, its MLP share of gate|up, the matching columns of o
 and down) and a per-rank ``cfg``; each layer's ``reduce`` (the group's exact all-reduce) sums
@@ -31,6 +36,7 @@ from specdec.kv.cache import KVCache
 from specdec.models.decoder import layer_ops
 from specdec.models.decoder.config import ModelConfig
 from specdec.models.decoder.layer_ops import rms_norm_reference as rms_norm
+from specdec.models.decoder.moe import MoEMLP
 from specdec.models.decoder.rope import RotaryEmbedding, apply_rotary
 
 
@@ -72,8 +78,11 @@ class DecoderLayer(nn.Module):
         self.qkv_weight = param(qkv_out, qkv_in or cfg.hidden_size)
         self.qkv_bias = param(qkv_out) if cfg.attention_bias else None
         self.o_weight = param(cfg.hidden_size, cfg.q_size)
-        self.gate_up_weight = param(2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down_weight = param(cfg.hidden_size, cfg.intermediate_size)
+        # a mixture of experts in place of the dense MLP (specdec.models.decoder.moe)
+        self.moe = MoEMLP(cfg, trainable) if cfg.is_moe else None
+        if self.moe is None:
+            self.gate_up_weight = param(2 * cfg.intermediate_size, cfg.hidden_size)
+            self.down_weight = param(cfg.hidden_size, cfg.intermediate_size)
         self.input_norm = param(cfg.hidden_size)
         self.post_attn_norm = param(cfg.hidden_size)
         if cfg.qk_norm:
@@ -81,8 +90,19 @@ class DecoderLayer(nn.Module):
             self.k_norm = param(cfg.head_dim)
 
     def named_matrices(self) -> dict[str, torch.Tensor]:
-        """The layer's weight matrices by name: ``qkv``, ``o``, ``gate_up``, ``down``."""
+        """The layer's weight matrices by name: ``qkv``, ``o``, ``gate_up``, ``down`` (a
+        mixture of experts: ``qkv``, ``o`` and ``MoEMLP.named_matrices``)."""
+        if self.moe is not None:
+            return {"qkv": self.qkv_weight, "o": self.o_weight, **self.moe.named_matrices()}
         return {n: getattr(self, f"{n}_weight") for n in ("qkv", "o", "gate_up", "down")}
+
+    def owner(self, name: str) -> tuple[nn.Module, str]:
+        """(module, attribute) holding the matrix ``name`` of ``named_matrices``."""
+        if name in ("qkv", "o") or (self.moe is None and name in ("gate_up", "down")):
+            return self, f"{name}_weight"
+        if self.moe is None:
+            raise KeyError(f"no matrix {name!r} in a dense layer")
+        return self.moe.owner(name)
 
     def reset_parameters(self, std: float = 0.02) -> None:
         """Random init for a new (trainable) layer: normal(0, std) weights, unit norms, 0 bias."""
@@ -122,6 +142,8 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor, mm: Matmul = F.linear) -> torch.Tensor:
         h = rms_norm(x, self.post_attn_norm, self.cfg.rms_norm_eps)
+        if self.moe is not None:  # tensor parallelism does not split experts (refused there)
+            return x + self.moe(h, mm)
         gate, up = mm(h, self.gate_up_weight, None).chunk(2, dim=-1)
         out = mm(F.silu(gate) * up, self.down_weight, None)
         if self.reduce is not None:  # tensor parallel: this rank's MLP share's partial sums
@@ -173,6 +195,10 @@ class LlamaDecoder(nn.Module):
         if self.tp_size > 1:
             return (f"a tensor-parallel shard (rank {self.tp_rank} of {self.tp_size}: its "
                     f"layers all-reduce the o and down outputs)")
+        if self.cfg.is_moe:
+            return (f"mixture-of-experts layers ({self.cfg.model_type}: {self.cfg.num_experts} "
+                    f"experts, top {self.cfg.num_experts_per_tok}; their matmuls run through "
+                    f"the installed kernels, layer by layer)")
         return None
 
     def forward(
@@ -227,8 +253,11 @@ class LlamaDecoder(nn.Module):
             if layer.reduce is not None:  # tensor parallel: the ranks' partial sums
                 h = layer.reduce(h)
             layer_ops.add_rms_norm_(h, residual, layer.post_attn_norm, eps)
-            h = mm(layer_ops.silu_and_mul(mm(h, layer.gate_up_weight, None)),
-                   layer.down_weight, None)
+            if layer.moe is not None:
+                h = layer.moe(h, mm)
+            else:
+                h = mm(layer_ops.silu_and_mul(mm(h, layer.gate_up_weight, None)),
+                       layer.down_weight, None)
             if layer.reduce is not None:
                 h = layer.reduce(h)
             if i in capture_layers:  # the layer's output (the stream is added to in place)
@@ -288,7 +317,13 @@ class LlamaDecoder(nn.Module):
 
     def weight_shapes(self) -> list[tuple[int, int]]:
         """(out, in) of every matrix the forward multiplies by (for kernel tuning)."""
-        layer = self.layers[0]
-        mats = (layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight,
-                self.head_weight)
+        mats = [*self.layers[0].named_matrices().values(), self.head_weight]
         return list(dict.fromkeys(tuple(w.shape) for w in mats))
+
+    def owner(self, name: str) -> tuple[nn.Module, str]:
+        """(module, attribute) holding the matrix ``name`` (``embed``, ``head``, or one of
+        ``named_matrices``' ``layers.{i}.*``)."""
+        if name in ("embed", "head"):
+            return self, "embed" if name == "embed" else "lm_head"
+        _, i, rest = name.split(".", 2)
+        return self.layers[int(i)].owner(rest)
