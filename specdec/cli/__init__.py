@@ -160,8 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _torchrun_worker(args) -> bool:
-    """Under torchrun, ranks 1..N-1 serve rank 0's engine (built from the same command line)
-    instead of running the command; True when this process was such a rank and is done."""
+    """Under torchrun, for a command whose engine is tensor-parallel (-tp N > 1), ranks
+    1..N-1 serve rank 0's engine (built from the same command line) instead of running the
+    command; True when this process was such a rank and is done. Anything else (``train``'s
+    data parallelism) runs on every rank as it is."""
     from specdec.distributed.engine_tp import under_torchrun
 
     if not under_torchrun() or int(__import__("os").environ["RANK"]) == 0:
@@ -173,8 +175,8 @@ def _torchrun_worker(args) -> bool:
     from specdec.engine.tp_worker import worker_from_env
 
     kwargs = engine_kwargs(args)
-    if "tensor_parallel_size" not in kwargs:
-        raise ValueError(f"{args.command} builds no engine: under torchrun only rank 0 runs it")
+    if kwargs.get("tensor_parallel_size", 1) == 1:
+        return False  # not a tensor-parallel engine (e.g. `train`'s data parallelism): run it
     rank0_only = ("drafter", "drafter_args", "controller", "controller_args", "kv_tier_path",
                   "kv_host_tier_bytes")
     config = shard_config(EngineConfig(**{k: v for k, v in kwargs.items()
