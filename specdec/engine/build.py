@@ -245,7 +245,11 @@ def _graphed_runners(config: EngineConfig, runners: list[ModelRunner]) -> list[M
     attention backend supports them; the others stay eager."""
     if not config.cuda_graphs or torch.device(config.device).type != "cuda":
         return []
-    return [r for r in runners if r.backend.supports_cuda_graphs]
+    moe = [r for r in runners if getattr(getattr(r.model, "cfg", None), "is_moe", False)]
+    if moe:  # a step's routing decides which experts run (host syncs): no fixed graph yet
+        logger.info("CUDA graphs: none for a mixture-of-experts model (its experts run over "
+                    "the rows routed to them, shapes known only as the step runs); eager")
+    return [r for r in runners if r.backend.supports_cuda_graphs and r not in moe]
 
 
 def _capture_graphs(runner: ModelRunner, drafter: BaseDrafter | None) -> None:
