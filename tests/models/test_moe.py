@@ -24,7 +24,6 @@ from native_helpers import needs_kernels
 
 from specdec import LLM, SamplingParams
 from specdec.models.decoder.config import ModelConfig, model_config_from_hf
-from specdec.models.decoder.moe import MoEMLP
 from specdec.models.loader import load_hf_config, load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -295,8 +294,8 @@ def _eagle3_args(folder) -> dict:
             "topk": 2}
 
 
-def _tokens(folder, params, **kw) -> tuple[list[list[int]], int]:
-    llm = LLM(model=str(folder), dtype="float32", max_model_len=64, **kw)
+def _tokens(folder, params, dtype: str = "float32", **kw) -> tuple[list[list[int]], int]:
+    llm = LLM(model=str(folder), dtype=dtype, max_model_len=64, **kw)
     outs = llm.generate(PROMPTS, params)
     assert [o.error for o in outs] == [None] * len(outs)
     return [o.token_ids for o in outs], sum(sum(o.metrics.accepted_by_depth) for o in outs)
@@ -317,6 +316,19 @@ def test_speculation_equals_plain_greedy_and_seeded(moe_models, family, drafter)
         want, _ = _tokens(folder, params)
         assert got == want
         assert accepted > 0, "no draft accepted: the test would pass vacuously"
+
+
+@needs_kernels
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_ngram_speculation_equals_plain(moe_models, family):
+    spec = dict(drafter="ngram", drafter_args={"min_ngram": 1, "max_depth": 4},
+                controller="static", controller_args={"budget": 4})
+    sampled = [SamplingParams(temperature=0.2, seed=70 + i, max_tokens=20, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+    for params in (GREEDY, sampled):
+        got, accepted = _tokens(moe_models[family], params, "bfloat16", **spec)
+        assert got == _tokens(moe_models[family], params, "bfloat16")[0]
+        assert accepted > 0
 
 
 # --- loading ---------------------------------------------------------------------------------
