@@ -156,6 +156,10 @@ class TPGroup:
         else:
             kwargs["init_method"] = init_method
         start = time.monotonic()
+        # torch names a default group by a process-wide counter that only a destroyed default
+        # group resets: after a rendezvous that failed (no default group made) the next group
+        # here would be named "1" and wait for keys the other ranks (named "0") never write
+        _reset_group_names()
         try:
             dist.init_process_group(**kwargs)
             pg = dist.group.WORLD
@@ -347,6 +351,15 @@ class TPGroup:
         self._run("all_reduce", dist.all_reduce, wide, group=self._pg)
         t.copy_(wide)
         return t
+
+
+def _reset_group_names() -> None:
+    """The counter torch names unnamed groups by, back to 0 (as ``destroy_process_group``
+    leaves it) when this process has no default group: every rank's default group is "0"."""
+    from torch.distributed import distributed_c10d
+
+    if not dist.is_initialized():
+        distributed_c10d._world.group_count = 0
 
 
 def _resolve_device(backend: str, rank: int, device) -> torch.device:
