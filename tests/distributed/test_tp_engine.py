@@ -49,7 +49,8 @@ def test_speculation_is_plain_decoding_at_tp(folder, tp):
     plain = generate(folder, tp)
     assert generate(folder, tp, drafter="ngram", controller="static",
                     controller_args={"budget": 4}) == plain
-    assert generate(folder, tp, drafter="suffix") == plain
+    if tp == 2:  # (suffix at 3 ranks adds ~6 s and nothing a rank count changes)
+        assert generate(folder, tp, drafter="suffix") == plain
 
 
 def test_float64_tokens_agree_with_one_rank(folder):
