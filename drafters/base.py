@@ -8,6 +8,9 @@ drafter object or in globals. Each step:
     propose(list[DraftRequest]) -> one DraftTree per request (within request.budget)
     on_verified(VerifiedBatch)  -> once, for every request the step touched (prefill chunks too)
 
+A tree computed on a GPU may stay there (``DraftTree.on_device``): the engine reads it only in
+the step's one read, the verification's, and checks it then.
+
 A drafter that runs a model asks the engine for a runner (``target.new_runner(model)``): its KV
 comes out of the engine's memory budget. When it has no KV for a request it drafts nothing for
 it and calls ``request.mark_no_kv()`` so that the step stats count it.
