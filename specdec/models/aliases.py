@@ -139,7 +139,7 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
     from specdec.models.decoder.config import model_config_from_hf
     from specdec.models.gguf.file import open_gguf
     from specdec.models.gguf.metadata import reading_from_header
-    from specdec.models.gguf.model import check_architecture, config_overrides
+    from specdec.models.gguf.model import check_architecture, gguf_config
 
     gguf_file = Path(gguf_file)
     f = open_gguf(gguf_file)
@@ -151,8 +151,7 @@ def write_metadata_files(gguf_file: Path, out: Path) -> None:
     except Exception as e:
         raise ValueError(f"could not load GGUF file {gguf_file}: {e}") from e
     config._name_or_path = str(gguf_file.parent)  # not the temporary folder: as it always was
-    for key, value in config_overrides(f).items():  # what transformers misreads or drops
-        setattr(config, key, value)
+    config = gguf_config(f, config)  # what transformers misreads or drops (experts too)
     try:
         model_config_from_hf(config)
     except ValueError as e:

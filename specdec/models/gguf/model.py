@@ -5,7 +5,21 @@ llama.cpp's tensor names map onto the decoder's fused parameters (q|k|v and gate
 matrix each: two or three tensors in llama / qwen files, one in phi3 files, ``attn_qkv`` and
 ``ffn_up``; for ``general.architecture`` "llama" the q and k rows are put back in the order
 transformers gives them, undoing the rope permutation of llama.cpp's converter; qwen2 / qwen3 /
-phi3 files are stored unpermuted). What the decoder cannot compute is refused from the header
+phi3 files are stored unpermuted).
+
+Mixture-of-experts files (``MOE_ARCHITECTURES``: qwen3moe, qwen2moe, and llama files with
+expert tensors, i.e. Mixtral, as llama.cpp's converter writes them): a layer's router is
+``ffn_gate_inp`` [experts, hidden] (kept float by llama-quantize), its experts three 3-D tensors
+``ffn_{gate,up,down}_exps`` [experts, width, hidden] / [experts, hidden, width] (E stacked 2-D
+block matrices), qwen2moe's shared expert ``ffn_{gate,up,down}_shexp`` and its gate
+``ffn_gate_inp_shexp`` [hidden]. Each expert's gate|up and down is a ``BlockWeight`` over its
+slice of the stacked blocks (a view: no copy), so the kernels run every expert on the file's own
+blocks. The config comes from ``{arch}.expert_count``, ``expert_used_count``,
+``expert_feed_forward_length`` (llama: ``feed_forward_length``) and
+``expert_shared_feed_forward_length`` (``moe_config``); llama.cpp's routing per architecture
+(softmax over all experts, top-k; renormalised for qwen3moe and llama, not for qwen2moe) is the
+one transformers' classes compute. Other MoE architectures (gpt-oss, deepseek2, ...) are refused
+by name (``UNSUPPORTED_MOE``). What the decoder cannot compute is refused from the header
 alone (``check_architecture``: another architecture, phi3's LongRoPE factors or partial rotary);
 what transformers' reading of the metadata misses goes into config.json (``config_overrides``:
 Llama 3.1+'s rope scaling from its ``rope_freqs.weight``, phi3's sliding window).
@@ -35,7 +49,25 @@ logger = logging.getLogger("specdec")
 
 # general.architecture -> the model_type LlamaDecoder runs (transformers' reading of the
 # metadata; a "llama" file whose general.name is "mistral" is a mistral: same tensors)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                 "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+# mixture-of-experts architectures: all of a file's layers route to experts ("llama": a file
+# whose metadata count experts, i.e. Mixtral, which llama.cpp writes as llama)
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama")
+# llama.cpp's MoE architectures the decoder does not compute, with what they need
+UNSUPPORTED_MOE = {
+    "gpt-oss": "attention sinks and MXFP4 experts",
+    "deepseek2": "multi-head latent attention (MLA) and grouped top-k routing",
+    "deepseek": "DeepSeek's shared experts and dense first layers",
+    "olmoe": "OLMoE's q/k norms over the whole projection",
+    "qwen3next": "its linear-attention (gated DeltaNet) layers",
+    "qwen35moe": "its linear-attention (gated DeltaNet) layers",
+    "phimoe": "PhiMoE's sparsemixer routing",
+    "granitemoe": "Granite's scaled residuals and logits",
+    "dbrx": "DBRX's clipped q|k|v and LayerNorm",
+    "grok": "Grok's attention softcapping",
+    "glm4moe": "sigmoid routing with a correction bias",
+}
 PERMUTED_QK = ("llama",)  # architectures whose converter permutes q / k rows for rope
 FUSED = ("phi3",)  # architectures whose files store q|k|v as attn_qkv and gate|up as ffn_up
 # phi3 tensors of LongRoPE (Phi-3 *-128k, Phi-3.5, Phi-4-mini): transformers ignores them
@@ -47,9 +79,15 @@ def check_architecture(f: GGUFFile) -> None:
     architecture of ``ARCHITECTURES`` and, for phi3, plain RoPE over the whole head (not the
     LongRoPE factors nor the partial rotary transformers would silently drop)."""
     a = f.architecture
+    if a in UNSUPPORTED_MOE:
+        raise ValueError(f"{f.path}: general.architecture {a!r} is a mixture of experts "
+                         f"LlamaDecoder does not compute ({UNSUPPORTED_MOE[a]}); it runs "
+                         f"{', '.join(map(repr, ARCHITECTURES))} (llama with experts: Mixtral)")
     if a not in ARCHITECTURES:
         raise ValueError(f"{f.path}: general.architecture {a!r} is not supported; "
                          f"LlamaDecoder runs {', '.join(map(repr, ARCHITECTURES))}")
+    if is_moe(f):
+        check_moe(f)
     if a != "phi3":
         return
     factors = [n for n in LONGROPE if n in f.tensors]
@@ -69,6 +107,93 @@ def _head_dim(f: GGUFFile) -> int | None:
         return m[f"{a}.attention.key_length"]
     heads, width = m.get(f"{a}.attention.head_count"), m.get(f"{a}.embedding_length")
     return width // heads if isinstance(heads, int) and isinstance(width, int) and heads else None
+
+
+def is_moe(f: GGUFFile) -> bool:
+    """Whether the file's layers are mixtures of experts (an MoE architecture, or a llama file
+    whose metadata count experts or whose first layer has a router: Mixtral)."""
+    a = f.architecture
+    if a not in MOE_ARCHITECTURES:
+        return False
+    if a != "llama":
+        return True
+    return bool(f.metadata.get("llama.expert_count")) or "blk.0.ffn_gate_inp.weight" in f.tensors
+
+
+def model_type(f: GGUFFile) -> str:
+    """The transformers model_type LlamaDecoder runs the file as (a llama file with experts:
+    mixtral)."""
+    return "mixtral" if f.architecture == "llama" and is_moe(f) else ARCHITECTURES[f.architecture]
+
+
+def check_moe(f: GGUFFile) -> None:
+    """ValueError naming the file unless its experts route as the decoder computes: softmax
+    gating (``expert_gating_func`` absent or 1), unscaled weights (``expert_weights_scale``
+    absent or 1), k of E experts, and experts stacked per layer (``ffn_*_exps``; the old
+    one-tensor-per-expert layout is refused by name)."""
+    a, m = f.architecture, f.metadata
+    where = f"{f.path} ({a}, a mixture of experts)"
+    count, used = m.get(f"{a}.expert_count"), m.get(f"{a}.expert_used_count")
+    if not isinstance(count, int) or not isinstance(used, int) or not 0 < used <= count:
+        raise ValueError(f"{where}: metadata {a}.expert_count {count!r} and "
+                         f"{a}.expert_used_count {used!r} must be 1 <= used <= count")
+    gating = m.get(f"{a}.expert_gating_func")
+    if gating not in (None, 1):
+        raise ValueError(f"{where}: {a}.expert_gating_func {gating} (not 1, softmax); the "
+                         "decoder routes by a softmax over the experts")
+    scale = m.get(f"{a}.expert_weights_scale")
+    if scale not in (None, 1, 1.0):
+        raise ValueError(f"{where}: {a}.expert_weights_scale {scale}; the decoder does not "
+                         "scale the routing weights")
+    if "blk.0.ffn_gate.0.weight" in f.tensors:
+        raise ValueError(f"{where}: its experts are one tensor each (blk.N.ffn_gate.J.weight, "
+                         "llama.cpp's layout before 2024); LlamaDecoder reads stacked experts "
+                         "(blk.N.ffn_gate_exps.weight): convert the model again")
+
+
+def moe_config(f: GGUFFile) -> dict:
+    """The mixture-of-experts fields of transformers' config for the file ({} for a dense
+    one), which transformers' GGUF reading misses or gets from its class defaults:
+    qwen3moe / qwen2moe ``moe_intermediate_size`` (``expert_feed_forward_length``),
+    qwen2moe's ``shared_expert_intermediate_size``, their routing (llama.cpp renormalises the
+    k weights for qwen3moe, not for qwen2moe: ``norm_topk_prob``), every layer sparse; llama
+    with experts: Mixtral's ``num_local_experts`` of ``feed_forward_length``."""
+    if not is_moe(f):
+        return {}
+    a, m = f.architecture, f.metadata
+    count, used = m[f"{a}.expert_count"], m[f"{a}.expert_used_count"]
+    if a == "llama":
+        return {"model_type": "mixtral", "num_local_experts": count,
+                "num_experts_per_tok": used}
+    out = {"num_experts": count, "num_experts_per_tok": used,
+           "moe_intermediate_size": m[f"{a}.expert_feed_forward_length"],
+           "norm_topk_prob": a == "qwen3moe", "decoder_sparse_step": 1, "mlp_only_layers": []}
+    if a == "qwen2moe":
+        out["shared_expert_intermediate_size"] = m.get(
+            f"{a}.expert_shared_feed_forward_length", 0)
+    return out
+
+
+def gguf_config(f: GGUFFile, config):
+    """transformers' config read from ``f``'s metadata, with what that reading misses or drops
+    (``config_overrides``, ``moe_config``); a llama file with experts becomes a
+    ``MixtralConfig`` (transformers reads it as a dense llama)."""
+    overrides = {**config_overrides(f), **moe_config(f)}
+    if overrides.get("model_type", config.model_type) != config.model_type:
+        from transformers import AutoConfig
+
+        values = config.to_dict()
+        for key in ("model_type", "architectures", "transformers_version"):
+            values.pop(key, None)
+        values.update(overrides)
+        kind = values.pop("model_type")
+        name = config._name_or_path
+        config = AutoConfig.for_model(kind, **values)
+        config._name_or_path = name
+        return config
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
 
 
 def config_overrides(f: GGUFFile) -> dict:
@@ -158,15 +283,33 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                         p + "ffn_up.weight": (2 * inter, h)})
         else:
             out.update({p + "attn_q.weight": (q, h), p + "attn_k.weight": (kv, h),
-                        p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q),
-                        p + "ffn_gate.weight": (inter, h), p + "ffn_up.weight": (inter, h)})
-        out[p + "ffn_down.weight"] = (h, inter)
+                        p + "attn_v.weight": (kv, h), p + "attn_output.weight": (h, q)})
+        if cfg.is_moe:
+            out.update(expert_shapes(cfg, i))
+        elif not fused:
+            out.update({p + "ffn_gate.weight": (inter, h), p + "ffn_up.weight": (inter, h)})
+        if not cfg.is_moe:
+            out[p + "ffn_down.weight"] = (h, inter)
         if cfg.attention_bias:
             out.update({p + "attn_q.bias": (q,), p + "attn_k.bias": (kv,),
                         p + "attn_v.bias": (kv,)})
         if cfg.qk_norm:
             out.update({p + "attn_q_norm.weight": (cfg.head_dim,),
                         p + "attn_k_norm.weight": (cfg.head_dim,)})
+    return out
+
+
+def expert_shapes(cfg: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer ``i``'s mixture-of-experts tensors by GGUF name, shapes in torch order (llama.cpp's
+    ``ffn_gate_inp`` {hidden, experts}, ``ffn_gate_exps`` {hidden, width, experts}, ...;
+    ``ffn_gate_inp_shexp`` {hidden}, which a converter may also store as [1, hidden])."""
+    p, h, e, w = f"blk.{i}.", cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    out = {p + "ffn_gate_inp.weight": (e, h), p + "ffn_gate_exps.weight": (e, w, h),
+           p + "ffn_up_exps.weight": (e, w, h), p + "ffn_down_exps.weight": (e, h, w)}
+    s = cfg.shared_expert_intermediate_size
+    if s:
+        out.update({p + "ffn_gate_shexp.weight": (s, h), p + "ffn_up_shexp.weight": (s, h),
+                    p + "ffn_down_shexp.weight": (h, s), p + "ffn_gate_inp_shexp.weight": (h,)})
     return out
 
 
@@ -177,7 +320,8 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig) -> None:
     meta = ", ".join(f"{k.removeprefix(a + '.')} {f.metadata[k]}" for k in (
         f"{a}.block_count", f"{a}.embedding_length", f"{a}.feed_forward_length",
         f"{a}.attention.head_count", f"{a}.attention.head_count_kv",
-        f"{a}.attention.key_length") if k in f.metadata)
+        f"{a}.attention.key_length", f"{a}.expert_count", f"{a}.expert_feed_forward_length",
+        f"{a}.expert_shared_feed_forward_length") if k in f.metadata)
     where = f"{f.path}: the metadata ({meta}; vocabulary {cfg.vocab_size})"
     for name, shape in expected_shapes(cfg).items():
         t = f.tensors.get(name)
@@ -199,9 +343,38 @@ def _part(f: GGUFFile, name: str, permute_heads: int | None = None) -> Part:
     return Part(blocks, order, name)
 
 
+def _expert_parts(f: GGUFFile, name: str, experts: int) -> list[Part]:
+    """A 3-D tensor of ``experts`` stacked matrices as one ``Part`` per expert: a view of its
+    slice of the file's blocks (rows [j * out, (j + 1) * out) of the stacked rows)."""
+    t = f.tensors[name]
+    rows, out = f.rows(name), t.shape[-2]
+    return [Part(Blocks(t.kind, rows[j * out:(j + 1) * out], t.shape[-1]), None,
+                 f"{name}[{j}]") for j in range(experts)]
+
+
+def expert_matrices(f: GGUFFile, cfg: ModelConfig, i: int) -> dict[str, list[Part]]:
+    """Layer ``i``'s ``MoEMLP.named_matrices`` (``router``, ``experts.{j}.{gate_up,down}``,
+    ``shared.{gate_up,down}``, ``shared_gate``) as parts of the file's tensors, gate rows
+    before up rows."""
+    p, e = f"blk.{i}.", cfg.num_experts
+    out = {"router": [_part(f, p + "ffn_gate_inp.weight")]}
+    gate, up, down = (_expert_parts(f, p + f"ffn_{x}_exps.weight", e)
+                      for x in ("gate", "up", "down"))
+    for j in range(e):
+        out[f"experts.{j}.gate_up"] = [gate[j], up[j]]
+        out[f"experts.{j}.down"] = [down[j]]
+    if cfg.shared_expert_intermediate_size:
+        out["shared.gate_up"] = [_part(f, p + "ffn_gate_shexp.weight"),
+                                 _part(f, p + "ffn_up_shexp.weight")]
+        out["shared.down"] = [_part(f, p + "ffn_down_shexp.weight")]
+        out["shared_gate"] = [_part(f, p + "ffn_gate_inp_shexp.weight")]  # [1, hidden]
+    return out
+
+
 def gguf_matrices(f: GGUFFile, cfg: ModelConfig) -> dict[str, list[Part]]:
     """Every matrix ``LlamaDecoder.named_matrices()`` multiplies by, plus ``embed`` (the token
-    embedding, which is also ``head`` when tied), as parts of the file's tensors."""
+    embedding, which is also ``head`` when tied), as parts of the file's tensors (a mixture of
+    experts: ``expert_matrices`` in place of gate_up and down)."""
     perm = f.architecture in PERMUTED_QK
     out = {"embed": [_part(f, "token_embd.weight")]}
     out["head"] = out["embed"] if cfg.tie_word_embeddings else [_part(f, "output.weight")]
@@ -215,10 +388,15 @@ def gguf_matrices(f: GGUFFile, cfg: ModelConfig) -> dict[str, list[Part]]:
                 _part(f, p + "attn_q.weight", cfg.num_heads if perm else None),
                 _part(f, p + "attn_k.weight", cfg.num_kv_heads if perm else None),
                 _part(f, p + "attn_v.weight")]
-            out[f"layers.{i}.gate_up"] = [_part(f, p + "ffn_gate.weight"),
-                                          _part(f, p + "ffn_up.weight")]
+            if not cfg.is_moe:
+                out[f"layers.{i}.gate_up"] = [_part(f, p + "ffn_gate.weight"),
+                                              _part(f, p + "ffn_up.weight")]
         out[f"layers.{i}.o"] = [_part(f, p + "attn_output.weight")]
-        out[f"layers.{i}.down"] = [_part(f, p + "ffn_down.weight")]
+        if cfg.is_moe:
+            out.update({f"layers.{i}.{n}": parts
+                        for n, parts in expert_matrices(f, cfg, i).items()})
+        else:
+            out[f"layers.{i}.down"] = [_part(f, p + "ffn_down.weight")]
     return out
 
 
@@ -252,15 +430,12 @@ def put_weights(model, f: GGUFFile, blocks: bool) -> None:
         setattr(module, attr, nn.Parameter(value.to(device=device) if not isinstance(
             value, BlockWeight) else value, requires_grad=False))
 
-    put(model, "embed", weights["embed"])
-    if not cfg.tie_word_embeddings:
-        put(model, "lm_head", weights["head"])
+    for name, w in weights.items():  # embed, head, layers.{i}.{qkv, o, gate_up, down | experts}
+        put(*model.owner(name), w)
     put(model, "final_norm", _vector(f, "output_norm.weight").to(dtype))
     perm = f.architecture in PERMUTED_QK
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
-        for attr in ("qkv", "o", "gate_up", "down"):
-            put(layer, f"{attr}_weight", weights[f"layers.{i}.{attr}"])
         put(layer, "input_norm", _vector(f, p + "attn_norm.weight").to(dtype))
         put(layer, "post_attn_norm", _vector(f, p + "ffn_norm.weight").to(dtype))
         if cfg.attention_bias:

@@ -39,11 +39,37 @@ from specdec.native import PanelParts, Panels
 logger = logging.getLogger("specdec")
 
 
+# the float types of a GGUF's matrices (the kernels run them as float panels, not blocks)
+FLOAT_KINDS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+# matrices llama.cpp keeps in float in every file (llama-quantize never quantizes an MoE
+# router, nor qwen2moe's one-row shared-expert gate): float panels of the file's values
+FLOAT_KEPT = (".router", ".shared_gate")
+
+
+def float_kept(name: str, w: BlockWeight) -> bool:
+    """Whether the matrix ``name`` runs as float panels: a router (or shared-expert gate) the
+    file stores in a float type."""
+    return name.endswith(FLOAT_KEPT) and set(w.kinds) <= set(FLOAT_KINDS)
+
+
+def float_panels(w: BlockWeight) -> Panels:
+    """The float kernels' panels of a float BlockWeight: an F16 / BF16 one in its own dtype
+    (2 bytes a weight, computed in float32: exact), others in float32; bitwise its values."""
+    kinds = w.kinds
+    if len(kinds) == 1 and kinds[0] in ("F16", "BF16"):
+        rows = [p.ordered_rows() for p in w.parts]
+        values = (rows[0] if len(rows) == 1 else torch.cat(rows)).contiguous()
+        return native.load().prepare(values.view(FLOAT_KINDS[kinds[0]]).reshape(w.shape))
+    return native.load().prepare(w.dequantize())
+
+
 def read_matrices(path: Path, cfg) -> dict[str, list[Blocks]]:
     """Every matrix ``LlamaDecoder.named_matrices()`` multiplies by, as the file's blocks
     (``native_runs``: one ``Blocks`` per run of parts of one type): ``layers.{i}.{qkv,o,
-    gate_up,down}`` and ``head`` (the LM head, or the tied embedding), in the decoder's row
-    order. Raises ValueError naming the file and a tensor the kernels cannot run."""
+    gate_up,down}`` (a mixture of experts: its experts' gate_up and down) and ``head`` (the LM
+    head, or the tied embedding), in the decoder's row order; not a float router
+    (``float_kept``: the model's own float32 weights run). Raises ValueError naming the file
+    and a tensor the kernels cannot run."""
     from specdec.models.gguf.file import open_gguf
     from specdec.models.gguf.model import check_architecture, gguf_matrices
 
@@ -51,9 +77,9 @@ def read_matrices(path: Path, cfg) -> dict[str, list[Blocks]]:
     check_architecture(f)
     mats = gguf_matrices(f, cfg)
     mats.pop("embed")
-    return {name: native_runs(BlockWeight(parts, f"{name} ({'|'.join(p.name for p in parts)})",
-                                          f))
-            for name, parts in mats.items()}
+    weights = {name: BlockWeight(parts, f"{name} ({'|'.join(p.name for p in parts)})", f)
+               for name, parts in mats.items()}
+    return {name: native_runs(w) for name, w in weights.items() if not float_kept(name, w)}
 
 
 def native_runs(w: BlockWeight) -> list[Blocks]:
@@ -160,9 +186,11 @@ def _made_panels(model, gguf: Path, activations: str = "float"
     if not all(isinstance(w, BlockWeight) for w in params.values()):
         return _checked_panels(params, read_matrices(gguf, model.cfg), activations)
     out = []
-    for w in params.values():  # matrix by matrix, the file's pages dropped after each:
-        out.append((w, prepare_runs(native_runs(w), activations)))  # peak = panels + one
-        if w.file is not None:  # matrix's pages, not panels + the whole file
+    for name, w in params.items():  # matrix by matrix, the file's pages dropped after each:
+        panels = (float_panels(w) if float_kept(name, w)  # peak = panels + one matrix's pages,
+                  else prepare_runs(native_runs(w), activations))  # not panels + the file
+        out.append((w, panels))
+        if w.file is not None:
             w.file.release_pages()
     return out
 
@@ -174,6 +202,8 @@ def _checked_panels(params: dict[str, torch.Tensor], blocks: dict[str, list[Bloc
     matrix's blocks dequantize bitwise to its weight."""
     out = []
     for name, weight in params.items():
+        if name.endswith(FLOAT_KEPT) and name not in blocks:  # a float router: its own weight
+            continue
         runs = blocks[name]
         values = [dequantize(b) for b in runs]
         if not torch.equal(values[0] if len(values) == 1 else torch.cat(values), weight):
