@@ -16,7 +16,8 @@ Four optional methods and one attribute (the ``Controller`` protocol below names
 their defaults; ``BaseController`` has the defaults):
 
 * ``setup(context)`` once, after the engine is built: a ``ControllerContext`` that can measure
-  the target's forward time by rows on this machine (``step_costs()``, cached).
+  the target's forward time by rows on this machine (``step_costs()``, cached) and, on a
+  mixture-of-experts target, by rows and experts woken (``expert_costs()``).
 * ``prune(requests, trees, batch)`` after drafting: per tree, the node indices to verify
   (ascending, closed under parents; None keeps the whole tree). The second phase of a two-phase
   controller: the drafted trees carry per-node confidences the budget could not know. Pruning is
@@ -51,7 +52,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from specdec.controllers.costs import StepCosts
+    from specdec.controllers.costs import ExpertCosts, StepCosts
     from specdec.tree import DraftTree
 
 
@@ -144,6 +145,12 @@ class StepReport:
     outcomes: tuple[RequestOutcome, ...]  # one per request that was asked for a budget
     # a composed drafter's members that ran this step: name -> seconds of its propose
     source_seconds: dict[str, float] = field(default_factory=dict)
+    # a mixture-of-experts target: per layer, the distinct experts the forward's rows routed
+    # to (``StepStats.experts_woken``); () for a dense target
+    experts_woken: tuple[int, ...] = ()
+    # requests feeding a prefill chunk this step (each a sequence of its own beside the decode
+    # requests: rows of different sequences route independently of each other)
+    num_prefill_requests: int = 0
 
 
 @dataclass
@@ -158,6 +165,9 @@ class ControllerContext:
     # a composed drafter's members, in merge order ("eagle3+ngram": ("eagle3", "ngram")); ()
     # for a single drafter. A controller may name a subset in DraftBudget.sources
     sources: tuple[str, ...] = ()
+    # a mixture-of-experts target: its forward seconds by rows and experts woken, the prior
+    # profiled on the target (``controllers.costs.ExpertCosts``, cached); None: a dense target
+    expert_costs: Callable[[], ExpertCosts | None] | None = None
 
 
 @runtime_checkable

@@ -7,6 +7,15 @@ committed tokens per second, from measured acceptance and a measured cost model.
 
 * ``T(rows)``: the target's forward time by rows on this machine (``specdec.controllers.costs``), profiled at
   start-up (cached) and refined from every step's measured forward time.
+* On a mixture-of-experts target (``ControllerContext.expert_costs``), ``T`` is priced by the
+  experts a step is expected to wake instead: ``T = a + b * x + c * rows`` with ``x`` the
+  distinct experts per layer that ``rows`` rows over the step's sequences are expected to wake
+  (``costs.ExpertCosts``: the expert growth ``g`` of an extra row learned from the routing of
+  recent steps, ``a, b, c`` fitted to the profile and every step's measured forward). Where
+  neighbouring tokens route alike (small ``g``) a deeper tree wakes few new experts and costs
+  little more; where they do not, each node streams new experts and the plan holds back. Both
+  phases price rows this way; the routing itself is never touched (no expert dropped or
+  capped), so the output stays exactly the target's. Dense targets: ``T(rows)`` as above.
 * ``draft(depth)``: a line ``a + b * depth`` fitted online (exponentially weighted least squares)
   to the measured draft time against the deepest tree of the step (drafters run one batched
   forward per depth); 0 while nothing has been drafted.
@@ -51,7 +60,7 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
-from specdec.controllers.costs import StepCosts
+from specdec.controllers.costs import ExpertCosts, StepCosts
 from specdec.controllers.exploration import ExplorationClock
 
 GAIN_FLOOR = 0.01  # chain nodes less likely than this to be accepted are not planned
@@ -92,6 +101,8 @@ class GoodputController(BaseController):
     budget: most draft nodes per request per step; max_depth: deepest tree (None: budget);
     width: nodes per level a budget allows beyond the paying depth (tree drafters);
     prune: run the second phase; costs: a ``StepCosts`` to use instead of profiling (tests);
+    experts: an ``ExpertCosts`` to price steps by on a mixture-of-experts target, instead of
+    the engine's (tests);
     prior: the acceptance assumed at depth 1 before anything was verified; explore_every: a
     request kept at budget 0 drafts one level every explore_every x batch-size steps, so its
     estimate can recover (0: never), with a backoff while that does not pay
@@ -102,7 +113,7 @@ class GoodputController(BaseController):
 
     def __init__(self, budget: int = 16, max_depth: int | None = None, width: int = 2,
                  prune: bool = True, costs: StepCosts | None = None, prior: float = 0.6,
-                 explore_every: int = 16) -> None:
+                 explore_every: int = 16, experts: ExpertCosts | None = None) -> None:
         for key, value, low in (("budget", budget, 1), ("width", width, 1),
                                 ("explore_every", explore_every, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -120,6 +131,7 @@ class GoodputController(BaseController):
         self._last_plan = None  # (requests and batch shape, _observed, uses, arm): drafted none
         self.max_depth = min(max_depth or budget, budget)
         self.costs = costs
+        self.experts = experts  # a mixture-of-experts target's pricing (None: dense)
         self.prior = float(prior)
         # what a step may draft with: None (the drafter as a whole) until setup names a
         # composed drafter's members; then each member alone and all together, each with its
@@ -141,6 +153,8 @@ class GoodputController(BaseController):
     def setup(self, context: ControllerContext) -> None:
         if self.costs is None:
             self.costs = context.step_costs()
+        if self.experts is None and context.expert_costs is not None:
+            self.experts = context.expert_costs()  # None for a dense target
         self.set_sources(tuple(context.sources))
 
     def set_sources(self, sources: tuple[str, ...]) -> None:
@@ -162,6 +176,20 @@ class GoodputController(BaseController):
             return 1.0
         return self.costs.seconds(rows)
 
+    def _step_forward(self, rows: float, sequences: int) -> float:
+        """Forward seconds of a step of ``rows`` rows over ``sequences`` sequences: on a
+        mixture of experts priced by the experts they are expected to wake, else T(rows)."""
+        if self.experts is not None:
+            return self.experts.seconds(sequences, rows)
+        return self._forward(rows)
+
+    def _moe_figures(self, key: str, rows: int, sequences: int) -> None:
+        """On a mixture of experts, the decision's expert terms: the experts per layer the
+        step's ``rows`` are expected to wake (under ``key``) and the pricing's figures."""
+        if self.experts is not None:
+            self.decision[key] = round(self.experts.experts(sequences, rows), 3)
+            self.decision["expert_costs"] = self.experts.describe()
+
     # ---- phase 1: budgets -------------------------------------------------------------------
 
     def budgets(self, requests: list[RequestView], batch: BatchComposition) -> list[DraftBudget]:
@@ -179,7 +207,8 @@ class GoodputController(BaseController):
             sum(self._gains(r.request_id, a)[:k]) for r, k, a in zip(requests, depths, arms)
             if k)
         rows = batch.num_prefill_tokens + _decoding(requests, batch) + sum(depths)
-        self._predicted = self._forward(rows) + self._draft_time(
+        sequences = _decoding(requests, batch) + batch.num_prefill_requests
+        self._predicted = self._step_forward(rows, sequences) + self._draft_time(
             {a: max((k for k, b in zip(depths, arms) if b == a), default=0) for a in arms}
         ) + self.overhead
         self.decision = {
@@ -187,6 +216,7 @@ class GoodputController(BaseController):
             "predicted_step_seconds": self._predicted,
             "acceptance_by_depth": self.depth.summary(min(self.max_depth, 6)),
         }
+        self._moe_figures("expected_experts_per_layer", rows, sequences)
         if arm is not None:
             self.decision["sources"] = list(arm)
             self.decision["acceptance_by_sources"] = {
@@ -261,8 +291,13 @@ class GoodputController(BaseController):
         tokens, depth_now = float(decoding), 0
         # the step's seconds by admitted count and depth, read once (planning is per step)
         most = min(cap, sum(len(g) for g in gains.values()))
-        forward = (self.costs.table(max(base_rows, 1), most + 1) if self.costs is not None
-                   else [1.0] * (most + 1))
+        if self.experts is not None:  # a mixture of experts: by the experts expected woken
+            forward = self.experts.table(decoding + batch.num_prefill_requests,
+                                         max(base_rows, 1), most + 1)
+        elif self.costs is not None:
+            forward = self.costs.table(max(base_rows, 1), most + 1)
+        else:
+            forward = [1.0] * (most + 1)
         draft = [self._arm_draft(arm, d) + self.overhead for d in range(self.max_depth + 1)]
         best = (tokens / (forward[0] + draft[0]), 0)  # (goodput, admitted count)
         order: list[int] = []
@@ -290,19 +325,20 @@ class GoodputController(BaseController):
             return [None] * len(trees)
         est = [self._node_estimates(r.request_id, t) for r, t in zip(requests, trees)]
         rows = batch.num_prefill_tokens + batch.num_decode
+        sequences = batch.num_decode + batch.num_prefill_requests
         tokens = float(batch.num_decode)
         heap = []
         for k, t in enumerate(trees):
             for i in _admissible_roots(t):
                 heapq.heappush(heap, (-est[k][i], k, i))
-        best, order = (tokens / (self._forward(rows) + self.overhead), 0), []
+        best, order = (tokens / (self._step_forward(rows, sequences) + self.overhead), 0), []
         admitted = [set() for _ in trees]
         while heap:
             g, k, i = heapq.heappop(heap)
             order.append((k, i))
             admitted[k].add(i)
             tokens, rows = tokens - g, rows + 1
-            rate = tokens / (self._forward(rows) + self.overhead)
+            rate = tokens / (self._step_forward(rows, sequences) + self.overhead)
             if rate > best[0]:
                 best = (rate, len(order))
             for j in _opened(trees[k], i, admitted[k]):
@@ -315,6 +351,9 @@ class GoodputController(BaseController):
             out.append(None if len(kept[k]) == t.num_nodes else sorted(kept[k]))
         self.decision["kept_nodes"] = sum(len(x) for x in kept)
         self.decision["proposed_nodes"] = sum(t.num_nodes for t in trees)
+        self._moe_figures("expected_experts_per_layer_kept",
+                          batch.num_prefill_tokens + batch.num_decode + self.decision["kept_nodes"],
+                          sequences)
         return out
 
     def _node_estimates(self, request_id: str, tree) -> list[float]:
@@ -341,6 +380,11 @@ class GoodputController(BaseController):
         rows = report.num_prefill_tokens + report.num_verified_rows
         if self.costs is not None and rows > 0 and report.forward_seconds > 0:
             self.costs.observe(rows, report.forward_seconds)
+        if self.experts is not None and report.experts_woken:
+            self.experts.observe(rows, report.num_decode + report.num_prefill_requests,
+                                 report.experts_woken, report.forward_seconds)
+            self.decision["measured_experts_per_layer"] = round(
+                sum(report.experts_woken) / len(report.experts_woken), 3)
         # the depth drafted (what the draft time paid for), not the pruned tree's
         depth = max((o.asked.depth_limit for o in report.outcomes if o.num_proposed),
                     default=0)

@@ -37,6 +37,10 @@ class StepStats:
     # verify seconds, since nothing waits for it until verification reads its result; on a
     # CPU the forward's wall time. None: no forward
     forward_device_seconds: float | None = None
+    # a mixture-of-experts target: per layer, the distinct experts the forward's rows routed to
+    # (what its experts' weights streamed; the goodput controller prices trees by it); None for
+    # a dense target or without a forward
+    experts_woken: list[int] | None = None
     num_preempted: int = 0
     failed_requests: list[str] = field(default_factory=list)
     # every exception a plugin raised this step, one line each naming the plugin and its call

@@ -24,7 +24,7 @@ import torch
 from specdec import plugins
 from specdec.config import EngineConfig
 from specdec.controllers.base import BaseController, ControllerContext
-from specdec.controllers.costs import StepCosts
+from specdec.controllers.costs import ExpertCosts, StepCosts
 from specdec.distributed.engine_tp import TensorParallel, check_plan, shard_config
 from specdec.distributed.shard_model import shard_decoder
 from specdec.drafters.base import BaseDrafter, TargetInfo
@@ -32,7 +32,7 @@ from specdec.engine.cuda_graphs import scratch_pages
 from specdec.engine.drafting.setup import create_drafter_and_controller
 from specdec.engine.memory import KVSplit, split_kv
 from specdec.engine.runner import ModelRunner
-from specdec.engine.step_profile import engine_step_costs
+from specdec.engine.step_profile import engine_expert_costs, engine_step_costs
 from specdec.engine.tp_worker import worker_main
 from specdec.engine.verify_stage import VerifyStage
 from specdec.kv.fingerprint import weights_fingerprint
@@ -115,6 +115,11 @@ class EngineParts:
         profiled once within what the KV and max_model_len allow, cached)."""
         return engine_step_costs(self)
 
+    def expert_costs(self) -> ExpertCosts | None:
+        """A mixture-of-experts target's forward seconds by rows and experts woken
+        (specdec.engine.step_profile.engine_expert_costs); None for a dense target."""
+        return engine_expert_costs(self)
+
 
 def build_engine(config: EngineConfig, plugins_: tuple = ()) -> EngineParts:
     clock = _Clock()
@@ -180,7 +185,8 @@ def _build(config: EngineConfig, pm, folder: Path, cfg: ModelConfig, max_model_l
                         clock.seconds, tp)
     if drafter is not None:
         controller.setup(ControllerContext(parts.step_costs, str(device), config.max_num_seqs,
-                                           config.max_num_batched_tokens, sources=parts.sources))
+                                           config.max_num_batched_tokens, sources=parts.sources,
+                                           expert_costs=parts.expert_costs))
         clock.mark("controller setup")
     logger.info("engine built in %.1f s: %s", sum(clock.seconds.values()),
                 ", ".join(f"{k} {v:.1f} s" for k, v in clock.seconds.items()))

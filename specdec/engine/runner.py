@@ -83,6 +83,9 @@ class ForwardResult:
     elapsed: float | _Timer
     graphed: bool = False  # replayed a CUDA graph (False: ran eagerly)
     logits_hidden: torch.Tensor | None = None  # [R, hidden]: the rows the logits came from
+    # a mixture-of-experts model: per layer run, the distinct experts the rows routed to (host
+    # ints the layers read anyway: ``MoEMLP.woken``); None for a dense model
+    experts_woken: tuple[int, ...] | None = None
 
     @property
     def seconds(self) -> float:
@@ -217,8 +220,10 @@ class ModelRunner:
             if rows.numel():
                 logits_hidden = hidden.index_select(0, rows)
                 logits = self.model.compute_logits(logits_hidden)
+        woken = getattr(self.model, "experts_woken", None)
         return ForwardResult(logits, hidden, layers, timer.stop(), shape is not None,
-                             logits_hidden)
+                             logits_hidden,
+                             None if woken is None else woken(self.num_layers))
 
     def capture_graphs(self, capture_layers: tuple[int, ...] = ()) -> int:
         """Capture now the graph of every shape, for forwards that capture ``capture_layers``

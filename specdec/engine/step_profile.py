@@ -21,8 +21,10 @@ import torch
 from specdec.controllers.costs import (
     DEFAULT_CONTEXT,
     DEFAULT_GRID,
+    ExpertCosts,
     StepCosts,
     plan_profile,
+    profile_experts,
     profile_forward,
 )
 from specdec.models.aliases import cache_dir
@@ -65,7 +67,41 @@ def engine_step_costs(engine) -> StepCosts:
     return costs
 
 
-def _cache_path(engine, context: int, grid: tuple[int, ...]) -> Path:
+def engine_expert_costs(engine) -> ExpertCosts | None:
+    """``LLMEngine.expert_costs``: on a mixture-of-experts target, the forward's seconds by rows
+    and experts woken, its prior profiled over the same plan as ``engine_step_costs`` (each row
+    count with random ids and with one repeated id: ``costs.profile_experts``), cached beside
+    it. None for a dense target. Where not even two grid points fit, the prior is the rows
+    curve's (``ExpertCosts.from_step_costs``), reshaped by the steps."""
+    cfg = engine.model_config
+    if not cfg.is_moe:
+        return None
+    most = engine.config.max_num_batched_tokens
+    if engine.device.type == "cpu":
+        most = min(most, CPU_PROFILE_ROWS)
+    wanted = tuple(n for n in DEFAULT_GRID if n <= most)
+    free = engine.runner.kv.num_free_pages * engine.config.page_size
+    context, grid = plan_profile(wanted, free, engine.max_model_len)
+    if len(grid) < 2:
+        return ExpertCosts.from_step_costs(engine_step_costs(engine), cfg.num_experts,
+                                           cfg.num_experts_per_tok)
+    path = _cache_path(engine, context, grid, "experts")
+    costs = ExpertCosts.load(path)
+    if costs is None:
+        t0 = time.perf_counter()
+        try:
+            costs = profile_experts(engine.runner, grid, context,
+                                    max_positions=engine.max_model_len)
+        except ValueError as e:  # (a forward that reports no routing)
+            logger.warning("expert costs: %s; steps priced by rows only", e)
+            return None
+        logger.info("expert costs profiled in %.1f s: %s", time.perf_counter() - t0,
+                    ", ".join(f"{k} {v:.3g}" for k, v in costs.describe().items()))
+        costs.save(path)
+    return costs
+
+
+def _cache_path(engine, context: int, grid: tuple[int, ...], what: str = "") -> Path:
     cfg = engine.model_config
     shape = f"{cfg.num_layers}x{cfg.hidden_size}x{cfg.intermediate_size}x{cfg.vocab_size}"
     graphs = "graphs" if engine.runner.graphs is not None else "eager"
@@ -74,8 +110,11 @@ def _cache_path(engine, context: int, grid: tuple[int, ...]) -> Path:
     key = (f"{shape} {engine.dtype} {engine.device} {engine.runner.backend.name} {graphs} "
            f"{cache_key(engine.dtype, torch.get_num_threads())} {engine.kernels.key} "
            f"weights {engine.weights} activations {engine.activations}{plan}")
+    if cfg.is_moe:  # (the experts' shape: the dense figures above do not tell them)
+        key += f" experts {cfg.num_experts} top {cfg.num_experts_per_tok} " \
+               f"width {cfg.moe_intermediate_size} shared {cfg.shared_expert_intermediate_size}"
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    return cache_dir() / "step_costs" / f"{shape}-{digest}.json"
+    return cache_dir() / "step_costs" / f"{shape}-{digest}{'-' + what if what else ''}.json"
 
 
 def _flat_costs(engine, wanted, context: int, grid: tuple[int, ...], free: int) -> StepCosts:

@@ -50,15 +50,17 @@ class StepRecorder:
     def record(self, records: list[StepRequest], sched: SchedulerOutput, failed: list[Sequence],
                times: StepTimes, graphed: bool | None = None,
                transfers: tuple[int, int] = (0, 0),
-               forward_device_seconds: float | None = None) -> StepStats:
+               forward_device_seconds: float | None = None,
+               experts_woken: tuple[int, ...] | None = None) -> StepStats:
         """The step's stats (``times``: when each stage ended; ``graphed``: whether the
         forward replayed a CUDA graph, None without one; ``transfers``: host -> device copies
-        and device -> host reads it made; the forward's device seconds), added to the
-        totals."""
+        and device -> host reads it made; the forward's device seconds; on a mixture of
+        experts, the distinct experts per layer it woke), added to the totals."""
         stats = self._stats(records, sched.preempted, failed, times)
         stats.graphed = graphed
         stats.h2d_copies, stats.d2h_reads = transfers
         stats.forward_device_seconds = forward_device_seconds
+        stats.experts_woken = None if experts_woken is None else list(experts_woken)
         self._prefix(stats, sched)
         self._tensor_parallel(stats)
         self.totals.add(stats)

@@ -223,7 +223,8 @@ def _report(asked: list[StepRequest], stats: StepStats,
         verify_seconds=stats.verify_seconds, step_seconds=stats.step_seconds,
         num_verified_rows=stats.num_verified_rows, num_decode=stats.num_decode,
         num_prefill_tokens=stats.num_prefill_tokens, outcomes=tuple(outcomes),
-        source_seconds=dict(source_seconds))
+        source_seconds=dict(source_seconds), experts_woken=tuple(stats.experts_woken or ()),
+        num_prefill_requests=stats.num_requests - stats.num_decode)
 
 
 def _view(seq: Sequence) -> RequestView:

@@ -228,6 +228,14 @@ class LlamaDecoder(nn.Module):
                 captured[i] = x
         return ForwardOutput(self.norm(x), captured)
 
+    def experts_woken(self, num_layers: int | None = None) -> tuple[int, ...] | None:
+        """Per layer the latest forward ran (the first ``num_layers``), the distinct experts
+        its rows routed to (``MoEMLP.woken``: host ints the forward already read); None for a
+        dense model."""
+        if not self.cfg.is_moe:
+            return None
+        return tuple(layer.moe.woken for layer in self.layers[:num_layers])
+
     def _forward_ops(self, x, positions, backend, kv_cache, capture_layers, num_layers):
         """``forward``'s layers as one kernel per step (specdec.models.decoder.layer_ops): the residual
         stream is carried beside the normed input, each add fused into the next norm. Bitwise

@@ -25,6 +25,13 @@ which or how many other rows share a step or an expert. So:
   transformers' ``torch.topk`` breaks exact ties in an order of its own (on a CPU
   ``topk(zeros(8), 3)`` is experts 6, 5, 4): the two differ only where two experts' float32
   probabilities are exactly equal.
+
+What a step woke (the goodput controller prices a draft tree by it, ``controllers/costs.py``
+``ExpertCosts``): each forward sets ``woken`` (distinct experts its rows routed to) and
+``rows``, host ints taken from the list of experts the loop below runs over, which the forward
+reads to the host anyway (on a CPU and on CUDA's eager path alike): counting adds no
+device -> host read. (A fused kernel that never reads the routing would keep the count on the
+device and hand it over with the step's existing read.)
 """
 
 from __future__ import annotations
@@ -73,6 +80,9 @@ class MoEMLP(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared = Expert(h, cfg.shared_expert_intermediate_size, trainable)
             self.shared_gate_weight = nn.Parameter(torch.empty(1, h), requires_grad=trainable)
+        # the latest forward's distinct experts and rows (module docstring); 0 before any
+        self.woken = 0
+        self.rows = 0
         # mixtral hands its float32 weights on unrounded; qwen* round them to the model's dtype
         self.weights_in_float32 = cfg.model_type == "mixtral"
 
@@ -124,6 +134,7 @@ class MoEMLP(nn.Module):
             weights = weights.to(h.dtype)
         parts = h.new_zeros(rows, k, h.shape[1])  # [T, k, H]: row t's s-th expert in slot s
         hit = torch.unique(experts).tolist()  # sorted
+        self.woken, self.rows = len(hit), rows  # (host ints: no read of their own)
         for e in hit:
             t, s = (experts == e).nonzero(as_tuple=True)  # each row at most once
             y = self.experts[e](h.index_select(0, t), mm)
