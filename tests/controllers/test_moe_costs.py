@@ -200,3 +200,15 @@ def test_goodput_on_an_moe_equals_plain_decoding_and_shows_the_expert_terms(tiny
     assert "measured_experts_per_layer" in figures[-1]
     assert set(figures[-1]["expert_costs"]) == {"fixed_seconds", "seconds_per_expert",
                                                 "seconds_per_row", "expert_growth", "prior_scale"}
+
+
+def test_a_dense_target_has_no_expert_pricing(tiny_llama):
+    """A dense target: no expert profile, no routing in the stats, the rows curve prices."""
+    from specdec import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_llama), dtype="float32", drafter="ngram",
+              drafter_args={"min_ngram": 1})
+    assert llm.engine.controlling.controller.experts is None
+    llm.generate([[5, 6, 7, 5, 6, 7]], SamplingParams(temperature=0, max_tokens=8,
+                                                     ignore_eos=True))
+    assert llm.engine.controlling.controller.costs is not None
