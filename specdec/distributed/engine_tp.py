@@ -276,8 +276,8 @@ def check_plan(config, model_config, folder) -> TPPlan:
 
 
 def gguf_row_parallel_blocks(folder) -> dict[str, int] | None:
-    """The largest block size of the folder's GGUF o and down matrices over its layers (None:
-    not a GGUF's folder)."""
+    """The largest block size of the folder's GGUF o and down matrices over its layers (an
+    MoE's: its experts' and shared expert's down; None: not a GGUF's folder)."""
     from specdec.models.gguf.file import open_gguf
     from specdec.models.loader import gguf_source
 
@@ -286,7 +286,9 @@ def gguf_row_parallel_blocks(folder) -> dict[str, int] | None:
         return None
     tensors = open_gguf(path).tensors
     out = {}
-    for matrix, suffix in (("o_proj", "attn_output.weight"), ("down_proj", "ffn_down.weight")):
+    for matrix, suffix in (("o_proj", "attn_output.weight"), ("down_proj", "ffn_down.weight"),
+                           ("experts.down_proj", "ffn_down_exps.weight"),
+                           ("shared_expert.down_proj", "ffn_down_shexp.weight")):
         sizes = [block_size(t.kind) for name, t in tensors.items() if name.endswith(suffix)]
         if sizes and max(sizes) > 1:
             out[matrix] = max(sizes)

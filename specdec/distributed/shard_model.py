@@ -10,6 +10,13 @@
   share: ``down_cols``), whose outputs are partial sums: ``reduce`` (the group's exact
   all-reduce, ``TPGroup.all_reduce``) is installed on every layer (``DecoderLayer.reduce``)
   and sums them over the ranks before the residual add;
+- a mixture of experts (``layer.moe``): every expert's fused gate|up rows of the rank's share of
+  the expert width (``RankShard.expert_gate_up_rows``) and down's matching columns
+  (``expert_rows``), qwen2_moe's shared expert the same over its own width (``shared_rows``);
+  the router and the shared expert's gate replicated, so every rank routes every row alike
+  and wakes the same experts. The layer's output (the routed experts' weighted sum plus the
+  gated shared expert, linear in each expert's down output) is the rank's partial sum: the
+  same ``reduce``, once, before the residual add;
 - the rank's ``ModelConfig`` (``rank_config``: its heads, KV heads and MLP width), on every
   layer and as the decoder's ``cfg`` (the runner sizes attention and the KV cache from it: a
   rank's KV cache holds its KV heads only); the model's own is kept as ``model.full_cfg``,
@@ -78,10 +85,13 @@ FLOAT_KINDS = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}  # bytes of one weight, 
 
 def rank_config(cfg: ModelConfig, plan: TPPlan) -> ModelConfig:
     """The ModelConfig one rank of ``plan`` computes with: its query heads, its KV heads
-    (one when replicated), its share of the MLP width; everything else the model's."""
+    (one when replicated), its share of the MLP width (an MoE: of each expert's and the shared
+    expert's width); everything else the model's."""
     return dataclasses.replace(cfg, num_heads=plan.heads_per_rank,
                                num_kv_heads=plan.kv_heads_per_rank,
-                               intermediate_size=plan.intermediate_per_rank)
+                               intermediate_size=plan.intermediate_per_rank,
+                               moe_intermediate_size=plan.expert_intermediate_per_rank,
+                               shared_expert_intermediate_size=plan.shared_intermediate_per_rank)
 
 
 def shard_decoder(model, plan: TPPlan, rank: int, reduce: Reduce) -> None:
@@ -106,9 +116,6 @@ def shard_decoder(model, plan: TPPlan, rank: int, reduce: Reduce) -> None:
 
 
 def _check(model, plan: TPPlan, rank: int) -> None:
-    if model.cfg.is_moe:
-        raise ValueError(f"tensor parallelism splits no mixture-of-experts layers yet "
-                         f"({model.cfg.model_type}: {model.cfg.num_experts} experts)")
     if getattr(model, "tp_size", 1) != 1:
         raise ValueError(f"the model is sharded already (rank {model.tp_rank} of "
                          f"{model.tp_size}); load it again to shard it otherwise")
@@ -131,16 +138,15 @@ def _check(model, plan: TPPlan, rank: int) -> None:
             f"the plan ({FIELD}={plan.tp_size}, {plan.heads_per_rank} heads / "
             f"{plan.kv_heads_per_rank} KV heads / {plan.intermediate_per_rank} MLP a rank) is "
             f"not this model's (num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
-            f"head_dim={cfg.head_dim}, intermediate_size={cfg.intermediate_size}): make it "
+            f"head_dim={cfg.head_dim}, intermediate_size={cfg.intermediate_size}, "
+            f"moe_intermediate_size={cfg.moe_intermediate_size}): make it "
             f"with plan_tensor_parallel(model.cfg, {plan.tp_size})")
 
 
 def _check_blocks(model, plan: TPPlan) -> None:
     """ValueError unless every GGUF-block row-parallel matrix splits at whole blocks."""
-    cfg = model.cfg
     for i, layer in enumerate(model.layers):
-        for name, w, k in (("o_proj", layer.o_weight, cfg.q_size),
-                           ("down_proj", layer.down_weight, cfg.intermediate_size)):
+        for name, w, k in _row_parallel(model.cfg, layer):
             if not isinstance(w, BlockWeight):
                 continue
             for kind in w.kinds:
@@ -152,15 +158,45 @@ def _check_blocks(model, plan: TPPlan) -> None:
                                      f"(float weights split wherever the heads do)") from e
 
 
+def _row_parallel(cfg: ModelConfig, layer) -> list[tuple[str, torch.Tensor, int]]:
+    """(name, matrix, K) of a layer's row-parallel matrices: o and down, or o and every
+    expert's down (and the shared expert's)."""
+    out = [("o_proj", layer.o_weight, cfg.q_size)]
+    if layer.moe is None:
+        return out + [("down_proj", layer.down_weight, cfg.intermediate_size)]
+    out += [(f"experts.{j}.down_proj", e.down_weight, cfg.moe_intermediate_size)
+            for j, e in enumerate(layer.moe.experts)]
+    if layer.moe.shared is not None:
+        out.append(("shared_expert.down_proj", layer.moe.shared.down_weight,
+                    cfg.shared_expert_intermediate_size))
+    return out
+
+
 def _shard_layer(layer, shard: RankShard, local: ModelConfig, name: str) -> None:
     _put(layer, "qkv_weight", take_rows(layer.qkv_weight, shard.qkv_rows, f"{name}.qkv"))
     if layer.qkv_bias is not None:
         _put(layer, "qkv_bias", take_rows(layer.qkv_bias, shard.qkv_rows, f"{name}.qkv_bias"))
-    _put(layer, "gate_up_weight",
-         take_rows(layer.gate_up_weight, shard.gate_up_rows, f"{name}.gate_up"))
     _put(layer, "o_weight", take_columns(layer.o_weight, shard.o_cols, f"{name}.o"))
-    _put(layer, "down_weight", take_columns(layer.down_weight, shard.down_cols, f"{name}.down"))
+    if layer.moe is None:
+        _put(layer, "gate_up_weight",
+             take_rows(layer.gate_up_weight, shard.gate_up_rows, f"{name}.gate_up"))
+        _put(layer, "down_weight",
+             take_columns(layer.down_weight, shard.down_cols, f"{name}.down"))
+    else:
+        moe = layer.moe
+        for j, e in enumerate(moe.experts):
+            _shard_expert(e, shard.expert_gate_up_rows, shard.expert_rows,
+                          f"{name}.experts.{j}")
+        if moe.shared is not None:
+            _shard_expert(moe.shared, shard.shared_gate_up_rows, shard.shared_rows,
+                          f"{name}.shared_expert")
+        moe.cfg = local  # (the router and the shared expert's gate: whole on every rank)
     layer.cfg = local
+
+
+def _shard_expert(e, gate_up_rows: Sequence[Span], cols: Span, name: str) -> None:
+    _put(e, "gate_up_weight", take_rows(e.gate_up_weight, gate_up_rows, f"{name}.gate_up"))
+    _put(e, "down_weight", take_columns(e.down_weight, cols, f"{name}.down"))
 
 
 def _put(module: nn.Module, attr: str, value: torch.Tensor) -> None:

@@ -8,10 +8,19 @@ Megatron-style split of a Llama-family layer over N ranks:
 - row-parallel (each rank some input columns, then an all-reduce of the partial sums): o (the
   columns of its query heads), down (the columns of its MLP share).
 
+Mixture-of-experts layers (qwen3_moe, mixtral, qwen2_moe) split every expert by its width, as
+the dense MLP: each rank holds every expert's gate and up rows of its share of the expert width
+(``expert_rows``; ``moe_intermediate_size``, mixtral's ``intermediate_size``) and down's matching
+columns; qwen2_moe's shared expert is split the same way over its own width (``shared_rows``);
+the router and the shared expert's gate are replicated (every rank routes every row the same
+way). The layer's output (routed experts plus shared expert) is one partial sum a rank, reduced
+once before the residual add.
+
 Rules (``plan_tensor_parallel``; every violation a ValueError naming ``tensor_parallel_size``,
 the value, the model's numbers and the sizes that work):
 
-- N divides ``num_heads`` and ``intermediate_size``;
+- N divides ``num_heads`` and ``intermediate_size`` (an MoE: the experts' width and the shared
+  expert's; qwen MoE families' dense ``intermediate_size`` is used by no layer and not split);
 - KV heads: split when N divides ``num_kv_heads`` (rank r: heads [r kv/N, (r+1) kv/N));
   replicated when N is a multiple of them (each rank holds one, ``max(1, kv // N)``: rank r
   uses KV head ``r // (N // kv)``, the one its query heads read); any other N is refused;
@@ -45,7 +54,8 @@ from dataclasses import dataclass
 from specdec.models.decoder.config import ModelConfig
 
 FIELD = "tensor_parallel_size"
-ROW_PARALLEL = ("o_proj", "down_proj")  # the matrices cut along K (their input)
+# the matrices cut along K (their input); an MoE: each expert's down, the shared expert's down
+ROW_PARALLEL = ("o_proj", "down_proj", "experts.down_proj", "shared_expert.down_proj")
 # weights per block along K, by GGUF type (specdec.models.gguf.types: BLOCK, QK_K)
 GGUF_BLOCK_SIZES = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
                     "Q2_K": 256, "Q3_K": 256, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256,
@@ -112,6 +122,11 @@ class RankShard:
     matrices (HF layout): ``q_rows`` of q_proj, ``k_rows`` of k_proj, ``v_rows`` of v_proj,
     ``gate_rows`` of gate_proj, ``up_rows`` of up_proj. Columns of the row-parallel ones:
     ``o_cols`` of o_proj (= ``q_rows``), ``down_cols`` of down_proj (= ``gate_rows``).
+
+    Mixture of experts: ``expert_rows`` the rank's rows of every expert's gate_proj and up_proj
+    (and columns of its down_proj) out of ``expert_width``; ``shared_rows`` the same of the
+    shared expert (qwen2_moe; (0, 0) without one) out of ``shared_width``. A dense model:
+    (0, 0) and 0.
     """
     rank: int
     q_heads: Span
@@ -126,6 +141,10 @@ class RankShard:
     q_size: int  # the full model's num_heads * head_dim (the fused matrices' offsets)
     kv_size: int  # the full model's num_kv_heads * head_dim
     intermediate_size: int
+    expert_rows: Span = (0, 0)
+    shared_rows: Span = (0, 0)
+    expert_width: int = 0  # the full model's moe_intermediate_size (0: dense)
+    shared_width: int = 0  # the full model's shared_expert_intermediate_size (0: none)
 
     @property
     def qkv_rows(self) -> tuple[Span, Span, Span]:
@@ -138,6 +157,16 @@ class RankShard:
     def gate_up_rows(self) -> tuple[Span, Span]:
         """gate and up row ranges inside the decoder's fused [gate | up] weight."""
         return (self.gate_rows, _shift(self.up_rows, self.intermediate_size))
+
+    @property
+    def expert_gate_up_rows(self) -> tuple[Span, Span]:
+        """gate and up row ranges inside each expert's fused [gate | up] weight."""
+        return (self.expert_rows, _shift(self.expert_rows, self.expert_width))
+
+    @property
+    def shared_gate_up_rows(self) -> tuple[Span, Span]:
+        """gate and up row ranges inside the shared expert's fused [gate | up] weight."""
+        return (self.shared_rows, _shift(self.shared_rows, self.shared_width))
 
 
 def _shift(span: Span, by: int) -> Span:
@@ -153,6 +182,8 @@ class TPPlan:
     kv_replicated: bool  # tp_size > num_kv_heads: ranks share KV heads (each stores one)
     intermediate_per_rank: int
     ranks: tuple[RankShard, ...]
+    expert_intermediate_per_rank: int = 0  # an MoE: each expert's width a rank (0: dense)
+    shared_intermediate_per_rank: int = 0  # qwen2_moe: the shared expert's width a rank
 
     def kv_head_of_rank(self, rank: int) -> int:
         """The first (with replication: the only) KV head rank ``rank`` uses."""
@@ -168,13 +199,20 @@ def tp_sizes_that_work(cfg: ModelConfig,
 def _problem(cfg: ModelConfig, n: int, blocks: Mapping[str, int] | None) -> str | None:
     """Why N does not work for this model (None when it does)."""
     heads, kv, inter = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
-    if n > 1 and cfg.is_moe:
-        return (f"splits no mixture-of-experts layers yet ({cfg.model_type}: "
-                f"{cfg.num_experts} experts)")
     if heads % n:
         return f"does not divide num_heads={heads} of this model"
-    if inter % n:
+    if not cfg.is_moe and inter % n:
         return f"does not divide intermediate_size={inter} of this model"
+    if cfg.is_moe:
+        width = cfg.moe_intermediate_size
+        field = "intermediate_size" if cfg.model_type == "mixtral" else "moe_intermediate_size"
+        if width % n:
+            return (f"does not divide {field}={width} of this model (each of its "
+                    f"{cfg.num_experts} experts' width, split inside every expert)")
+        shared = cfg.shared_expert_intermediate_size
+        if shared % n:
+            return (f"does not divide shared_expert_intermediate_size={shared} of this model "
+                    f"(its shared expert's width)")
     if kv % n and n % kv:
         return (f"neither divides num_kv_heads={kv} of this model (to split them) nor is a "
                 f"multiple of it (to replicate them)")
@@ -187,7 +225,29 @@ def _problem(cfg: ModelConfig, n: int, blocks: Mapping[str, int] | None) -> str 
 
 
 def _row_parallel_k(cfg: ModelConfig) -> dict[str, int]:
-    return {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+    if not cfg.is_moe:
+        return {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+    out = {"o_proj": cfg.num_heads * cfg.head_dim,
+           "experts.down_proj": cfg.moe_intermediate_size}
+    if cfg.shared_expert_intermediate_size:
+        out["shared_expert.down_proj"] = cfg.shared_expert_intermediate_size
+    return out
+
+
+def _split_dense_mlp(cfg: ModelConfig) -> bool:
+    """Whether ``intermediate_size`` is split: a dense model's MLP width, mixtral's experts'
+    width; the qwen MoE families' is used by no layer (kept whole)."""
+    return not cfg.is_moe or cfg.model_type == "mixtral"
+
+
+def _widths(cfg: ModelConfig) -> str:
+    if not cfg.is_moe:
+        return f"intermediate_size={cfg.intermediate_size}"
+    out = (f"intermediate_size={cfg.intermediate_size}" if cfg.model_type == "mixtral" else
+           f"moe_intermediate_size={cfg.moe_intermediate_size}")
+    if cfg.shared_expert_intermediate_size:
+        out += f", shared_expert_intermediate_size={cfg.shared_expert_intermediate_size}"
+    return out
 
 
 def plan_tensor_parallel(cfg: ModelConfig, tp_size: int,
@@ -196,8 +256,8 @@ def plan_tensor_parallel(cfg: ModelConfig, tp_size: int,
     the model's numbers and the sizes that work.
 
     ``row_parallel_blocks``: the block size of each quantized row-parallel matrix, by name
-    ("o_proj", "down_proj"; e.g. ``{"o_proj": block_size("Q4_K")}``); a matrix left out is
-    float (any cut).
+    ("o_proj", "down_proj"; an MoE's "experts.down_proj", "shared_expert.down_proj"; e.g.
+    ``{"o_proj": block_size("Q4_K")}``); a matrix left out is float (any cut).
     """
     _check_size(tp_size)
     unknown = set(row_parallel_blocks or {}) - set(ROW_PARALLEL)
@@ -210,9 +270,12 @@ def plan_tensor_parallel(cfg: ModelConfig, tp_size: int,
         heads, kv = cfg.num_heads, cfg.num_kv_heads
         works = ", ".join(map(str, tp_sizes_that_work(cfg, row_parallel_blocks)))
         raise ValueError(f"{FIELD}={n} {why}; sizes that work: {works} (num_heads={heads}, "
-                         f"num_kv_heads={kv}, intermediate_size={cfg.intermediate_size})")
+                         f"num_kv_heads={kv}, {_widths(cfg)})")
     hd, inter = cfg.head_dim, cfg.intermediate_size
-    heads_per, inter_per = cfg.num_heads // n, inter // n
+    heads_per = cfg.num_heads // n
+    inter_per = inter // n if _split_dense_mlp(cfg) else inter
+    ew, sw = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    ew_per, sw_per = ew // n, sw // n
     replicated = n > cfg.num_kv_heads
     kv_per = max(1, cfg.num_kv_heads // n)
     ranks = []
@@ -222,11 +285,15 @@ def plan_tensor_parallel(cfg: ModelConfig, tp_size: int,
         kv_heads = (kv0, kv0 + kv_per)
         q_rows = (q_heads[0] * hd, q_heads[1] * hd)
         kv_rows = (kv_heads[0] * hd, kv_heads[1] * hd)
-        mlp = (r * inter_per, (r + 1) * inter_per)
+        mlp = ((r * inter_per, (r + 1) * inter_per) if _split_dense_mlp(cfg) else (0, inter))
         ranks.append(RankShard(rank=r, q_heads=q_heads, kv_heads=kv_heads, q_rows=q_rows,
                                k_rows=kv_rows, v_rows=kv_rows, gate_rows=mlp, up_rows=mlp,
                                o_cols=q_rows, down_cols=mlp, q_size=cfg.q_size,
-                               kv_size=cfg.kv_size, intermediate_size=inter))
+                               kv_size=cfg.kv_size, intermediate_size=inter,
+                               expert_rows=(r * ew_per, (r + 1) * ew_per),
+                               shared_rows=(r * sw_per, (r + 1) * sw_per),
+                               expert_width=ew, shared_width=sw))
     return TPPlan(tp_size=n, heads_per_rank=heads_per, kv_heads_per_rank=kv_per,
                   kv_replicated=replicated, intermediate_per_rank=inter_per,
-                  ranks=tuple(ranks))
+                  ranks=tuple(ranks), expert_intermediate_per_rank=ew_per,
+                  shared_intermediate_per_rank=sw_per)

@@ -110,6 +110,11 @@ def load(folder: str, dtype: torch.dtype, kernels: str, group: TPGroup | None = 
     return model, plan
 
 
+def _down(layer) -> torch.Tensor:
+    """The layer's down weight: its dense MLP's, or its first expert's (a mixture of experts)."""
+    return layer.down_weight if layer.moe is None else layer.moe.experts[0].down_weight
+
+
 def model_checks(group: TPGroup, cases: list[tuple[str, str, str]]) -> dict:
     """See the module docstring; returns rank 0's report: per case, the largest difference of
     each output to the unsharded model's, and what the rank's model looked like."""
@@ -140,9 +145,20 @@ def model_checks(group: TPGroup, cases: list[tuple[str, str, str]]) -> dict:
                  "full_heads": model.full_cfg.num_heads,
                  "qkv_shape": tuple(model.layers[0].qkv_weight.shape),
                  "o_shape": tuple(model.layers[0].o_weight.shape),
-                 "down_shape": tuple(model.layers[0].down_weight.shape),
+                 "down_shape": tuple(_down(model.layers[0]).shape),
                  "o_contiguous": model.layers[0].o_weight.is_contiguous(),
                  "refusal": model.compiled_refusal(), "fused": model.fused is not None}
+        if model.cfg.is_moe:
+            moe = model.layers[0].moe
+            entry["moe"] = {
+                "gate_up_shape": tuple(moe.experts[0].gate_up_weight.shape),
+                "router_shape": tuple(moe.router_weight.shape),
+                "shared_shapes": None if moe.shared is None else (
+                    tuple(moe.shared.gate_up_weight.shape),
+                    tuple(moe.shared.down_weight.shape), tuple(moe.shared_gate_weight.shape)),
+                "widths": (model.cfg.moe_intermediate_size,
+                           model.cfg.shared_expert_intermediate_size),
+                "woken": model.experts_woken()}
         if rank == 0:
             full, _ = load(folder, dtype, kernels)
             ref = run_case(full, None)

@@ -409,13 +409,14 @@ def test_bf16_checkpoint_own_bytes_and_quantized(moe_models, family, tmp_path):
     assert _greedy_logprobs(spec) == _greedy_logprobs(plain)
 
 
-def test_tensor_parallelism_refuses_experts_by_name(moe_models):
+def test_tensor_parallelism_splits_experts_by_their_width(moe_models):
+    """(tests/distributed/test_tp_moe.py runs sharded MoEs against the unsharded ones.)"""
     from specdec.distributed.shard_model import shard_decoder
     from specdec.distributed.sharding import plan_tensor_parallel, tp_sizes_that_work
 
     model, cfg, _ = load_model(moe_models["qwen3_moe"], torch.float32, "cpu", 64)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 splits no mixture-of-experts"):
-        plan_tensor_parallel(cfg, 2)
-    assert tp_sizes_that_work(cfg) == [1]
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        shard_decoder(model, plan_tensor_parallel(cfg, 1), 0, lambda x: x)
+    assert tp_sizes_that_work(cfg) == [1, 2, 4]  # 4 heads, experts of 32
+    shard_decoder(model, plan_tensor_parallel(cfg, 2), 1, lambda x: x)
+    assert model.layers[0].moe.experts[0].down_weight.shape == (64, 16)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide num_heads=4"):
+        plan_tensor_parallel(cfg, 3)

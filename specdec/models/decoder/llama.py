@@ -15,7 +15,9 @@ layer call (``compiled_refusal`` names it): its layers run as the torch ops belo
 Tensor parallelism (specdec.distributed.shard_model): a rank's decoder holds its share of each
 layer (its query / KV heads' rows of q|k|v, its MLP share of gate|up, the matching columns of o
 and down) and a per-rank ``cfg``; each layer's ``reduce`` (the group's exact all-reduce) sums
-the o and down projections' partial outputs before the residual add. ``reduce`` None (TP 1,
+the o and down projections' partial outputs before the residual add (a mixture of experts: the
+rank's share of every expert's width and of the shared expert's, the MoE output reduced once).
+``reduce`` None (TP 1,
 every model not sharded) is the plain layer, bitwise. A sharded model (``tp_size > 1``) never
 runs the compiled layer call ``fused`` (it has no all-reduce between its matmuls):
 ``compiled_refusal`` says so to the kernel setup, and ``forward`` skips ``fused`` at
@@ -61,7 +63,8 @@ class DecoderLayer(nn.Module):
 
     ``reduce``: None, or the row-parallel all-reduce of tensor parallelism (a rank's partial
     sums [T, hidden] -> their sum over the ranks; specdec.distributed.shard_model installs
-    it): the o and down projections' outputs go through it before the residual add.
+    it): the o and down projections' outputs (an MoE: the routed experts' and the shared
+    expert's sum) go through it before the residual add.
     """
 
     # tensor parallelism's all-reduce of the o / down outputs (None: not sharded, no call)
@@ -142,10 +145,11 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor, mm: Matmul = F.linear) -> torch.Tensor:
         h = rms_norm(x, self.post_attn_norm, self.cfg.rms_norm_eps)
-        if self.moe is not None:  # tensor parallelism does not split experts (refused there)
-            return x + self.moe(h, mm)
-        gate, up = mm(h, self.gate_up_weight, None).chunk(2, dim=-1)
-        out = mm(F.silu(gate) * up, self.down_weight, None)
+        if self.moe is not None:  # (tensor parallel: the rank's share of every expert)
+            out = self.moe(h, mm)
+        else:
+            gate, up = mm(h, self.gate_up_weight, None).chunk(2, dim=-1)
+            out = mm(F.silu(gate) * up, self.down_weight, None)
         if self.reduce is not None:  # tensor parallel: this rank's MLP share's partial sums
             out = self.reduce(out)
         return x + out
