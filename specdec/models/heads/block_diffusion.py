@@ -61,10 +61,12 @@ class BlockDiffusionConfig(LayerShape):
     def for_target(cls, target: ModelConfig, draft_vocab_size: int, num_layers: int = 1,
                    block_size: int = 8,
                    target_layer_ids: tuple[int, ...] | None = None) -> BlockDiffusionConfig:
-        """Layers shaped like the target's (the usual choice)."""
+        """Layers shaped like the target's (the usual choice; a mixture-of-experts target's:
+        dense layers as wide as one of its experts)."""
         ids = tuple(target_layer_ids or default_target_layer_ids(target.num_layers))
+        width = target.moe_intermediate_size if target.is_moe else target.intermediate_size
         return cls(target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
-                   target.intermediate_size, target.rms_norm_eps, target.vocab_size,
+                   width, target.rms_norm_eps, target.vocab_size,
                    draft_vocab_size, target.hidden_size, target.num_layers, ids, num_layers,
                    block_size, target.max_position_embeddings)
 
@@ -112,13 +114,19 @@ class BlockDiffusionModel(TokenMap, FeatureHead):
         """A new drafter that starts close to the target's top: its layers copied from the
         target's last ``num_layers`` layers, fc reading the last fused layer as is, the final
         norm and the draft-vocabulary rows of the LM head the target's, every MASK its mean
-        embedding."""
+        embedding. A mixture-of-experts target's layer gives its attention and norms, and
+        its experts' mean (weights averaged) as the dense MLP (``for_target``: as wide as an
+        expert)."""
         self.set_vocab(used_ids)
         c, h = self.config, self.config.hidden_size
         with torch.no_grad():
             for mine, theirs in zip(self.layers, target.layers[-c.num_layers:]):
                 for name, p in mine.named_parameters():
-                    p.copy_(getattr(theirs, name))
+                    if theirs.moe is not None and name in ("gate_up_weight", "down_weight"):
+                        experts = [getattr(e, name) for e in theirs.moe.experts]
+                        p.copy_(torch.stack([w.float() for w in experts]).mean(0))
+                    else:
+                        p.copy_(getattr(theirs, name))
             self.fc.zero_()
             self.fc[:, -c.target_hidden_size:].copy_(torch.eye(h))
             self.hidden_norm.copy_(self.layers[0].input_norm)
