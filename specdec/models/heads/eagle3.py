@@ -48,6 +48,10 @@ class Eagle3Config(LayerShape):
                    aux_layer_ids: tuple[int, int, int] | None = None) -> Eagle3Config:
         """A head shaped like one target layer (the usual EAGLE-3 choice)."""
         ids = tuple(aux_layer_ids or default_aux_layer_ids(target.num_layers))
+        if not all(isinstance(j, int) and 1 <= j < target.num_layers for j in ids):
+            raise ValueError(f"aux_layer_ids {ids} must be in [1, {target.num_layers - 1}]: "
+                             "the inputs of the target's layers 1..L-1 (layer 0's input is the "
+                             "embedding, which the head reads anyway)")
         return cls(target.hidden_size, target.num_heads, target.num_kv_heads, target.head_dim,
                    target.intermediate_size, target.rms_norm_eps, target.vocab_size,
                    draft_vocab_size, target.hidden_size, target.num_layers, ids,
