@@ -44,13 +44,12 @@ def generate(folder, tp: int, prompts=PROMPTS, params=GREEDY, **kw) -> list[list
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("tp", [2, 3])
-def test_speculation_is_plain_decoding_at_tp(folder, tp):
-    plain = generate(folder, tp)
-    assert generate(folder, tp, drafter="ngram", controller="static",
+def test_speculation_is_plain_decoding_at_tp(folder):
+    """(3 ranks: test_tp_speculation.py's MTP trees, test_tp_cli.py's SmolLM2 at TP 3.)"""
+    plain = generate(folder, 2)
+    assert generate(folder, 2, drafter="ngram", controller="static",
                     controller_args={"budget": 4}) == plain
-    if tp == 2:  # (suffix at 3 ranks adds ~6 s and nothing a rank count changes)
-        assert generate(folder, tp, drafter="suffix") == plain
+    assert generate(folder, 2, drafter="suffix") == plain
 
 
 def test_float64_tokens_agree_with_one_rank(folder):
