@@ -62,6 +62,7 @@ def run(llm, b):
 
 
 truth = {tuple(q): plain.generate([q], params)[0].token_ids for q in prompts}
+plain.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # plain warm-up at batch 8
 out = {"model": a.model, "threads": torch.get_num_threads(), "loadavg_start": os.getloadavg(),
        "depth": a.depth, "max_new_tokens": a.max_new_tokens, "num_prompts": len(prompts),
        "b1_prompts": a.b1_prompts, "repeats": a.repeats, "runs": []}
