@@ -144,11 +144,7 @@ class StepCosts:
 
     def save(self, path: Path) -> None:
         """Written to a temporary file and renamed: a torn write never looks like a table."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n")
-        os.replace(tmp, path)
+        write_json_atomically(path, self.to_dict())
 
 
 class ExpertCosts:
@@ -288,11 +284,7 @@ class ExpertCosts:
             return None
 
     def save(self, path: Path) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.to_dict()) + "\n")
-        os.replace(tmp, path)
+        write_json_atomically(path, self.to_dict())
 
     @classmethod
     def from_step_costs(cls, costs: StepCosts, num_experts: int, top_k: int) -> ExpertCosts:
@@ -492,3 +484,13 @@ def profile_experts(runner, grid: tuple[int, ...], context: int = DEFAULT_CONTEX
     finally:
         kv.release(table)
     return ExpertCosts(cfg.num_experts, cfg.num_experts_per_tok, points)
+
+
+def write_json_atomically(path: Path, data) -> None:
+    """``data`` as JSON at ``path``, written to a temporary file and renamed: a torn write
+    never looks like a table."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)

@@ -40,14 +40,20 @@ logger = logging.getLogger("specdec")
 CPU_PROFILE_ROWS = 32
 
 
-def engine_step_costs(engine) -> StepCosts:
-    """Reads the engine's runner, config, model config, dtype, device, kernels, max_model_len."""
+def _plan(engine) -> tuple[tuple[int, ...], int, int, tuple[int, ...]]:
+    """(the row counts wanted, the KV's free slots, the context and the row counts that fit)
+    of the engine's profile (``plan_profile``)."""
     most = engine.config.max_num_batched_tokens
     if engine.device.type == "cpu":
         most = min(most, CPU_PROFILE_ROWS)
     wanted = tuple(n for n in DEFAULT_GRID if n <= most)
     free = engine.runner.kv.num_free_pages * engine.config.page_size
-    context, grid = plan_profile(wanted, free, engine.max_model_len)
+    return (wanted, free, *plan_profile(wanted, free, engine.max_model_len))
+
+
+def engine_step_costs(engine) -> StepCosts:
+    """Reads the engine's runner, config, model config, dtype, device, kernels, max_model_len."""
+    wanted, free, context, grid = _plan(engine)
     if len(grid) < 2:
         return _flat_costs(engine, wanted, context, grid, free)
     if context != DEFAULT_CONTEXT or grid != wanted:
@@ -76,12 +82,7 @@ def engine_expert_costs(engine) -> ExpertCosts | None:
     cfg = engine.model_config
     if not cfg.is_moe:
         return None
-    most = engine.config.max_num_batched_tokens
-    if engine.device.type == "cpu":
-        most = min(most, CPU_PROFILE_ROWS)
-    wanted = tuple(n for n in DEFAULT_GRID if n <= most)
-    free = engine.runner.kv.num_free_pages * engine.config.page_size
-    context, grid = plan_profile(wanted, free, engine.max_model_len)
+    _, _, context, grid = _plan(engine)
     if len(grid) < 2:
         return ExpertCosts.from_step_costs(engine_step_costs(engine), cfg.num_experts,
                                            cfg.num_experts_per_tok)
