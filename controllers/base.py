@@ -52,7 +52,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from specdec.controllers.costs import ExpertCosts, StepCosts
+    from specdec.controllers.costs import StepCosts
+    from specdec.controllers.expert_costs import ExpertCosts
     from specdec.tree import DraftTree
 
 
@@ -166,7 +167,7 @@ class ControllerContext:
     # for a single drafter. A controller may name a subset in DraftBudget.sources
     sources: tuple[str, ...] = ()
     # a mixture-of-experts target: its forward seconds by rows and experts woken, the prior
-    # profiled on the target (``controllers.costs.ExpertCosts``, cached); None: a dense target
+    # profiled on the target (``controllers.expert_costs.ExpertCosts``, cached); None: a dense target
     expert_costs: Callable[[], ExpertCosts | None] | None = None
 
 

@@ -10,7 +10,7 @@ committed tokens per second, from measured acceptance and a measured cost model.
 * On a mixture-of-experts target (``ControllerContext.expert_costs``), ``T`` is priced by the
   experts a step is expected to wake instead: ``T = a + b * x + c * rows`` with ``x`` the
   distinct experts per layer that ``rows`` rows over the step's sequences are expected to wake
-  (``costs.ExpertCosts``: the expert growth ``g`` of an extra row learned from the routing of
+  (``expert_costs.ExpertCosts``: the expert growth ``g`` of an extra row learned from the routing of
   recent steps, ``a, b, c`` fitted to the profile and every step's measured forward). Where
   neighbouring tokens route alike (small ``g``) a deeper tree wakes few new experts and costs
   little more; where they do not, each node streams new experts and the plan holds back. Both
@@ -60,7 +60,8 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
-from specdec.controllers.costs import ExpertCosts, StepCosts
+from specdec.controllers.costs import StepCosts
+from specdec.controllers.expert_costs import ExpertCosts
 from specdec.controllers.exploration import ExplorationClock
 
 GAIN_FLOOR = 0.01  # chain nodes less likely than this to be accepted are not planned

@@ -24,7 +24,8 @@ import torch
 from specdec import plugins
 from specdec.config import EngineConfig
 from specdec.controllers.base import BaseController, ControllerContext
-from specdec.controllers.costs import ExpertCosts, StepCosts
+from specdec.controllers.costs import StepCosts
+from specdec.controllers.expert_costs import ExpertCosts
 from specdec.distributed.engine_tp import TensorParallel, check_plan, shard_config
 from specdec.distributed.shard_model import shard_decoder
 from specdec.drafters.base import BaseDrafter, TargetInfo

@@ -21,12 +21,11 @@ import torch
 from specdec.controllers.costs import (
     DEFAULT_CONTEXT,
     DEFAULT_GRID,
-    ExpertCosts,
     StepCosts,
     plan_profile,
-    profile_experts,
     profile_forward,
 )
+from specdec.controllers.expert_costs import ExpertCosts, profile_experts
 from specdec.models.aliases import cache_dir
 from specdec.models.matmul.linear import cache_key
 
@@ -76,7 +75,7 @@ def engine_step_costs(engine) -> StepCosts:
 def engine_expert_costs(engine) -> ExpertCosts | None:
     """``LLMEngine.expert_costs``: on a mixture-of-experts target, the forward's seconds by rows
     and experts woken, its prior profiled over the same plan as ``engine_step_costs`` (each row
-    count with random ids and with one repeated id: ``costs.profile_experts``), cached beside
+    count with random ids and with one repeated id: ``expert_costs.profile_experts``), cached beside
     it. None for a dense target. Where not even two grid points fit, the prior is the rows
     curve's (``ExpertCosts.from_step_costs``), reshaped by the steps."""
     cfg = engine.model_config

@@ -16,7 +16,8 @@ from specdec.controllers.base import (
     RequestView,
     StepReport,
 )
-from specdec.controllers.costs import ExpertCosts, StepCosts
+from specdec.controllers.costs import StepCosts
+from specdec.controllers.expert_costs import ExpertCosts
 from specdec.controllers.goodput import GoodputController
 from specdec.tree import DraftTree
 

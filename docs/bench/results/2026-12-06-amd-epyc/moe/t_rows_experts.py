@@ -10,7 +10,7 @@ logits for every row, fastest of >= repeats runs). Also a dense file's T(rows) f
 import argparse, json, os, statistics, torch
 from specdec import LLM
 from specdec.kv.block_table import BlockTable
-from specdec.controllers.costs import _time_forward, DEFAULT_CONTEXT
+from specdec.controllers.costs import DEFAULT_CONTEXT, time_forward as _time_forward
 
 p = argparse.ArgumentParser()
 p.add_argument("--model", required=True)
