@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.tree import DraftTree, read_to_host
+from specdec.tree import DraftTree
+from specdec.tree_read import read_to_host
 
 
 @dataclass

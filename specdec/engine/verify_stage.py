@@ -17,7 +17,8 @@ from specdec import plugins
 from specdec.engine.step import Failures, StepRequest
 from specdec.logits.logprobs import token_logprobs
 from specdec.sampling import logits_to_probs, params_to_tensors
-from specdec.tree import DraftTree, read_to_host
+from specdec.tree import DraftTree
+from specdec.tree_read import read_to_host
 from specdec.verifiers.base import VerifyBatch, VerifyOutput, VerifyResult, host_copy
 
 _EMPTY = DraftTree.empty()

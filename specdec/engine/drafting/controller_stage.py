@@ -31,7 +31,7 @@ from specdec.controllers.base import (
 from specdec.engine.sequence import Sequence
 from specdec.engine.step import Failures, StepRequest
 from specdec.metrics import StepStats, forward_seconds
-from specdec.tree import read_to_host
+from specdec.tree_read import read_to_host
 
 IDLE_CHECK = 32  # decode steps at budget 0 between two keep_drafting questions (the first at 1)
 
