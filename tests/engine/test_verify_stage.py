@@ -202,6 +202,7 @@ class OnDevice(BaseDrafter):
         pass
 
     bad_parents = False  # MARK requests' trees: a parent after its child instead
+    on_host = False  # the same trees as host tensors (the engine's host path)
 
     def propose(self, requests):
         trees = []
@@ -213,9 +214,9 @@ class OnDevice(BaseDrafter):
             if marked and self.bad_parents:
                 parents = [-1, 2, 0]
             n = min(3, r.budget.max_nodes)
-            trees.append(DraftTree.on_device(torch.tensor(tokens[:n]),
-                                             torch.tensor(parents[:n]),
-                                             torch.tensor([0.5, 0.25, 0.125][:n])))
+            make = DraftTree if self.on_host else DraftTree.on_device
+            trees.append(make(torch.tensor(tokens[:n]), torch.tensor(parents[:n]),
+                              path_probs=torch.tensor([0.5, 0.25, 0.125][:n])))
         return trees
 
 
@@ -254,3 +255,28 @@ def test_drafts_on_the_device_come_with_the_one_read_and_a_bad_one_fails_its_req
     assert outs[0].metrics.draft_tokens_proposed > 0
     pool = llm.engine.kv.pool
     assert pool.num_free == pool.num_pages and not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("verifier", ["gumbel", "rejection"])
+def test_sampled_requests_with_drafts_on_the_device_draw_what_the_host_path_draws(
+        tiny_llama, verifier, monkeypatch):
+    """Seeded sampled requests draw the same tokens with trees left on the device as with the
+    same trees on the host (each verifier's read brings them: the gumbel walk along with its
+    targets, the rejection layout in a read of its own); with gumbel, also plain decoding's."""
+    prompts = [PROMPTS[0], PROMPTS[2]]  # (no MARK request: every tree is well formed)
+    params = [SamplingParams(temperature=0.9, seed=s, max_tokens=10, ignore_eos=True)
+              for s in (3, 4)]
+
+    def run(on_host: bool) -> list[list[int]]:
+        monkeypatch.setattr(OnDevice, "on_host", on_host)
+        outs = LLM(model=str(tiny_llama), dtype="float64", controller="static",
+                   drafter="on_device", plugins=(DevicePlugin(),), verifier=verifier,
+                   controller_args={"budget": 3}).generate(prompts, params)
+        assert sum(o.metrics.draft_tokens_proposed for o in outs) > 0
+        return [o.token_ids for o in outs]
+
+    device = run(False)
+    assert device == run(True)
+    if verifier == "gumbel":  # (rejection sampling keeps the distribution, not the draws)
+        plain = LLM(model=str(tiny_llama), dtype="float64").generate(prompts, params)
+        assert device == [o.token_ids for o in plain]
