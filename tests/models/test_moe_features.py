@@ -5,7 +5,10 @@ One tiny random folder per family (qwen3_moe, mixtral, qwen2_moe: 4 layers, 8 or
 float32, speculation gives plain decoding's tokens, token for token, for: suffix, mtp (random
 heads), block_diffusion (a random drafter), draft_model (a second model folder as the draft: a
 dense Llama, the MoE itself, its first 2 layers), the composition eagle3+ngram (a random head
-of depth 1: at depth 3 it took the whole budget and nothing was accepted on mixtral); a
+of depth 1: at depth 3 it took the whole budget and nothing was accepted on mixtral); in
+bfloat16 and with q8 activations (quantize="q8_0") every drafter, ngram and eagle3 alone too,
+each on one family (rotating), gives plain decoding's greedy tokens in those numbers (which
+part from float32's on most prompts), seeded samples too for one drafter per dtype; a
 block-diffusion drafter starts from an MoE's layers (attention, norms, its experts' mean as the
 MLP, an expert wide); prefix caching (the same prompt
 twice: a hit, the same tokens); n samples with a seed (equal with and without drafts); a KV cache
@@ -77,8 +80,13 @@ def moe(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _llm(folder, **kw) -> LLM:
-    return LLM(model=str(folder), dtype="float32", **{"max_model_len": 128, **kw})
+# the target's numbers: LLM keywords, and the dtype its drafters' heads are built in
+NUMBERS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+           "q8": dict(dtype="float32", quantize="q8_0", activations="q8")}
+
+
+def _llm(folder, numbers: str = "float32", **kw) -> LLM:
+    return LLM(model=str(folder), **{**NUMBERS[numbers], "max_model_len": 128, **kw})
 
 
 def _run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> tuple[list, int]:
@@ -91,22 +99,30 @@ def _run(llm: LLM, prompts=PROMPTS, params=GREEDY) -> tuple[list, int]:
 _PLAIN: dict = {}
 
 
-def _plain(moe, family) -> list:
-    if family not in _PLAIN:
-        _PLAIN[family] = _run(_llm(moe[family]))[0]
-    return _PLAIN[family]
+def _plain(moe, family, numbers: str = "float32") -> list:
+    if (family, numbers) not in _PLAIN:
+        _PLAIN[family, numbers] = _run(_llm(moe[family], numbers))[0]
+    return _PLAIN[family, numbers]
 
 
-def _drafter(name: str, moe, family) -> dict:
+def _drafter(name: str, moe, family, numbers: str = "float32") -> dict:
+    """LLM keywords of drafter ``name`` on ``moe[family]``, its heads in the target's dtype."""
     folder = moe[family]
-    model, cfg, hf = load_model(folder, torch.float32, "cpu", 128)
+    dtype = getattr(torch, NUMBERS[numbers]["dtype"])
+    model, cfg, hf = load_model(folder, dtype, "cpu", 128)
+    if name == "ngram":
+        return dict(drafter="ngram", drafter_args={"min_ngram": 1, "max_depth": 4})
     if name == "suffix":
         return dict(drafter="suffix")
+    if name == "eagle3":  # a random head: 3 siblings of depth 1 get some accepted everywhere
+        return dict(drafter="eagle3", drafter_args={
+            "head": random_head(model, cfg, hf, aux_layer_ids=(1, 2, 3)), "depth": 1,
+            "topk": 3})
     if name == "mtp":
         from specdec.models.heads.mtp import MTPConfig, MTPHeads
 
         torch.manual_seed(0)
-        heads = MTPHeads(MTPConfig.for_target(cfg, 64, 3), torch.float32)
+        heads = MTPHeads(MTPConfig.for_target(cfg, 64, 3), dtype)
         heads.init_from_target(model.head_weight,
                                torch.randperm(cfg.vocab_size)[:64].sort().values)
         return dict(drafter="mtp", drafter_args={"heads": heads})
@@ -131,6 +147,34 @@ def test_every_drafter_equals_plain_greedy(moe, family, drafter):
     got, accepted = _run(_llm(moe[family], **_drafter(drafter, moe, family), **STATIC))
     assert got == _plain(moe, family)
     assert accepted > 0, "no draft accepted: the test would pass vacuously"
+
+
+# one family per drafter and dtype (rotating, so each drafter meets two families over the two)
+DRAFTERS = ["ngram", "suffix", "mtp", "block_diffusion", "draft_model", "eagle3",
+            "eagle3+ngram"]
+CELLS = [(numbers, name, list(FAMILIES)[(i + shift) % len(FAMILIES)])
+         for numbers, shift in (("bfloat16", 0), ("q8", 1)) for i, name in enumerate(DRAFTERS)]
+SEEDED = {("bfloat16", "eagle3"), ("q8", "block_diffusion")}  # also seeded sampling
+
+
+@pytest.mark.parametrize(("numbers", "drafter", "family"), CELLS)
+def test_every_drafter_equals_plain_in_bfloat16_and_q8(moe, numbers, drafter, family):
+    """Issue #55: bfloat16 (LLM(dtype="bfloat16")) and q8 (a safetensors MoE quantized at load
+    to Q8_0 blocks, q8 activations): every drafter gives plain decoding's greedy tokens, some
+    draft accepted; for one drafter per dtype seeded samples equal too."""
+    spec = _llm(moe[family], numbers, **_drafter(drafter, moe, family, numbers), **STATIC)
+    if numbers == "q8":
+        assert (spec.engine.parts.weights, spec.engine.parts.activations) == ("q8_0", "q8")
+    else:
+        assert spec.engine.parts.dtype == torch.bfloat16
+    got, accepted = _run(spec)
+    assert got == _plain(moe, family, numbers)
+    assert accepted > 0, "no draft accepted: the test would pass vacuously"
+    if (numbers, drafter) in SEEDED:
+        params = [SamplingParams(seed=30 + i, temperature=0.8, max_tokens=16, ignore_eos=True)
+                  for i in range(len(PROMPTS))]
+        got, accepted = _run(spec, params=params)
+        assert got == _run(_llm(moe[family], numbers), params=params)[0] and accepted > 0
 
 
 def test_block_diffusion_starts_from_an_moe_targets_layers(moe):
