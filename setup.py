@@ -31,7 +31,8 @@ class BuildKernels(build_ext):
             raise
 
 
-SOURCES = ("cpu_kernels", "linear", "linear_q8", "attention", "layer", "suffix", "repack")
+SOURCES = ("cpu_kernels", "linear", "linear_q8", "attention", "layer", "moe", "suffix",
+           "repack")
 ext_modules = [Extension(
     "specdec._cpu_kernels", [f"specdec/native/{name}.c" for name in SOURCES],
     depends=["specdec/native/kernels.h"],

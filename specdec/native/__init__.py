@@ -48,7 +48,7 @@ from specdec.native.panels import (  # noqa: F401  (native.Panels etc. for calle
     Weight,
 )
 
-ABI = 15
+ABI = 16
 Q8_ISAS = ("avx2", "avx-vnni", "avx512-vnni", "amx")  # sd_q8_isa's values, by index
 FLOAT_ISAS = ("avx2", "avx512")  # sd_float_isa's values, by index
 logger = logging.getLogger("specdec")
@@ -65,7 +65,17 @@ class LayerArgs(ctypes.Structure):
                 ("kv_fmt", _I), ("page_size", _I),
                 *((n, _P) for n in ("write_index", "key_indptr", "key_index")),
                 ("max_keys", _I), ("scratch", _P), ("nthreads", _I),
-                ("qkv_input", _P), ("qkv_in", _I)]
+                ("qkv_input", _P), ("qkv_in", _I), ("moe", _P)]
+
+
+class MoEArgs(ctypes.Structure):
+    """sd_moe (specdec/native/moe.c): a mixture-of-experts layer's MLP (``LayerArgs.moe``
+    points at one): its router, each expert's gate|up and down (C arrays of ``Weight``), a
+    shared expert, and where the count of experts woken is written."""
+    _fields_ = [("n_experts", _I), ("top_k", _I), ("inter", _I), ("norm_topk", _I),
+                ("router", Weight), ("gate_up", _P), ("down", _P), ("shared_inter", _I),
+                ("shared_gate_up", Weight), ("shared_down", Weight), ("shared_gate", Weight),
+                ("woken", _P)]
 
 
 class StepArgs(ctypes.Structure):

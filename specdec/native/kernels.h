@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define SD_ABI 15
+#define SD_ABI 16
 
 /* the cache level the 8-bit-activation kernels (linear_q8.c) prefetch streamed weights into:
  * L2 (T1), not L1 (T0). A T0 prefetch holds one of L1's few fill buffers until its line arrives
@@ -113,6 +113,27 @@ typedef struct sd_weight {
     const struct sd_weight* parts;
     int64_t nparts;
 } sd_weight;
+
+/* a mixture-of-experts MLP (moe.c): n_experts experts of width `inter`, top_k a row, each
+ * expert's gate|up [2 inter, hidden] and down [hidden, inter] (arrays of n_experts); norm_topk:
+ * the top_k weights divided by their sum; shared_inter > 0: qwen2_moe's shared expert and its
+ * gate [1, hidden]; woken: where the count of distinct experts the rows routed to is written */
+typedef struct sd_moe {
+    int64_t n_experts, top_k, inter, norm_topk;
+    sd_weight router;
+    const sd_weight *gate_up, *down;
+    int64_t shared_inter;
+    sd_weight shared_gate_up, shared_down, shared_gate;
+    int64_t* woken;
+} sd_moe;
+
+/* 0 when m is a valid MLP for rows of `hidden`, else -1 */
+int sd_moe_check(const sd_moe* m, int64_t hidden);
+/* floats of scratch sd_moe_for needs for T rows in a team of nthreads */
+int64_t sd_moe_scratch(const sd_moe* m, int64_t T, int64_t hidden, int64_t nthreads);
+/* x[T, hidden] += the MLP of h[T, hidden], inside an OpenMP parallel region */
+void sd_moe_for(const sd_moe* m, const float* h, int64_t T, int64_t hidden, float* x,
+                float* scratch);
 
 /* a GGUF matrix's blocks of type `kind` (repack.c: RK_*) -> its panels in format `fmt`, bitwise
  * specdec/models/gguf_blocks.prepare / q8_activations.prepare (0, or -1: invalid arguments) */

@@ -3,6 +3,9 @@
  *   x += o(attention(rope(norm_q(q)), rope(norm_k(k)), v))   q, k, v = qkv(rmsnorm(x)) + bias
  *   x += down(silu(gate) * up)                              gate, up = gate_up(rmsnorm(x))
  *
+ * or, given moe (a mixture-of-experts layer), x += moe(rmsnorm(x)) (moe.c: the routed experts
+ * and a shared one), gate_up and down unused;
+ *
  * or, given qkv_input (an EAGLE head's layer: [embedding; feature] normed by the caller),
  * q, k, v = qkv(qkv_input) + bias, the rest the same (x is then the residual stream only).
  *
@@ -38,6 +41,7 @@ typedef struct {
     int64_t nthreads;
     const float* qkv_input; /* [T, qkv_in] or NULL: the qkv projection's input, else rmsnorm(x) */
     int64_t qkv_in;
+    const sd_moe* moe; /* NULL: the dense MLP (gate_up, down) */
 } sd_layer_args;
 
 /* columns a projection writes (a weight in parts: its parts', whose panels it sums) */
@@ -48,7 +52,8 @@ int64_t sd_layer_scratch(const sd_layer_args* a) {
     const int64_t q = a->heads * a->head_dim;
     const int64_t y = out_cols(&a->o) > out_cols(&a->down) ? out_cols(&a->o) : out_cols(&a->down);
     return a->T * (a->hidden + out_cols(&a->qkv) + 2 * q + out_cols(&a->gate_up) + a->inter + y)
-           + a->nthreads * (a->max_keys > 0 ? a->max_keys : 1);
+           + a->nthreads * (a->max_keys > 0 ? a->max_keys : 1)
+           + (a->moe ? sd_moe_scratch(a->moe, a->T, a->hidden, a->nthreads) + 16 : 0);
 }
 
 AVX2 static void rmsnorm(const float* x, const float* w, int64_t n, float eps, float* out) {
@@ -109,11 +114,13 @@ int sd_layer(const sd_layer_args* a) {
     const sd_weight* ws[4] = {&a->qkv, &a->o, &a->gate_up, &a->down};
     if (!(sd_cpu_features() & 1) || T < 0 || Hd < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 8
         || D % 8 || D > 512 || I < 1 || a->kv_fmt < 0 || a->kv_fmt >= SD_NUM_FLOAT_FORMATS
-        || a->qkv.out != qs + 2 * kvs || a->o.out != Hd || a->gate_up.out != 2 * I
-        || a->down.out != Hd || a->nthreads < 1 || a->max_keys < 0 || a->page_size < 0)
+        || a->qkv.out != qs + 2 * kvs || a->o.out != Hd
+        || (!a->moe && (a->gate_up.out != 2 * I || a->down.out != Hd))
+        || (a->moe && (sd_moe_check(a->moe, Hd) || a->moe->inter != I))
+        || a->nthreads < 1 || a->max_keys < 0 || a->page_size < 0)
         return -1;
     const int64_t qkv_k = a->qkv_input ? a->qkv_in : Hd;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < (a->moe ? 2 : 4); i++)
         if (sd_check_weight(ws[i], i == 3 ? I : (i == 1 ? qs : (i == 0 ? qkv_k : Hd)))) return -1;
     if (T == 0) return 0;
     if (!a->x || !a->cos || !a->sin || !a->kv || !a->write_index || !a->key_indptr
@@ -130,6 +137,8 @@ int sd_layer(const sd_layer_args* a) {
     float* y = act + T * I;                  /* [T, max(ldo, ldd)] */
     float* keys = y + T * (ldo > ldd ? ldo : ldd); /* nthreads * max_keys */
     const int64_t max_keys = a->max_keys > 0 ? a->max_keys : 1;
+    /* the mixture of experts' own (64-byte aligned: 16 floats of slack counted) */
+    float* moe = (float*)(((uintptr_t)(keys + a->nthreads * max_keys) + 63) & ~(uintptr_t)63);
 #pragma omp parallel num_threads((int)a->nthreads)
     {
         if (a->qkv_input) {
@@ -169,15 +178,19 @@ int sd_layer(const sd_layer_args* a) {
             for (int64_t i = 0; i < Hd; i++) x[i] += y[t * ldo + i];
             rmsnorm(x, a->post_norm, Hd, a->eps, h + t * Hd);
         }
-        sd_linear_for(h, T, Hd, &a->gate_up, gu, ldg);
+        if (a->moe) {
+            sd_moe_for(a->moe, h, T, Hd, a->x, moe);
+        } else {
+            sd_linear_for(h, T, Hd, &a->gate_up, gu, ldg);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < I; i++)
-                act[t * I + i] = silu(gu[t * ldg + i]) * gu[t * ldg + I + i];
-        sd_linear_for(act, T, I, &a->down, y, ldd);
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < I; i++)
+                    act[t * I + i] = silu(gu[t * ldg + i]) * gu[t * ldg + I + i];
+            sd_linear_for(act, T, I, &a->down, y, ldd);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < Hd; i++) a->x[t * Hd + i] += y[t * ldd + i];
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t i = 0; i < Hd; i++) a->x[t * Hd + i] += y[t * ldd + i];
+        }
     }
     return 0;
 }

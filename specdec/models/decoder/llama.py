@@ -195,14 +195,11 @@ class LlamaDecoder(nn.Module):
     def compiled_refusal(self) -> str | None:
         """Why the compiled layer call (``fused``) cannot run this model, or None: a sharded
         model (``tp_size > 1``) needs an all-reduce after o and down that sd_layer does not
-        make (its matmuls still run through the installed kernels, layer by layer)."""
+        make (its matmuls still run through the installed kernels, layer by layer). A mixture
+        of experts runs there too (specdec/native/moe.c)."""
         if self.tp_size > 1:
             return (f"a tensor-parallel shard (rank {self.tp_rank} of {self.tp_size}: its "
                     f"layers all-reduce the o and down outputs)")
-        if self.cfg.is_moe:
-            return (f"mixture-of-experts layers ({self.cfg.model_type}: {self.cfg.num_experts} "
-                    f"experts, top {self.cfg.num_experts_per_tok}; their matmuls run through "
-                    f"the installed kernels, layer by layer)")
         return None
 
     def forward(

@@ -27,13 +27,22 @@ output stays independent of its companions.
 
 from __future__ import annotations
 
+import ctypes
 import weakref
 
 import torch
 
 from specdec.kv.cache import KVCache
 from specdec.models.matmul.prepared import PreparedLinears
-from specdec.native import FORMATS, ROW_ERRORS, Kernels, LayerArgs, StepArgs, Weight
+from specdec.native import (
+    FORMATS,
+    ROW_ERRORS,
+    Kernels,
+    LayerArgs,
+    MoEArgs,
+    StepArgs,
+    Weight,
+)
 
 
 class FusedLayers:
@@ -62,8 +71,10 @@ class FusedLayers:
 
     @staticmethod
     def _layer_weights(layer) -> list[torch.Tensor]:
-        ws = [layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight,
-              layer.input_norm, layer.post_attn_norm]
+        moe = getattr(layer, "moe", None)
+        mlp = (list(moe.named_matrices().values()) if moe is not None
+               else [layer.gate_up_weight, layer.down_weight])
+        ws = [layer.qkv_weight, layer.o_weight, *mlp, layer.input_norm, layer.post_attn_norm]
         if layer.qkv_bias is not None:
             ws.append(layer.qkv_bias)
         if layer.cfg.qk_norm:
@@ -83,19 +94,30 @@ class FusedLayers:
         cfg = self.layers_of(self.model)[0].cfg
         self._hidden, self._head_dim = cfg.hidden_size, cfg.head_dim
         self._kv_shape = (cfg.num_kv_heads, cfg.head_dim)  # a cache row's
-        for layer in self.layers_of(self.model):
+        # a mixture of experts' C structs (MoEArgs, its experts' Weight arrays), and where each
+        # layer's count of experts woken is written (read after a step: MoEMLP.woken)
+        self._moe: list = []
+        self._woken = torch.zeros(len(self.layers_of(self.model)), dtype=torch.int64)
+        for i, layer in enumerate(self.layers_of(self.model)):
             cfg = layer.cfg
+            moe = getattr(layer, "moe", None)
             a = LayerArgs(hidden=cfg.hidden_size, heads=cfg.num_heads,
                           kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                          inter=cfg.intermediate_size, eps=cfg.rms_norm_eps,
+                          inter=cfg.moe_intermediate_size if moe is not None
+                          else cfg.intermediate_size, eps=cfg.rms_norm_eps,
                           scale=cfg.head_dim ** -0.5)
-            qkv, o, gate_up, down = (mm.prepared(w) for w in (
-                layer.qkv_weight, layer.o_weight, layer.gate_up_weight, layer.down_weight))
-            self._panels += [qkv, o, gate_up, down]  # what the structs point into
+            qkv, o = mm.prepared(layer.qkv_weight), mm.prepared(layer.o_weight)
+            self._panels += [qkv, o]  # what the structs point into
             if not self.args:  # the width qkv_input must have (it replaces the first layer's)
                 self._qkv_in = qkv.in_features
             a.qkv = Weight.of(qkv, self._fp32(layer.qkv_bias))
-            a.o, a.gate_up, a.down = Weight.of(o), Weight.of(gate_up), Weight.of(down)
+            a.o = Weight.of(o)
+            if moe is None:
+                gate_up, down = mm.prepared(layer.gate_up_weight), mm.prepared(layer.down_weight)
+                self._panels += [gate_up, down]
+                a.gate_up, a.down = Weight.of(gate_up), Weight.of(down)
+            else:
+                a.moe = ctypes.addressof(self._moe_args(moe, i))
             a.input_norm = self._fp32(layer.input_norm).data_ptr()
             a.post_norm = self._fp32(layer.post_attn_norm).data_ptr()
             if cfg.qk_norm:
@@ -106,6 +128,30 @@ class FusedLayers:
         self._array = (LayerArgs * len(self.args))(*self.args)
         self.args = list(self._array)
         self._step = StepArgs()
+
+    def _moe_args(self, moe, i: int) -> MoEArgs:
+        """Layer ``i``'s mixture of experts as the C side sees it (kept alive here)."""
+        cfg, mm = moe.cfg, self.linears
+
+        def weight(w: torch.Tensor) -> Weight:
+            panels = mm.prepared(w)
+            self._panels.append(panels)
+            return Weight.of(panels)
+
+        gate_up = (Weight * cfg.num_experts)(*(weight(e.gate_up_weight) for e in moe.experts))
+        down = (Weight * cfg.num_experts)(*(weight(e.down_weight) for e in moe.experts))
+        m = MoEArgs(n_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+                    inter=cfg.moe_intermediate_size, norm_topk=int(cfg.norm_topk_prob),
+                    router=weight(moe.router_weight), gate_up=ctypes.addressof(gate_up),
+                    down=ctypes.addressof(down),
+                    woken=self._woken.data_ptr() + i * self._woken.element_size())
+        if moe.shared is not None:
+            m.shared_inter = cfg.shared_expert_intermediate_size
+            m.shared_gate_up = weight(moe.shared.gate_up_weight)
+            m.shared_down = weight(moe.shared.down_weight)
+            m.shared_gate = weight(moe.shared_gate_weight)
+        self._moe += [m, gate_up, down]
+        return m
 
     def _fp32(self, t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -150,6 +196,9 @@ class FusedLayers:
                 self._refused(rc, *step)
             if stop - 1 in capture_layers:
                 captured[stop - 1] = h.to(dtype, copy=True)
+        if self._moe:  # what each mixture-of-experts layer woke (MoEMLP.woken, .rows)
+            for layer, woken in zip(self.layers_of(self.model)[:n], self._woken[:n].tolist()):
+                layer.moe.woken, layer.moe.rows = woken, t
         return (h if dtype == torch.float32 else h.to(dtype)), captured
 
     def _runs(self, cache: torch.Tensor | None, kv_cache, n: int, capture_layers):
