@@ -208,7 +208,7 @@ def time_forward(runner, ids: list[int], context: int, table, repeats: int,
     while len(runs) < repeats or (sum(runs) < min_seconds and len(runs) < 25):
         out = runner.forward(batch)
         runs.append(out.seconds)  # (on CUDA: the device's time)
-        woken = out.experts_woken
+        woken = out.woken_counts()
     return min(runs), woken
 
 

@@ -1,8 +1,8 @@
 """What a step costs on a mixture-of-experts target: rows and the experts they wake.
 
 Each row of a step routes to its own top-k experts and the step streams every expert some row
-woke, so ``ExpertCosts`` prices a step by both (T = a + b * experts woken + c * rows, the
-experts a tree of extra rows wakes learned online from the routing of recent steps), and
+woke, so ``ExpertCosts`` prices a step by both (T = B(rows) + b * experts woken, the experts
+a tree of extra rows wakes learned online from the routing of recent steps), and
 ``profile_experts`` measures its prior on the target itself. The rows-only curve and its
 profile: ``controllers/costs.py``.
 """
@@ -26,7 +26,7 @@ from specdec.controllers.costs import (
 class ExpertCosts:
     """A mixture-of-experts target's forward seconds by rows and experts woken.
 
-        seconds(s, rows) = a + b * x + c * rows,    x = experts(s, rows)
+        seconds(s, rows) = B(rows) + b * x,    x = experts(s, rows)
         experts(s, rows) = E * (1 - (1 - k / E) ** (s + g * (rows - s)))
 
     ``x``: the distinct experts a layer wakes, averaged over the layers (``StepReport.
@@ -37,18 +37,24 @@ class ExpertCosts:
     neighbouring tokens of one text route alike (correlated routing), so each extra row brings
     only ``g`` < 1 of one: ``g``, the expert growth, is what makes a tree dear or cheap.
 
-    * ``a, b, c``: least squares of relative errors over the prior points (profiled on the target,
-      ``profile_experts``: rows routing as independently as random ids and as alike as one
-      repeated id, so that rows and experts are told apart) and every step's measured
-      (x, rows, forward seconds), exponentially weighted, ``b, c >= 0``. The prior's seconds
-      follow a scale learned as ``StepCosts``' is (the measured over the prior's prediction,
-      averaged geometrically at ``rate``): a machine busier than at profiling moves the prior
-      with it rather than pulling against the steps.
+    * ``b``, the seconds of an expert: from the prior (profiled on the target,
+      ``profile_experts``): at each row count, rows routing as independently as random ids and
+      as alike as one repeated id wake different experts at the same rows, so the difference
+      of their seconds over the difference of their experts is an expert's; least squares over
+      the row counts (relative: each pair weighed by 1 / seconds^2), ``b >= 0``.
+    * ``B(rows)``, the rest of a step by rows: the prior's seconds less ``b * x``, a curve
+      through the profiled row counts (``StepCosts``: linear between them, never decreasing).
+      A curve, not a line: a few rows cost little beyond one (memory-bound), many rows a lot
+      (compute-bound), and a line fitted over both overprices the few a decode tree adds
+      (measured: 2 ms a row where a verify row cost 0.6 ms on an OLMoE shape). Every step
+      refines it as ``StepCosts`` is refined: its measured seconds less ``b * x`` move the
+      curve's scale (``rate``) and, more slowly, its points around the step's rows; ``b`` moves
+      with the scale (a busier machine makes experts and rows dearer alike).
     * ``g``: from every step with rows beyond its sequences, each layer's woken count turned
       into the independent rows it is worth (``log(1 - x / E) / log(1 - k / E)``; saturated
       layers, x = E, say nothing), least squares through the origin against the extra rows,
-      exponentially weighted, starting from ``growth`` (1: independent routing, the cautious
-      guess) worth one step of 4 extra rows.
+      exponentially weighted (``decay``), starting from ``growth`` (1: independent routing,
+      the cautious guess) worth one step of 4 extra rows.
 
     Nothing here drops or caps an expert: the model only prices what the routing will wake.
     """
@@ -60,20 +66,13 @@ class ExpertCosts:
                 and 1 <= top_k <= num_experts):
             raise ValueError(f"ExpertCosts needs 1 <= top_k <= num_experts, got {top_k}, "
                              f"{num_experts}")
-        self.num_experts, self.top_k, self.decay, self.rate = num_experts, top_k, decay, rate
-        # the prior (profiled points, kept at full weight) and the steps (decayed): the sums of
-        # w f f^T and w f y for f = (1, x, rows)
-        self.points = [tuple(map(float, p)) for p in points]
-        self._prior = _robust(self.points)
-        self._steps = _Normal()
+        self.num_experts, self.top_k, self.decay = num_experts, top_k, decay
+        self.points = [tuple(map(float, p)) for p in points]  # (rows, experts, seconds)
+        self.b, self.base = _fit_prior(self.points, rate)
         self._growth_prior = (16.0, 16.0 * float(growth))  # (sum w e e, sum w e (n - s)): e = 4
         self._growth = [0.0, 0.0]
         self.growth = float(growth)
         self._miss = math.log1p(-top_k / num_experts) if top_k < num_experts else None
-        self.a = self.b = self.c = 0.0
-        self.scale = 1.0
-        self._fit()
-        self._prior_fit = (self.a, self.b, self.c) if self._prior.n else None
 
     # ---- prediction --------------------------------------------------------------------------
 
@@ -92,11 +91,14 @@ class ExpertCosts:
 
     def price(self, experts: float, rows: float) -> float:
         """Forward seconds of ``rows`` rows waking ``experts`` distinct experts per layer."""
-        return max(self.a + self.b * experts + self.c * rows, 1e-9)
+        return max(self.base.seconds(rows) + self.b * self.base.scale * experts, 1e-9)
 
     def table(self, sequences: int, first: int, count: int) -> list[float]:
         """``[seconds(sequences, first + j) for j in range(count)]`` (a plan reads many)."""
-        return [self.seconds(sequences, first + j) for j in range(count)]
+        base = self.base.table(first, count)
+        per = self.b * self.base.scale
+        return [max(t + per * self.experts(sequences, first + j), 1e-9)
+                for j, t in enumerate(base)]
 
     # ---- learning ----------------------------------------------------------------------------
 
@@ -107,15 +109,10 @@ class ExpertCosts:
         if rows < 1 or not woken:
             return
         x = sum(woken) / len(woken)
-        if seconds > 0 and self._prior_fit is not None:
-            a, b, c = self._prior_fit
-            self.scale *= (seconds / (self.scale * max(a + b * x + c * rows, 1e-9))) ** self.rate
         if seconds > 0:
-            # a step far off the prediction (another process took the cores) counts less
-            off = abs(math.log(seconds / self.price(x, rows)))
-            self._steps.scale(self.decay)
-            self._steps.add(x, float(rows), float(seconds),
-                            min(1.0, (OUTLIER / max(off, 1e-12)) ** 2) / seconds ** 2)
+            # the rows' share: what is left after the experts' (at least a tenth of the step)
+            rest = max(seconds - self.b * self.base.scale * x, 0.1 * seconds)
+            self.base.observe(rows, rest)
         extra = rows - max(sequences, 1)
         if extra > 0 and self._miss is not None:
             worth = [math.log1p(-w / self.num_experts) / self._miss for w in woken
@@ -124,25 +121,17 @@ class ExpertCosts:
                 gained = sum(worth) / len(worth) - max(sequences, 1)
                 self._growth = [self._growth[0] * self.decay + extra * extra,
                                 self._growth[1] * self.decay + extra * gained]
-        if seconds > 0 or extra > 0:
-            self._fit()
-
-    def _fit(self) -> None:
-        ee = self._growth_prior[0] + self._growth[0]
-        en = self._growth_prior[1] + self._growth[1]
-        self.growth = min(max(en / ee, 0.0), 2.0)
-        prior = _Normal(self._prior.s[:6] + [v * self.scale for v in self._prior.s[6:]])
-        m = prior.plus(self._steps)
-        if m.n < 1e-9:
-            self.a, self.b, self.c = 1e-3, 0.0, 0.0  # nothing measured: every step alike
-            return
-        self.a, self.b, self.c = m.solve()
+                ee = self._growth_prior[0] + self._growth[0]
+                en = self._growth_prior[1] + self._growth[1]
+                self.growth = min(max(en / ee, 0.0), 2.0)
 
     def describe(self) -> dict:
         """The model's figures (the controller's decision shows them)."""
-        return {"fixed_seconds": self.a, "seconds_per_expert": self.b,
-                "seconds_per_row": self.c, "expert_growth": round(self.growth, 4),
-                "prior_scale": round(self.scale, 4)}
+        return {"seconds_per_expert": self.b * self.base.scale,
+                "rows_seconds": {r: round(self.base.seconds(r), 6)
+                                 for r in self.base.rows[:6]},
+                "expert_growth": round(self.growth, 4),
+                "prior_scale": round(self.base.scale, 4)}
 
     # ---- the cached prior --------------------------------------------------------------------
 
@@ -165,97 +154,35 @@ class ExpertCosts:
     @classmethod
     def from_step_costs(cls, costs: StepCosts, num_experts: int, top_k: int) -> ExpertCosts:
         """Without a profile of the experts (tests, a controller given its costs): the rows
-        curve's points as if their rows had routed independently, a prior the steps reshape."""
-        probe = cls(num_experts, top_k)
-        return cls(num_experts, top_k, [(r, probe.experts(1, r), t)
-                                        for r, t in zip(costs.rows, costs.to_dict()["seconds"])])
+        curve as the rows' share and no price on an expert (one pattern of routing per row
+        count cannot tell an expert's seconds from a row's), reshaped by the steps."""
+        return cls(num_experts, top_k, [(r, 0.0, t) for r, t in
+                                        zip(costs.rows, costs.to_dict()["seconds"])])
 
 
-OUTLIER = math.log(1.5)  # a step within 1.5x of the prediction counts fully; beyond, less
-
-
-def _robust(points: list[tuple[float, float, float]]) -> _Normal:
-    """The prior's sums: relative squares (each (rows, x, seconds) point weighted by
-    1 / seconds^2: a forward another process slowed weighs little), and a point far off the
-    fit of the others (over three times the median relative residual) weighted down further,
-    iteratively."""
-    weights = [1.0] * len(points)
-    for _ in range(4):
-        sums = _Normal()
-        for (rows, x, seconds), w in zip(points, weights):
-            sums.add(x, rows, seconds, w / seconds ** 2)
-        if len(points) < 4:
-            return sums
-        a, b, c = sums.solve()
-        off = [abs(math.log(t / max(a + b * x + c * r, 1e-12))) for r, x, t in points]
-        cut = 3 * max(sorted(off)[len(off) // 2], 0.02)
-        weights = [min(1.0, (cut / max(o, 1e-12)) ** 2) for o in off]
-    return sums
-
-
-class _Normal:
-    """Weighted sums for least squares of y on (1, x, r): n, x, r, xx, xr, rr, y, xy, ry."""
-
-    def __init__(self, sums: list[float] | None = None) -> None:
-        self.s = sums or [0.0] * 9
-
-    @property
-    def n(self) -> float:
-        return self.s[0]
-
-    def add(self, x: float, r: float, y: float, w: float = 1.0) -> None:
-        for i, v in enumerate((1.0, x, r, x * x, x * r, r * r, y, x * y, r * y)):
-            self.s[i] += w * v
-
-    def scale(self, f: float) -> None:
-        self.s = [v * f for v in self.s]
-
-    def plus(self, other: _Normal) -> _Normal:
-        return _Normal([p + q for p, q in zip(self.s, other.s)])
-
-    def solve(self) -> tuple[float, float, float]:
-        """(a, b, c) minimising the weighted squares with a, b, c >= 0 (a tiny ridge keeps an
-        unidentified slope at 0): of the fits with each subset of the three held at 0, the best
-        one that is feasible (three unknowns: the exact non-negative least squares)."""
-        n, x, r, xx, xr, rr, y, xy, ry = self.s
-        ridge = 1e-9 * (xx + rr + 1.0)
-        m = [[n, x, r], [x, xx + ridge, xr], [r, xr, rr + ridge]]
-        v = [y, xy, ry]
-        fits = [(0.0, 0.0, 0.0)]
-        for free in ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,)):
-            sol = _solve([[m[i][j] for j in free] for i in free], [v[i] for i in free])
-            if sol is not None and all(u >= 0 for u in sol):
-                fit = [0.0, 0.0, 0.0]
-                for i, u in zip(free, sol):
-                    fit[i] = u
-                fits.append(tuple(fit))
-        return min(fits, key=self._residual)
-
-    def _residual(self, f: tuple[float, float, float]) -> float:
-        a, b, c = f
-        n, x, r, xx, xr, rr, y, xy, ry = self.s
-        # sum w (y - a - b x - c r)^2 without its sum w y y (the same for every fit)
-        return (a * a * n + b * b * xx + c * c * rr + 2 * a * b * x + 2 * a * c * r
-                + 2 * b * c * xr - 2 * a * y - 2 * b * xy - 2 * c * ry)
-
-
-def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """m^-1 v for a small system (Gaussian elimination with partial pivoting); None if
-    singular."""
-    k = len(v)
-    a = [row[:] + [b] for row, b in zip(m, v)]
-    for i in range(k):
-        p = max(range(i, k), key=lambda j: abs(a[j][i]))
-        if abs(a[p][i]) < 1e-300:
-            return None
-        a[i], a[p] = a[p], a[i]
-        for j in range(i + 1, k):
-            f = a[j][i] / a[i][i]
-            a[j] = [u - f * w for u, w in zip(a[j], a[i])]
-    out = [0.0] * k
-    for i in reversed(range(k)):
-        out[i] = (a[i][k] - sum(a[i][j] * out[j] for j in range(i + 1, k))) / a[i][i]
-    return out
+def _fit_prior(points: list[tuple[float, float, float]], rate: float
+               ) -> tuple[float, StepCosts]:
+    """(b, B) of the prior points (see ``ExpertCosts``); with none, no price on an expert and
+    every row count 1 ms (refined by the steps)."""
+    by_rows: dict[float, list[tuple[float, float]]] = {}
+    for rows, x, t in points:
+        if t > 0:
+            by_rows.setdefault(rows, []).append((x, t))
+    if not by_rows:
+        return 0.0, StepCosts.flat([1, 2], 1e-3)
+    num = den = 0.0
+    for pts in by_rows.values():
+        (x0, t0), (x1, t1) = min(pts), max(pts)
+        w = 1.0 / ((t0 + t1) / 2) ** 2
+        num += w * (t1 - t0) * (x1 - x0)
+        den += w * (x1 - x0) ** 2
+    b = max(num / den, 0.0) if den > 0 else 0.0
+    grid = sorted(by_rows)
+    base = [max(sum(t - b * x for x, t in by_rows[r]) / len(by_rows[r]),
+                0.1 * min(t for _, t in by_rows[r])) for r in grid]
+    if grid[0] > 1:  # (a curve from one row: the first point's seconds, as StepCosts would)
+        grid, base = [1, *grid], [base[0], *base]
+    return b, StepCosts([int(r) for r in grid], base, rate=rate)
 
 
 def profile_experts(runner, grid: tuple[int, ...], context: int = DEFAULT_CONTEXT,

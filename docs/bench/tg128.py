@@ -93,7 +93,8 @@ def main() -> None:
         vs = (f" = {report['vs_llama_bench'][m]:.3f} x llama-bench ({med['llama-bench']:.2f})"
               if have_llama else "")
         print(f"{m}: {med[m]:.2f} tok/s{vs}; "
-              f"{report['weight_bytes_per_token'][m] / 1e9:.3f} GB of weights a token")
+              f"{report['weight_bytes_per_token'][m] / 1e9:.3f} GB of weights a token "
+              "(a one-row step's: of an MoE, its top-k experts' share)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

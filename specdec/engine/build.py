@@ -104,12 +104,24 @@ class EngineParts:
 
     @property
     def weight_bytes_per_forward(self) -> int:
-        """Bytes of target and drafter matrices one forward of each streams: the prepared
-        panels (native GGUF blocks or fp32/bf16 panels), else the models' weights."""
-        panels = self.kernels.weight_bytes if isinstance(self.kernels, PreparedLinears) else 0
-        return panels or sum(w.numel() * w.element_size()
-                             for r in [self.runner, *self.drafter_runners]
-                             for w in r.model.matrices())
+        """Bytes of target and drafter matrices a one-row forward of each streams: the prepared
+        panels (native GGUF blocks or fp32/bf16 panels), else the models' weights; of a
+        mixture-of-experts target, its experts' bytes counted at top_k / num_experts (a row
+        streams only the experts it routes to)."""
+        prepared = isinstance(self.kernels, PreparedLinears)
+        panels = self.kernels.weight_bytes if prepared else 0
+
+        def nbytes(w: torch.Tensor) -> int:
+            return self.kernels.prepared(w).nbytes if panels else w.numel() * w.element_size()
+
+        total = panels or sum(nbytes(w) for r in [self.runner, *self.drafter_runners]
+                              for w in r.model.matrices())
+        cfg = getattr(self.model, "cfg", None)
+        if cfg is None or not cfg.is_moe:
+            return total
+        experts = sum(nbytes(w) for n, w in self.model.named_matrices().items()
+                      if ".experts." in n)
+        return total - round(experts * (1 - cfg.num_experts_per_tok / cfg.num_experts))
 
     def step_costs(self) -> StepCosts:
         """The target's forward seconds by rows on this machine (specdec.engine.step_profile:
@@ -253,9 +265,11 @@ def _graphed_runners(config: EngineConfig, runners: list[ModelRunner]) -> list[M
     if not config.cuda_graphs or torch.device(config.device).type != "cuda":
         return []
     moe = [r for r in runners if getattr(getattr(r.model, "cfg", None), "is_moe", False)]
-    if moe:  # a step's routing decides which experts run (host syncs): no fixed graph yet
-        logger.info("CUDA graphs: none for a mixture-of-experts model (its experts run over "
-                    "the rows routed to them, shapes known only as the step runs); eager")
+    if moe:  # eager until a capture of the gathered experts has run on a GPU
+        logger.info("CUDA graphs: none for a mixture-of-experts model; eager (its experts run "
+                    "gathered with linear_kernels='invariant': fixed shapes, no host read, but "
+                    "a capture of them is not yet verified on a GPU; else over the rows routed "
+                    "to each expert, read to the host)")
     return [r for r in runners if r.backend.supports_cuda_graphs and r not in moe]
 
 

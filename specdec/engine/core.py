@@ -289,7 +289,7 @@ class LLMEngine:
                                      None if out is None else out.graphed,
                                      (now[0] - moved[0], now[1] - moved[1]),
                                      None if out is None else out.seconds,
-                                     None if out is None else out.experts_woken)
+                                     None if out is None else out.woken_counts())
         self.controlling.observe(records, stats, self.drafting.source_seconds)
         ended = list(dict.fromkeys([*failed, *(r.seq for r in records if r.seq.is_finished)]))
         failures.add(self.controlling.release(ended))  # after observe: it heard their outcome

@@ -84,8 +84,17 @@ class ForwardResult:
     graphed: bool = False  # replayed a CUDA graph (False: ran eagerly)
     logits_hidden: torch.Tensor | None = None  # [R, hidden]: the rows the logits came from
     # a mixture-of-experts model: per layer run, the distinct experts the rows routed to (host
-    # ints the layers read anyway: ``MoEMLP.woken``); None for a dense model
-    experts_woken: tuple[int, ...] | None = None
+    # ints the layers read anyway, or one device tensor of them where the experts ran gathered:
+    # ``LlamaDecoder.experts_woken``; ``woken_counts`` reads either); None for a dense model
+    experts_woken: tuple[int, ...] | torch.Tensor | None = None
+
+    def woken_counts(self) -> list[int] | None:
+        """``experts_woken`` as host ints (a gathered forward's counts: one read, made here,
+        after the step, when someone asks)."""
+        w = self.experts_woken
+        if isinstance(w, torch.Tensor):
+            self.experts_woken = w = tuple(w.tolist())
+        return None if w is None else list(w)
 
     @property
     def seconds(self) -> float:

@@ -96,7 +96,7 @@ def engine_expert_costs(engine) -> ExpertCosts | None:
             logger.warning("expert costs: %s; steps priced by rows only", e)
             return None
         logger.info("expert costs profiled in %.1f s: %s", time.perf_counter() - t0,
-                    ", ".join(f"{k} {v:.3g}" for k, v in costs.describe().items()))
+                    costs.describe())
         costs.save(path)
     return costs
 

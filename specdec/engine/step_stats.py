@@ -51,7 +51,7 @@ class StepRecorder:
                times: StepTimes, graphed: bool | None = None,
                transfers: tuple[int, int] = (0, 0),
                forward_device_seconds: float | None = None,
-               experts_woken: tuple[int, ...] | None = None) -> StepStats:
+               experts_woken: list[int] | None = None) -> StepStats:
         """The step's stats (``times``: when each stage ended; ``graphed``: whether the
         forward replayed a CUDA graph, None without one; ``transfers``: host -> device copies
         and device -> host reads it made; the forward's device seconds; on a mixture of

@@ -231,6 +231,9 @@ class InvariantLinear:
 
     key = f"triton-invariant (BLOCK_M {BLOCK_M}, split-K fixed per weight)"
     weight_bytes = None  # the models' own weights: nothing prepared apart
+    # a mixture of experts' experts run as gathered launches over stacked weights
+    # (specdec.kernels.invariant_moe: the same numbers, no host read): install_kernels stacks them
+    gathers_experts = True
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

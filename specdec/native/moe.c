@@ -25,17 +25,21 @@
 
 static int64_t cols(const sd_weight* w) { return PW * w->panels; }
 
+static int64_t most(int64_t a, int64_t b) { return a > b ? a : b; }
+
+/* the widest gate|up and down outputs and intermediate of any expert, the shared one too */
+static void widths(const sd_moe* m, int64_t* ldg, int64_t* ldd, int64_t* inter) {
+    *ldg = *ldd = 0, *inter = m->inter;
+    for (int64_t e = 0; e < m->n_experts; e++)
+        *ldg = most(*ldg, cols(&m->gate_up[e])), *ldd = most(*ldd, cols(&m->down[e]));
+    if (m->shared_inter)
+        *ldg = most(*ldg, cols(&m->shared_gate_up)), *ldd = most(*ldd, cols(&m->shared_down)),
+        *inter = most(*inter, m->shared_inter);
+}
+
 int64_t sd_moe_scratch(const sd_moe* m, int64_t T, int64_t hidden, int64_t nthreads) {
-    int64_t ldg = cols(&m->gate_up[0]), ldd = cols(&m->down[0]), inter = m->inter;
-    for (int64_t e = 1; e < m->n_experts; e++) {
-        ldg = cols(&m->gate_up[e]) > ldg ? cols(&m->gate_up[e]) : ldg;
-        ldd = cols(&m->down[e]) > ldd ? cols(&m->down[e]) : ldd;
-    }
-    if (m->shared_inter) {
-        ldg = cols(&m->shared_gate_up) > ldg ? cols(&m->shared_gate_up) : ldg;
-        ldd = cols(&m->shared_down) > ldd ? cols(&m->shared_down) : ldd;
-        inter = m->shared_inter > inter ? m->shared_inter : inter;
-    }
+    int64_t ldg, ldd, inter;
+    widths(m, &ldg, &ldd, &inter);
     const int64_t k = m->top_k, sg = m->shared_inter ? cols(&m->shared_gate) : 0;
     /* logits, route weights, slots, shared gate, a thread's rows gathered, gate|up, act and y
      * for each thread; then (64-byte aligned, 16 floats of slack) the ints: route experts
@@ -129,16 +133,8 @@ void sd_moe_for(const sd_moe* m, const float* h, int64_t T, int64_t Hd, float* x
                 float* scratch) {
     const int64_t E = m->n_experts, k = m->top_k, ldr = cols(&m->router);
     const int64_t nth = omp_get_num_threads();
-    int64_t ldg = 0, ldd = 0, inter = m->inter;
-    for (int64_t e = 0; e < E; e++) {
-        ldg = cols(&m->gate_up[e]) > ldg ? cols(&m->gate_up[e]) : ldg;
-        ldd = cols(&m->down[e]) > ldd ? cols(&m->down[e]) : ldd;
-    }
-    if (m->shared_inter) {
-        ldg = cols(&m->shared_gate_up) > ldg ? cols(&m->shared_gate_up) : ldg;
-        ldd = cols(&m->shared_down) > ldd ? cols(&m->shared_down) : ldd;
-        inter = m->shared_inter > inter ? m->shared_inter : inter;
-    }
+    int64_t ldg, ldd, inter;
+    widths(m, &ldg, &ldd, &inter);
     const int64_t lsg = m->shared_inter ? cols(&m->shared_gate) : 0;
     float* logits = scratch;            /* [T, ldr] router output, then each row's probs */
     float* rw = logits + T * ldr;       /* [T, k] route weights */

@@ -156,6 +156,12 @@ def test_experts_run_through_the_installed_kernels(moe_models, family):
     assert {f"layers.0.experts.{cfg.num_experts - 1}.gate_up", "layers.3.router"} <= set(names)
     # every matrix (the experts, the routers, qwen2_moe's shared expert and gate) is prepared
     assert all(kernels._key(w) in kernels._panels for w in names.values())
+    # what a one-row step streams: every matrix but the experts, and k of the E experts' share
+    dense = sum(kernels.prepared(w).nbytes for n, w in names.items() if ".experts." not in n)
+    experts = sum(kernels.prepared(w).nbytes for n, w in names.items() if ".experts." in n)
+    want = dense + experts * cfg.num_experts_per_tok / cfg.num_experts
+    assert abs(parts.weight_bytes_per_forward - want) <= 1
+    assert parts.weight_bytes_per_forward < kernels.weight_bytes
     # the compiled layer call runs every layer, its experts in C (specdec/native/moe.c)
     assert model.fused is not None and model.compiled_refusal() is None
     assert all(a.moe for a in model.fused.args)

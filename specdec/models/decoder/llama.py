@@ -229,13 +229,25 @@ class LlamaDecoder(nn.Module):
                 captured[i] = x
         return ForwardOutput(self.norm(x), captured)
 
-    def experts_woken(self, num_layers: int | None = None) -> tuple[int, ...] | None:
+    def stack_experts(self) -> None:
+        """A mixture of experts: each layer's experts stacked for the gathered launch
+        (``MoEMLP.stack_experts``); nothing for a dense model."""
+        for layer in self.layers:
+            if layer.moe is not None:
+                layer.moe.stack_experts()
+
+    def experts_woken(self, num_layers: int | None = None
+                      ) -> tuple[int, ...] | torch.Tensor | None:
         """Per layer the latest forward ran (the first ``num_layers``), the distinct experts
-        its rows routed to (``MoEMLP.woken``: host ints the forward already read); None for a
-        dense model."""
+        its rows routed to: host ints (``MoEMLP.woken``: the forward read them anyway), or
+        where the experts ran gathered one int64 device tensor of them (read by whoever needs
+        the counts, after the step); None for a dense model."""
         if not self.cfg.is_moe:
             return None
-        return tuple(layer.moe.woken for layer in self.layers[:num_layers])
+        counts = [layer.moe.woken for layer in self.layers[:num_layers]]
+        if any(isinstance(c, torch.Tensor) for c in counts):
+            return torch.stack([torch.as_tensor(c, device=self.embed.device) for c in counts])
+        return tuple(counts)
 
     def _forward_ops(self, x, positions, backend, kv_cache, capture_layers, num_layers):
         """``forward``'s layers as one kernel per step (specdec.models.decoder.layer_ops): the residual

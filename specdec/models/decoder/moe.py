@@ -26,12 +26,22 @@ which or how many other rows share a step or an expert. So:
   ``topk(zeros(8), 3)`` is experts 6, 5, 4): the two differ only where two experts' float32
   probabilities are exactly equal.
 
-What a step woke (the goodput controller prices a draft tree by it, ``controllers/costs.py``
-``ExpertCosts``): each forward sets ``woken`` (distinct experts its rows routed to) and
-``rows``, host ints taken from the list of experts the loop below runs over, which the forward
-reads to the host anyway (on a CPU and on CUDA's eager path alike): counting adds no
-device -> host read. (A fused kernel that never reads the routing would keep the count on the
-device and hand it over with the step's existing read.)
+Two ways to run the experts, the same numbers:
+
+* one expert at a time (``_experts_looped``) over its rows, through ``mm``: the woken experts
+  are read to the host (``torch.unique(...).tolist()``);
+* gathered (``_experts_gathered``, after ``stack_experts``: on a GPU with the row-invariant
+  Triton kernels): every (row, expert) pair in one launch per matrix
+  (``specdec.kernels.invariant_moe``), bitwise the loop's with ``invariant_linear`` as ``mm``,
+  with no host read and shapes fixed by T.
+
+(On a CPU with the compiled kernels the whole layer runs in C instead: specdec/native/moe.c.)
+
+What a step woke (the goodput controller prices a draft tree by it, ``controllers/
+expert_costs.py`` ``ExpertCosts``): each forward sets ``woken`` (distinct experts its rows
+routed to) and ``rows``: host ints taken from the list the loop reads anyway (no read of their
+own), or, gathered, ``woken`` a 0-d device count that the step's statistics read after the
+step (``LlamaDecoder.experts_woken``: one tensor for every layer).
 """
 
 from __future__ import annotations
@@ -80,9 +90,13 @@ class MoEMLP(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared = Expert(h, cfg.shared_expert_intermediate_size, trainable)
             self.shared_gate_weight = nn.Parameter(torch.empty(1, h), requires_grad=trainable)
-        # the latest forward's distinct experts and rows (module docstring); 0 before any
-        self.woken = 0
+        # the latest forward's distinct experts and rows (module docstring); 0 before any.
+        # woken: a host int, or a 0-d device count where the experts ran gathered
+        self.woken: int | torch.Tensor = 0
         self.rows = 0
+        # the experts stacked for the gathered launch (stack_experts); None: one at a time
+        self.stacked_gate_up: torch.Tensor | None = None
+        self.stacked_down: torch.Tensor | None = None
         # mixtral hands its float32 weights on unrounded; qwen* round them to the model's dtype
         self.weights_in_float32 = cfg.model_type == "mixtral"
 
@@ -127,18 +141,27 @@ class MoEMLP(nn.Module):
         experts, slot = top.sort(dim=-1)  # distinct indices: no ties
         return experts, weights.gather(-1, slot)
 
+    def stack_experts(self) -> None:
+        """Every expert's gate|up and down as views of one [E, 2 x width, hidden] and one
+        [E, hidden, width] tensor (the weights move there: no second copy is kept), so that the
+        experts run as one gathered launch per matrix (``specdec.kernels.invariant_moe``) with
+        no host read: what the engine sets up on a GPU with the row-invariant Triton kernels."""
+        for name in ("gate_up_weight", "down_weight"):
+            params = [getattr(e, name) for e in self.experts]
+            stacked = torch.stack([w.detach() for w in params])
+            for j, w in enumerate(params):
+                w.data = stacked[j]
+            setattr(self, "stacked_" + name.removesuffix("_weight"), stacked)
+
     def forward(self, h: torch.Tensor, mm: Matmul = F.linear) -> torch.Tensor:
-        rows, k = h.shape[0], self.cfg.num_experts_per_tok
+        k = self.cfg.num_experts_per_tok
         experts, weights = self.route(h, mm)
         if not self.weights_in_float32:
             weights = weights.to(h.dtype)
-        parts = h.new_zeros(rows, k, h.shape[1])  # [T, k, H]: row t's s-th expert in slot s
-        hit = torch.unique(experts).tolist()  # sorted
-        self.woken, self.rows = len(hit), rows  # (host ints: no read of their own)
-        for e in hit:
-            t, s = (experts == e).nonzero(as_tuple=True)  # each row at most once
-            y = self.experts[e](h.index_select(0, t), mm)
-            parts[t, s] = (y * weights[t, s, None]).to(h.dtype)
+        if self.stacked_gate_up is not None:
+            parts = self._experts_gathered(h, experts, weights)
+        else:
+            parts = self._experts_looped(h, experts, weights, mm)
         out = parts[:, 0]
         for s in range(1, k):  # the same order for every row, whatever its companions
             out = out + parts[:, s]
@@ -146,3 +169,31 @@ class MoEMLP(nn.Module):
             gate = torch.sigmoid(mm(h, self.shared_gate_weight, None))
             out = out + gate * self.shared(h, mm)
         return out
+
+    def _experts_looped(self, h, experts, weights, mm) -> torch.Tensor:
+        """[T, k, H]: row t's s-th expert's weighted output in slot s, one expert at a time
+        over the rows routed to it (the woken experts read to the host)."""
+        rows, k = h.shape[0], self.cfg.num_experts_per_tok
+        parts = h.new_zeros(rows, k, h.shape[1])
+        hit = torch.unique(experts).tolist()  # sorted
+        self.woken, self.rows = len(hit), rows  # (host ints: no read of their own)
+        for e in hit:
+            t, s = (experts == e).nonzero(as_tuple=True)  # each row at most once
+            y = self.experts[e](h.index_select(0, t), mm)
+            parts[t, s] = (y * weights[t, s, None]).to(h.dtype)
+        return parts
+
+    def _experts_gathered(self, h, experts, weights) -> torch.Tensor:
+        """``_experts_looped``'s result (bitwise, with the row-invariant Triton matmul as
+        ``mm``) as two gathered launches over the stacked experts, nothing read to the host:
+        ``woken`` is left a device count, read with the step's statistics."""
+        from specdec.kernels.invariant_moe import invariant_moe_linear, moe_layout
+
+        rows, k = experts.shape
+        layout = moe_layout(experts.reshape(-1), self.cfg.num_experts)
+        pairs = torch.arange(rows * k, device=h.device)
+        gate, up = invariant_moe_linear(h.contiguous(), self.stacked_gate_up, pairs // k,
+                                        layout).chunk(2, dim=-1)
+        y = invariant_moe_linear(F.silu(gate) * up, self.stacked_down, pairs, layout)
+        self.woken, self.rows = layout.woken, rows
+        return (y * weights.reshape(-1, 1)).to(h.dtype).view(rows, k, -1)

@@ -34,6 +34,8 @@ def install_kernels(models: list, choice: str, dtype: torch.dtype, device: torch
     kernels = _choose(models, choice, dtype, device, adopted)
     for m in models:
         m.matmul = kernels
+        if getattr(kernels, "gathers_experts", False) and hasattr(m, "stack_experts"):
+            m.stack_experts()  # a mixture of experts: one launch per matrix, no host read
         if hasattr(m, "fused"):  # a decoder, a draft head: layers as compiled calls if covered
             m.fused = None
             if isinstance(kernels, PreparedLinears):
