@@ -27,15 +27,19 @@ class ExpertCosts:
     """A mixture-of-experts target's forward seconds by rows and experts woken.
 
         seconds(s, rows) = B(rows) + b * x,    x = experts(s, rows)
-        experts(s, rows) = E * (1 - (1 - k / E) ** (s + g * (rows - s)))
+        experts(s, rows) = E * (1 - (1 - k / E) ** (1 + h * (s - 1) + g * (rows - s)))
 
     ``x``: the distinct experts a layer wakes, averaged over the layers (``StepReport.
     experts_woken``); E experts, top k per row; ``s`` the step's sequences (decode requests and
-    prefill chunks: rows of different sequences route independently), ``rows - s`` its rows
-    beyond one per sequence (draft nodes, a chunk's later tokens). A row routing independently
-    and uniformly would bring ``s + (rows - s)`` independent rows' worth of experts (g = 1);
-    neighbouring tokens of one text route alike (correlated routing), so each extra row brings
-    only ``g`` < 1 of one: ``g``, the expert growth, is what makes a tree dear or cheap.
+    prefill chunks), ``rows - s`` its rows beyond one per sequence (draft nodes, a chunk's later
+    tokens). Rows routing independently and uniformly would each bring one independent row's
+    worth of experts (g = h = 1); neighbouring tokens of one text route alike (correlated
+    routing), so each extra row of a sequence brings only ``g`` < 1 of one: ``g``, the expert
+    growth, is what makes a tree dear or cheap. Other sequences' rows, ``h`` of one each: texts
+    share the experts routers favour, so h < 1 too (measured on an OLMoE shape: 8 sequences'
+    decode rows woke ~15 experts a layer, where independent rows would wake ~41), and
+    overrating them adds to every plan at a batch the same experts' cost, which a deeper tree
+    then seems to amortise.
 
     * ``b``, the seconds of an expert: from the prior (profiled on the target,
       ``profile_experts``): at each row count, rows routing as independently as random ids and
@@ -50,18 +54,19 @@ class ExpertCosts:
       refines it as ``StepCosts`` is refined: its measured seconds less ``b * x`` move the
       curve's scale (``rate``) and, more slowly, its points around the step's rows; ``b`` moves
       with the scale (a busier machine makes experts and rows dearer alike).
-    * ``g``: from every step with rows beyond its sequences, each layer's woken count turned
+    * ``g`` and ``h``: from every step of more than one row, each layer's woken count turned
       into the independent rows it is worth (``log(1 - x / E) / log(1 - k / E)``; saturated
-      layers, x = E, say nothing), least squares through the origin against the extra rows,
-      exponentially weighted (``decay``), starting from ``growth`` (1: independent routing,
-      the cautious guess) worth one step of 4 extra rows.
+      layers, x = E, say nothing), least squares through the origin of that worth less one
+      against the extra rows and the extra sequences, exponentially weighted (``decay``),
+      starting from ``growth`` and ``sequence_growth`` (1: independent routing, the cautious
+      guess) each worth one step of 4 extra rows or sequences.
 
     Nothing here drops or caps an expert: the model only prices what the routing will wake.
     """
 
     def __init__(self, num_experts: int, top_k: int,
                  points: list[tuple[float, float, float]] = (), growth: float = 1.0,
-                 decay: float = 0.98, rate: float = 0.05) -> None:
+                 decay: float = 0.98, rate: float = 0.05, sequence_growth: float = 1.0) -> None:
         if not (isinstance(num_experts, int) and isinstance(top_k, int)
                 and 1 <= top_k <= num_experts):
             raise ValueError(f"ExpertCosts needs 1 <= top_k <= num_experts, got {top_k}, "
@@ -69,9 +74,12 @@ class ExpertCosts:
         self.num_experts, self.top_k, self.decay = num_experts, top_k, decay
         self.points = [tuple(map(float, p)) for p in points]  # (rows, experts, seconds)
         self.b, self.base = _fit_prior(self.points, rate)
-        self._growth_prior = (16.0, 16.0 * float(growth))  # (sum w e e, sum w e (n - s)): e = 4
-        self._growth = [0.0, 0.0]
-        self.growth = float(growth)
+        # the sums of the (g, h) least squares: rr, rs, ss, ry, sy over (extra rows r, extra
+        # sequences s, worth - 1 y); the priors: one step of 4 extra rows worth 4 g0, one of 4
+        # extra sequences worth 4 h0
+        self._prior_sums = [16.0, 0.0, 16.0, 16.0 * float(growth), 16.0 * float(sequence_growth)]
+        self._sums = [0.0] * 5
+        self.growth, self.sequence_growth = float(growth), float(sequence_growth)
         self._miss = math.log1p(-top_k / num_experts) if top_k < num_experts else None
 
     # ---- prediction --------------------------------------------------------------------------
@@ -82,7 +90,7 @@ class ExpertCosts:
         if self._miss is None:
             return float(self.num_experts)
         s = max(float(sequences), 1.0)
-        eff = s + self.growth * max(float(rows) - s, 0.0)
+        eff = 1.0 + self.sequence_growth * (s - 1.0) + self.growth * max(float(rows) - s, 0.0)
         return self.num_experts * -math.expm1(self._miss * eff)
 
     def seconds(self, sequences: float, rows: float) -> float:
@@ -113,17 +121,23 @@ class ExpertCosts:
             # the rows' share: what is left after the experts' (at least a tenth of the step)
             rest = max(seconds - self.b * self.base.scale * x, 0.1 * seconds)
             self.base.observe(rows, rest)
-        extra = rows - max(sequences, 1)
-        if extra > 0 and self._miss is not None:
+        seqs = max(sequences, 1)
+        r, q = rows - seqs, seqs - 1  # extra rows, extra sequences
+        if (r > 0 or q > 0) and self._miss is not None:
             worth = [math.log1p(-w / self.num_experts) / self._miss for w in woken
                      if 0 < w < self.num_experts]
             if worth:
-                gained = sum(worth) / len(worth) - max(sequences, 1)
-                self._growth = [self._growth[0] * self.decay + extra * extra,
-                                self._growth[1] * self.decay + extra * gained]
-                ee = self._growth_prior[0] + self._growth[0]
-                en = self._growth_prior[1] + self._growth[1]
-                self.growth = min(max(en / ee, 0.0), 2.0)
+                y = sum(worth) / len(worth) - 1.0
+                self._sums = [v * self.decay + d for v, d in
+                              zip(self._sums, (r * r, r * q, q * q, r * y, q * y))]
+                self._fit_growth()
+
+    def _fit_growth(self) -> None:
+        """(g, h): the 2 x 2 least squares of the sums, each within [0, 2]."""
+        rr, rq, qq, ry, qy = (p + v for p, v in zip(self._prior_sums, self._sums))
+        det = rr * qq - rq * rq  # > 0: the priors alone make it 256
+        self.growth = min(max((ry * qq - qy * rq) / det, 0.0), 2.0)
+        self.sequence_growth = min(max((qy * rr - ry * rq) / det, 0.0), 2.0)
 
     def describe(self) -> dict:
         """The model's figures (the controller's decision shows them)."""
@@ -131,6 +145,7 @@ class ExpertCosts:
                 "rows_seconds": {r: round(self.base.seconds(r), 6)
                                  for r in self.base.rows[:6]},
                 "expert_growth": round(self.growth, 4),
+                "sequence_growth": round(self.sequence_growth, 4),
                 "prior_scale": round(self.base.scale, 4)}
 
     # ---- the cached prior --------------------------------------------------------------------

@@ -25,9 +25,9 @@ E, K, LAYERS = 64, 8, 16
 A, B, C = 2e-3, 4e-4, 1e-4  # fixed seconds, seconds per expert per layer, seconds per row
 
 
-def _model(growth: float) -> ExpertCosts:
+def _model(growth: float, sequence_growth: float = 1.0) -> ExpertCosts:
     m = ExpertCosts(E, K)
-    m.growth = growth
+    m.growth, m.sequence_growth = growth, sequence_growth
     return m
 
 
@@ -42,8 +42,9 @@ def _prior() -> list[tuple[float, float, float]]:
     return out
 
 
-def _woken(growth: float, sequences: int, rows: int, rng: random.Random) -> list[int]:
-    x = _model(growth).experts(sequences, rows)
+def _woken(growth: float, sequences: int, rows: int, rng: random.Random,
+           sequence_growth: float = 1.0) -> list[int]:
+    x = _model(growth, sequence_growth).experts(sequences, rows)
     return [max(1, min(E, round(x + rng.gauss(0, 1)))) for _ in range(LAYERS)]
 
 
@@ -88,11 +89,26 @@ def test_the_fit_follows_synthetic_reports():
     assert m.experts(1, 9) < 0.6 * _model(1.0).experts(1, 9)
 
 
+def test_sequences_that_route_alike_are_learned_apart_from_the_rows():
+    """Batches whose sequences share most experts (h 0.2) and whose trees add few (g 0.1):
+    both learned from steps mixing the two, and a batch of 8 then expects far fewer experts
+    than 8 independent sequences would wake."""
+    rng = random.Random(2)
+    m = ExpertCosts(E, K, _prior())
+    for _ in range(300):
+        s = rng.randint(1, 8)
+        rows = s + rng.randint(0, 16)
+        m.observe(rows, s, _woken(0.1, s, rows, rng, 0.2), 0.05)
+    assert m.growth == pytest.approx(0.1, abs=0.03)
+    assert m.sequence_growth == pytest.approx(0.2, abs=0.05)
+    assert m.experts(8, 8) < 0.5 * _model(1.0).experts(8, 8)
+
+
 def test_growth_ignores_saturated_layers_and_steps_without_extra_rows():
     m = ExpertCosts(8, 2)
-    m.observe(4, 4, [8] * 4, 0.01)  # one row per sequence: nothing about extra rows
+    m.observe(1, 1, [2] * 4, 0.01)  # one row: nothing beyond it
     m.observe(30, 1, [8] * 4, 0.01)  # every layer saturated: says nothing either
-    assert m.growth == 1.0
+    assert m.growth == 1.0 and m.sequence_growth == 1.0
     assert ExpertCosts(4, 4).experts(1, 10) == 4  # top-k of all experts: always all
 
 
@@ -216,7 +232,8 @@ def test_goodput_on_an_moe_equals_plain_decoding_and_shows_the_expert_terms(tiny
     assert figures and "expected_experts_per_layer" in figures[-1]
     assert "measured_experts_per_layer" in figures[-1]
     assert set(figures[-1]["expert_costs"]) == {"seconds_per_expert", "rows_seconds",
-                                                "expert_growth", "prior_scale"}
+                                                "expert_growth", "sequence_growth",
+                                                "prior_scale"}
 
 
 def test_a_dense_target_has_no_expert_pricing(tiny_llama):
