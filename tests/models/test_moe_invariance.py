@@ -151,6 +151,34 @@ def test_routing_ties_go_to_the_lowest_expert_in_every_batch(moe_models):
             assert torch.equal(weights[:, 0], weights[:, 1])
 
 
+@needs_kernels
+def test_the_compiled_layer_sends_ties_to_the_lowest_experts(moe_models):
+    """Every expert of layer 1 scoring alike for every row (equal router rows): the compiled
+    layer routes each row to experts 0 .. k - 1, so the layer wakes exactly k whatever the
+    batch, and its logits are the torch layer's (which sorts stably)."""
+    eng = LLM(model=str(moe_models["qwen3_moe"]), dtype="float32", max_model_len=64).engine
+    model = eng.parts.model
+    with torch.no_grad():
+        router = model.layers[1].moe.router_weight
+        router.copy_(router[:1].expand_as(router))
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(90, (n,), generator=gen).tolist() for n in (4, 7, 11, 6)]
+    seqs = [_prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
+    got = _step_logits(eng, seqs, [None] * 4)
+    assert model.fused is not None and model.experts_woken()[1] == model.cfg.num_experts_per_tok
+    fused, model.fused = model.fused, None
+    try:
+        for s in seqs:
+            eng.kv.release(s.block_table)
+        seqs = [_prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
+        want = _step_logits(eng, seqs, [None] * 4)
+        assert model.experts_woken()[1] == model.cfg.num_experts_per_tok
+    finally:
+        model.fused = fused
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
+
+
 def _prefilled(eng, request_id: str, prompt: list[int]):
     from specdec.engine.batch import build_forward_batch
     from specdec.engine.sequence import Sequence

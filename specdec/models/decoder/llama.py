@@ -9,8 +9,9 @@ key lists; this module's layers are then the reference it is tested against.
 
 Mixture-of-experts families (qwen3_moe, mixtral, qwen2_moe: ``cfg.is_moe``): every layer's MLP
 is a ``MoEMLP`` (specdec.models.decoder.moe), its router, experts and shared expert through
-the same matmul hook, row-invariant as the dense MLP. Such a model never runs the compiled
-layer call (``compiled_refusal`` names it): its layers run as the torch ops below.
+the same matmul hook, row-invariant as the dense MLP. The compiled layer call runs such layers
+too (specdec/native/moe.c); on a GPU with the row-invariant Triton kernels the experts are
+stacked (``stack_experts``) and run gathered, with no host read.
 
 Tensor parallelism (specdec.distributed.shard_model): a rank's decoder holds its share of each
 layer (its query / KV heads' rows of q|k|v, its MLP share of gate|up, the matching columns of o

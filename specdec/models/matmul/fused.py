@@ -12,6 +12,11 @@ one ``StepArgs``), so the host work of a forward does not grow with the layers: 
 behind the pointers are checked once here, the values of the write rows and key lists in C
 before any layer runs.
 
+A mixture-of-experts layer (``layer.moe``) goes in the same call: its router, each expert's
+gate|up and down and a shared expert as ``MoEArgs`` (specdec/native/moe.c: the routing, then only
+the experts some row routed to), and the count of experts each layer woke written to a tensor
+here, handed to ``MoEMLP.woken`` after the step (what the goodput controller prices trees by).
+
 The engine installs it (``kernel_choice.install_kernels``) on a ``LlamaDecoder`` whose layers it
 covers, and on an EAGLE-3 head (its one layer, whose projections take the caller's
 ``qkv_input``), beside the prepared linears; the model's forward takes it wherever the attention backend
