@@ -54,7 +54,6 @@ from specdec.distributed.launch import FAILURE_WAIT_S, Workers, launch
 from specdec.distributed.sharding import TPPlan, block_size, plan_tensor_parallel
 
 logger = logging.getLogger("specdec")
-CACHE_MOVES = ("move_slots", "copy_pages")  # KVCache methods that move data outside a forward
 
 
 def under_torchrun() -> bool:
@@ -169,25 +168,16 @@ class TensorParallel:
     def mirror(self, runner) -> None:
         """From now on the target runner's forwards and KV moves run on every rank: each
         forward first sends its batch (no logits rows: rank 0 makes the logits), each KV move
-        its arguments."""
-        forward = runner.forward
-        tp = self
-
-        def forward_everywhere(batch, capture_layers=()):
-            tp.send(("forward", dataclasses.replace(
+        its arguments (the runner's ``before_forward`` and its cache's ``on_move`` hooks)."""
+        def forward_everywhere(batch) -> None:
+            self.send(("forward", dataclasses.replace(
                 batch, logits_indices=batch.logits_indices[:0]), ()))
-            return forward(batch, capture_layers)
 
-        runner.forward = forward_everywhere
-        cache = runner.kv.cache
-        for name in CACHE_MOVES:
-            own = getattr(cache, name)
+        def move_everywhere(name: str, args: tuple) -> None:
+            self.send(("cache", name, args))
 
-            def moved(*args, _own=own, _name=name):
-                tp.send(("cache", _name, args))
-                return _own(*args)
-
-            setattr(cache, name, moved)
+        runner.before_forward = forward_everywhere
+        runner.kv.cache.on_move = move_everywhere
 
     def close(self) -> None:
         """The workers leave their loop and end; the group closes. Twice is fine."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -154,6 +155,9 @@ class ModelRunner:
         # the inputs of steps up to max_rows rows go to the device in one copy (enable_cuda_graphs
         # sizes it for the graphed steps)
         self.staging = Staging(self.device, 5 * 512)
+        # called with each batch before its forward runs (tensor parallelism's rank 0 sends it
+        # to the other ranks: specdec.distributed.engine_tp); None: nothing
+        self.before_forward: Callable[[ForwardBatch], None] | None = None
 
     @property
     def bytes_per_page(self) -> int:
@@ -187,6 +191,8 @@ class ModelRunner:
         device in one copy, then replayed or run eagerly); the logits of its rows asked for.
         On CUDA nothing here waits for the device: ``ForwardResult.seconds`` does, if read."""
         assert self.kv is not None, f"runner {self.name!r}: allocate() before forward()"
+        if self.before_forward is not None:
+            self.before_forward(batch)
         timer = _Timer(self.device)
         with torch.inference_mode():
             shape, run = batch.graph_shape, batch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +36,9 @@ class KVCache:
         self.page_size = page_size
         self.num_pages = num_pages
         self.copies = 0  # index arrays sent to the device for moves (one per move)
+        # called with (method name, its arguments) as a move begins (tensor parallelism's
+        # rank 0 sends the move to the other ranks: specdec.distributed.engine_tp); None: nothing
+        self.on_move: Callable[[str, tuple], None] | None = None
         self.tensor = lazy_zeros(
             (num_layers, num_pages, 2, page_size, num_kv_heads, head_dim), dtype, device)
 
@@ -47,6 +51,8 @@ class KVCache:
         Slot s = page * page_size + offset. The copy reads all sources before writing, so
         overlapping src/dst lists are safe.
         """
+        if self.on_move is not None:
+            self.on_move("move_slots", (src, dst))
         if not src:
             return
         s, d = self._indices(src, dst)
@@ -56,6 +62,8 @@ class KVCache:
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole pages (copy-on-write after a fork)."""
+        if self.on_move is not None:
+            self.on_move("copy_pages", (pairs,))
         if pairs:
             src, dst = self._indices([s for s, _ in pairs], [d for _, d in pairs])
             self.tensor[:, dst] = self.tensor[:, src]
