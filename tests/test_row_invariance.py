@@ -16,11 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_tiny_model
+from step_helpers import prefilled, step_logits
 
-from specdec import LLM, SamplingParams
-from specdec.engine.batch import build_forward_batch
-from specdec.engine.sequence import Sequence
-from specdec.engine.step import StepRequest
+from specdec import LLM
 from specdec.tree import DraftTree
 
 WIDE = dict(vocab_size=512, hidden_size=384, intermediate_size=1024, num_attention_heads=6,
@@ -34,30 +32,6 @@ def wide_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("wide"), seed=3, **WIDE)
 
 
-def _prefilled(eng, request_id: str, prompt: list[int]) -> Sequence:
-    """A request whose prompt but the last token is in the KV (its next step feeds that one)."""
-    seq = Sequence(request_id, list(prompt), SamplingParams(temperature=0), None)
-    rec = StepRequest(seq, len(prompt) - 1)
-    eng.kv.reserve(seq.block_table, len(prompt) - 1)
-    eng.parts.runner.forward(build_forward_batch([rec], eng.config.page_size, eng.parts.device))
-    seq.num_computed = len(prompt) - 1
-    return seq
-
-
-def _step_logits(eng, seqs: list[Sequence], trees: list[DraftTree | None]) -> list[torch.Tensor]:
-    """One verify step of ``seqs`` (each feeds its last token plus its tree) in one forward:
-    per request its logits rows [1 + nodes, V] (the verifier's input)."""
-    records = []
-    for seq, tree in zip(seqs, trees):
-        rec = StepRequest(seq, 1)
-        rec.tree = tree
-        eng.kv.reserve(seq.block_table, seq.num_computed + 1 + rec.num_nodes)
-        records.append(rec)
-    logits = eng.parts.runner.forward(build_forward_batch(records, eng.config.page_size,
-                                                    eng.parts.device)).logits
-    return [logits[r.logits_start:r.logits_start + 1 + r.num_nodes].clone() for r in records]
-
-
 @pytest.fixture(scope="module", params=["invariant", "plain", "tuned"])
 def runs(request, wide_model) -> dict[str, torch.Tensor]:
     """The same requests' logits rows alone and in batches, per linear_kernels setting:
@@ -66,14 +40,14 @@ def runs(request, wide_model) -> dict[str, torch.Tensor]:
               max_model_len=128).engine
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(500, (n,), generator=gen).tolist() for n in (21, 15, 33)]
-    decode, tree_a, tree_b = (_prefilled(eng, str(i), p) for i, p in enumerate(prompts))
-    out = {"decode alone": _step_logits(eng, [decode], [None])[0],
-           "tree alone": _step_logits(eng, [tree_a], [TREE])[0]}
+    decode, tree_a, tree_b = (prefilled(eng, str(i), p) for i, p in enumerate(prompts))
+    out = {"decode alone": step_logits(eng, [decode], [None])[0],
+           "tree alone": step_logits(eng, [tree_a], [TREE])[0]}
     # the decode row between two requests' tree rows (19 rows in all)
-    out["decode among 19 rows"] = _step_logits(eng, [tree_a, decode, tree_b],
+    out["decode among 19 rows"] = step_logits(eng, [tree_a, decode, tree_b],
                                                [TREE, None, TREE])[1]
-    out["tree beside a decode row"] = _step_logits(eng, [tree_a, decode], [TREE, None])[0]
-    out["decode alone twice"] = _step_logits(eng, [decode], [None])[0]
+    out["tree beside a decode row"] = step_logits(eng, [tree_a, decode], [TREE, None])[0]
+    out["decode alone twice"] = step_logits(eng, [decode], [None])[0]
     return out
 
 

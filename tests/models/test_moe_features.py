@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_tiny_model
+from moe_cases import FAMILIES
 from native_helpers import needs_kernels
 
 from specdec import LLM, SamplingParams
@@ -37,13 +38,6 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"), needs_kernels]
 
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               num_hidden_layers=4, initializer_range=0.1, eos_token_id=2, bos_token_id=1)
-FAMILIES = {
-    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      norm_topk_prob=True),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
-    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                      shared_expert_intermediate_size=64, norm_topk_prob=False),
-}
 PROMPTS = [[5, 6, 7, 8, 5, 6, 9, 5, 6], [3, 4, 3, 4, 3], [9, 8, 7], [11, 12, 13, 11, 12],
            [40, 41, 42, 40, 41], [60]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

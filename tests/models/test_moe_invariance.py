@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from moe_cases import FAMILIES, GREEDY, PROMPTS, make_moe_models
 from native_helpers import needs_kernels
+from step_helpers import prefilled, step_logits
 
-from specdec import LLM, SamplingParams
+from specdec import LLM
 from specdec.models.loader import load_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -83,16 +84,16 @@ def test_the_compiled_layer_wakes_what_the_torch_layer_wakes(moe_models, family)
     model = eng.parts.model
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(90, (n,), generator=gen).tolist() for n in (5, 9, 13)]
-    seqs = [_prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
-    got = _step_logits(eng, seqs, [None] * 3)
+    seqs = [prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
+    got = step_logits(eng, seqs, [None] * 3)
     woken = model.experts_woken()
     assert all(0 < w <= model.cfg.num_experts for w in woken)
     fused, model.fused = model.fused, None
     try:
         for s in seqs:  # the same step again (its rows' K/V rewritten in place)
             eng.kv.release(s.block_table)
-        seqs = [_prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
-        want = _step_logits(eng, seqs, [None] * 3)
+        seqs = [prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
+        want = step_logits(eng, seqs, [None] * 3)
         assert model.experts_woken() == woken
     finally:
         model.fused = fused
@@ -163,48 +164,20 @@ def test_the_compiled_layer_sends_ties_to_the_lowest_experts(moe_models):
         router.copy_(router[:1].expand_as(router))
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(90, (n,), generator=gen).tolist() for n in (4, 7, 11, 6)]
-    seqs = [_prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
-    got = _step_logits(eng, seqs, [None] * 4)
+    seqs = [prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
+    got = step_logits(eng, seqs, [None] * 4)
     assert model.fused is not None and model.experts_woken()[1] == model.cfg.num_experts_per_tok
     fused, model.fused = model.fused, None
     try:
         for s in seqs:
             eng.kv.release(s.block_table)
-        seqs = [_prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
-        want = _step_logits(eng, seqs, [None] * 4)
+        seqs = [prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
+        want = step_logits(eng, seqs, [None] * 4)
         assert model.experts_woken()[1] == model.cfg.num_experts_per_tok
     finally:
         model.fused = fused
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
-
-
-def _prefilled(eng, request_id: str, prompt: list[int]):
-    from specdec.engine.batch import build_forward_batch
-    from specdec.engine.sequence import Sequence
-    from specdec.engine.step import StepRequest
-
-    seq = Sequence(request_id, list(prompt), SamplingParams(temperature=0), None)
-    rec = StepRequest(seq, len(prompt) - 1)
-    eng.kv.reserve(seq.block_table, len(prompt) - 1)
-    eng.parts.runner.forward(build_forward_batch([rec], eng.config.page_size, eng.parts.device))
-    seq.num_computed = len(prompt) - 1
-    return seq
-
-
-def _step_logits(eng, seqs, trees) -> list[torch.Tensor]:
-    from specdec.engine.batch import build_forward_batch
-    from specdec.engine.step import StepRequest
-
-    records = []
-    for seq, tree in zip(seqs, trees):
-        rec = StepRequest(seq, 1)
-        rec.tree = tree
-        eng.kv.reserve(seq.block_table, seq.num_computed + 1 + rec.num_nodes)
-        records.append(rec)
-    logits = eng.parts.runner.forward(build_forward_batch(records, eng.config.page_size,
-                                                          eng.parts.device)).logits
-    return [logits[r.logits_start:r.logits_start + 1 + r.num_nodes].clone() for r in records]
 
 
 @needs_kernels
@@ -222,18 +195,18 @@ def test_a_requests_logits_do_not_depend_on_the_batch(moe_models, family, thread
     tree = DraftTree(torch.tensor([3, 4, 5, 6, 7]), torch.tensor([-1, -1, 0, 0, 2]))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(90, (n,), generator=gen).tolist() for n in range(5, 21)]
-    seqs = [_prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
+    seqs = [prefilled(eng, str(i), p) for i, p in enumerate(prompts)]
     me, others = seqs[0], seqs[1:]
-    alone = _step_logits(eng, [me], [None])[0]
+    alone = step_logits(eng, [me], [None])[0]
     woken = {min(eng.parts.model.experts_woken())}
-    alone_tree = _step_logits(eng, [me], [tree])[0]
+    alone_tree = step_logits(eng, [me], [tree])[0]
     for n in range(1, 16):
         batch = [*others[:n // 2], me, *others[n // 2:n]]
-        got = _step_logits(eng, batch, [None] * len(batch))[n // 2]
+        got = step_logits(eng, batch, [None] * len(batch))[n // 2]
         assert torch.equal(got, alone), n
         trees = [tree if i % 2 else None for i in range(len(batch))]
         trees[n // 2] = tree
-        got = _step_logits(eng, batch, trees)[n // 2]
+        got = step_logits(eng, batch, trees)[n // 2]
         assert torch.equal(got, alone_tree), n
         woken.add(min(eng.parts.model.experts_woken()))
     if threads > 1:  # both ways of running the experts ran
