@@ -76,6 +76,7 @@ def moe(tmp_path_factory) -> dict[str, Path]:
 
 # the target's numbers: LLM keywords, and the dtype its drafters' heads are built in
 NUMBERS = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+           "float64": dict(dtype="float64"),
            "q8": dict(dtype="float32", quantize="q8_0", activations="q8")}
 
 
@@ -147,20 +148,22 @@ def test_every_drafter_equals_plain_greedy(moe, family, drafter):
 DRAFTERS = ["ngram", "suffix", "mtp", "block_diffusion", "draft_model", "eagle3",
             "eagle3+ngram"]
 CELLS = [(numbers, name, list(FAMILIES)[(i + shift) % len(FAMILIES)])
-         for numbers, shift in (("bfloat16", 0), ("q8", 1)) for i, name in enumerate(DRAFTERS)]
-SEEDED = {("bfloat16", "eagle3"), ("q8", "block_diffusion")}  # also seeded sampling
+         for numbers, shift in (("bfloat16", 0), ("q8", 1), ("float64", 2))
+         for i, name in enumerate(DRAFTERS)]
+SEEDED = {("bfloat16", "eagle3"), ("q8", "block_diffusion"), ("float64", "mtp")}  # + seeded
 
 
 @pytest.mark.parametrize(("numbers", "drafter", "family"), CELLS)
-def test_every_drafter_equals_plain_in_bfloat16_and_q8(moe, numbers, drafter, family):
-    """Issue #55: bfloat16 (LLM(dtype="bfloat16")) and q8 (a safetensors MoE quantized at load
-    to Q8_0 blocks, q8 activations): every drafter gives plain decoding's greedy tokens, some
-    draft accepted; for one drafter per dtype seeded samples equal too."""
+def test_every_drafter_equals_plain_in_each_number_format(moe, numbers, drafter, family):
+    """Issue #55: bfloat16 (LLM(dtype="bfloat16")), q8 (a safetensors MoE quantized at load
+    to Q8_0 blocks, q8 activations) and float64 (the torch layer: no argmax tie can flip):
+    every drafter gives plain decoding's greedy tokens, some draft accepted; for one drafter
+    per format seeded samples equal too."""
     spec = _llm(moe[family], numbers, **_drafter(drafter, moe, family, numbers), **STATIC)
     if numbers == "q8":
         assert (spec.engine.parts.weights, spec.engine.parts.activations) == ("q8_0", "q8")
     else:
-        assert spec.engine.parts.dtype == torch.bfloat16
+        assert spec.engine.parts.dtype == getattr(torch, numbers)
     got, accepted = _run(spec)
     assert got == _plain(moe, family, numbers)
     assert accepted > 0, "no draft accepted: the test would pass vacuously"
